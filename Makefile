@@ -1,0 +1,35 @@
+# Set-up is just `make demo` or `make test`: each builds .venv on first use.
+# Stamps live inside .venv, so deleting .venv forces a clean reinstall, and an
+# edit to pyproject.toml re-runs the install.
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# Pinned: this version resolves to the CPU wheel here; an unpinned `torch`
+# would pull the multi-GB CUDA build.
+TORCH  := torch==2.13.0
+PROMPT := Once upon a time, in a cache far away,
+
+.PHONY: demo test .venv
+
+.venv: $(PY)
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(VENV)/.stamp-run: pyproject.toml | $(PY)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.stamp-dev: pyproject.toml | $(PY)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[dev]'
+	touch $@ $(VENV)/.stamp-run
+
+demo: $(VENV)/.stamp-run
+	$(VENV)/bin/kvfold generate --model tiny --prompt "$(PROMPT)" \
+		--max-new-tokens 64 --temperature 0.8 --top-p 0.95 --seed 0
+
+test: $(VENV)/.stamp-dev
+	$(PY) -m pytest -q

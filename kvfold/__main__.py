@@ -1,0 +1,5 @@
+"""`python -m kvfold ...` is the same as the `kvfold` command."""
+
+from kvfold.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""Command line: `kvfold generate ...` streams text; `kvfold inspect ...` shows a model's layout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+import torch
+
+from .errors import KvfoldError
+from .generate import generate
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MIB = 1024 * 1024
+
+
+def _load_model(path: str, device: str, dtype: torch.dtype) -> Any:
+    # Imported lazily so this module loads (and tests can patch this function) on its own.
+    import kvfold
+
+    return kvfold.load_model(path, device=device, dtype=dtype)
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weight dtype (default float32)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfold", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout")
+    g.add_argument("--model", default="tiny", help='checkpoint directory, or "tiny" (default)')
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=_nonneg_int, required=True)
+    g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=_top_p, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    _add_model_args(g)
+
+    i = sub.add_parser("inspect", help="print the layer schedule and state sizes of a model")
+    i.add_argument("model", help='checkpoint directory, or "tiny"')
+    _add_model_args(i)
+    return parser
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    model = _load_model(args.model, args.device, _DTYPES[args.dtype])
+    tok = model.tokenizer
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
+    decoder = tok.stream_decoder()
+    out = sys.stdout
+
+    def on_token(token_id: int) -> None:
+        text = decoder.push(token_id)
+        if text:
+            out.write(text)
+            out.flush()
+
+    result = generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        on_token=on_token,
+    )
+    out.write(decoder.flush() + "\n")
+    out.write(
+        f"[kvfold] prompt {result.prompt_tokens} tok | generated {len(result.tokens)} tok"
+        f" | prefill {result.prefill_tok_s:.1f} tok/s | decode {result.decode_tok_s:.1f} tok/s"
+        f" | state {result.state_bytes / _MIB:.2f} MiB\n"
+    )
+    out.flush()
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    model = _load_model(args.model, args.device, _DTYPES[args.dtype])
+    cfg = model.config
+    attn, ratios, mlps = list(cfg.layer_types), list(cfg.compress_ratios), list(cfg.mlp_layer_types)
+    out = sys.stdout
+    out.write(f"model: {args.model}\n")
+    out.write(f"parameters: {model.num_parameters():,}\n")
+    out.write(f"layers: {len(attn)}\n")
+    out.write(f"  {'idx':>3}  {'attention':<32} {'ratio':>5}  mlp\n")
+    for idx, (a, r, m) in enumerate(zip(attn, ratios, mlps, strict=True)):
+        out.write(f"  {idx:>3}  {a:<32} {r if r else '-':>5}  {m}\n")
+
+    # Summary of the schedule: how many layers of each (attention, ratio) kind.
+    counts: dict[tuple[str, Any], int] = {}
+    for a, r in zip(attn, ratios):
+        counts[(a, r)] = counts.get((a, r), 0) + 1
+    out.write("ratios: " + ", ".join(f"{a} x{r}: {n}" if r else f"{a}: {n}" for (a, r), n in counts.items()) + "\n")
+
+    per_tok = float(model.state_bytes_per_token())
+    fixed = int(model.fixed_state_bytes())
+    out.write(f"state per token: {per_tok:.1f} B (compressed + indexer caches)\n")
+    out.write(f"fixed state per sequence: {_fmt_bytes(fixed)} (window rings + compressor windows)\n")
+    for n in (4096, 131072, 1048576):
+        out.write(f"state at {n} tokens: {_fmt_bytes(fixed + per_tok * n)}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    # Generated text may contain characters the terminal encoding lacks; never crash on them.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+    try:
+        if args.command == "generate":
+            return _cmd_generate(args)
+        return _cmd_inspect(args)
+    except KvfoldError as exc:
+        sys.stdout.flush()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""V4 attention for a chunk of T tokens at positions n..n+T-1 (T=1 is decode; one code path).
+
+Each query q reads, by gathering, only:
+  * its window: positions [max(0, q - W + 1), q] (128 in V4), from the ring plus this chunk;
+  * CSA: the compressed entries the indexer picked for it;  HCA: every entry j < (q+1)//r;
+and one softmax over them plus a per-head sink logit (no value). K = V is one shared head,
+so the output's rope dims are de-rotated at q before the grouped output projection.
+Memory is O(T * (W + k)) per layer: queries run in blocks against a band of the window keys.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import CSA, HCA, SLIDING, Dsv4Config
+from ..numerics import RopeTable, apply_rope, unweighted_rms_norm
+from ..state.dsv4_state import LayerState
+from .basic import Linear, Norm, _param
+from .compressor import Compressor
+from .indexer import Indexer
+
+_ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
+
+
+class GroupedLinear(nn.Module):
+    """wo_a: [G*R, H*D/G] applied group-wise (group g of heads -> R outputs)."""
+
+    def __init__(self, in_per_group: int, out_total: int, groups: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.groups = groups
+        self.weight = _param(out_total, in_per_group, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
+        w = self.weight.view(self.groups, -1, self.weight.shape[1])  # [G, R, in]
+        return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w).flatten(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.kind = cfg.layer_types[layer_idx]
+        self.ratio = cfg.compress_ratios[layer_idx]
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.eps = cfg.rms_norm_eps
+        hid = cfg.hidden_size
+        self.q_a_proj = Linear(hid, cfg.q_lora_rank, dtype, device)
+        self.q_a_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps, device)
+        self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
+        self.kv_proj = Linear(hid, self.head_dim, dtype, device)
+        self.kv_norm = Norm(self.head_dim, cfg.rms_norm_eps, device)
+        self.o_groups = cfg.o_groups
+        self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                                      cfg.o_groups, dtype, device)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, hid, dtype, device)
+        self.sinks = _param(self.n_heads, dtype=torch.float32, device=device)
+        self.compressor: Compressor | None = None
+        if self.kind == CSA:
+            self.compressor = Compressor(hid, self.head_dim, self.ratio, True, cfg.qk_rope_head_dim,
+                                         cfg.rms_norm_eps, device)
+            self.compressor.indexer = Indexer(hid, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim,
+                                              cfg.index_topk, self.ratio, cfg.qk_rope_head_dim, cfg.rms_norm_eps,
+                                              dtype, device)
+        elif self.kind == HCA:
+            self.compressor = Compressor(hid, self.head_dim, self.ratio, False, cfg.qk_rope_head_dim,
+                                         cfg.rms_norm_eps, device)
+
+    def forward(self, x: torch.Tensor, start: int, ls: LayerState, rope: RopeTable) -> torch.Tensor:
+        t = x.shape[0]
+        positions = torch.arange(start, start + t, device=x.device)
+        cos, sin = rope.cos_sin(positions)
+
+        q_lora = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D], K = V
+
+        selected = None
+        if self.compressor is not None:
+            self.compressor.step(x, start, ls.compressor, rope)
+            if self.kind == CSA:
+                idx = self.compressor.indexer
+                idx.step(x, start, ls.indexer, rope)
+                selected = idx.select(x, q_lora, start, ls.indexer, rope, cos, sin)
+
+        # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
+        prev_start = max(0, start - self.window + 1)
+        local = torch.cat([ls.window.read(prev_start, start), kv.to(ls.window.data.dtype)])
+        out = self._attend(q, local, prev_start, start, ls, selected)
+        ls.window.write(start, kv)
+
+        out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)
+        grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
+        return self.o_b_proj(grouped)
+
+    def _attend(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, ls: LayerState,
+                selected: torch.Tensor | None) -> torch.Tensor:
+        t, h, d = q.shape
+        w = self.window
+        scale = d ** -0.5
+        sinks = self.sinks.float()
+        pool = None
+        if self.kind != SLIDING:
+            pool = ls.compressor.pool
+        n_comp = 0 if selected is None else selected.shape[1]
+        if self.kind == HCA:
+            n_comp = (start + t) // self.ratio
+        per_query = h * (2 * w + n_comp) + (n_comp * d if self.kind == CSA else 0)
+        block = max(1, min(t, _ATTN_BUDGET // max(1, per_query)))
+        out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            qb = q[b0:b1].float()
+            qpos = torch.arange(start + b0, start + b1, device=q.device)
+            # band of window keys for this block, in local (position - local_start) coordinates
+            k0 = max(0, start + b0 - w + 1 - local_start)
+            k1 = start + b1 - local_start
+            keys_w = local[k0:k1].float()
+            kpos = torch.arange(k0, k1, device=q.device) + local_start
+            band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
+            logits_w = torch.einsum("bhd,kd->bhk", qb, keys_w) * scale
+            logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
+            parts = [logits_w]
+            if self.kind == HCA:
+                n_vis = (start + b1) // self.ratio
+                keys_c = pool[:n_vis].float()
+                vis = torch.arange(n_vis, device=q.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+                logits_c = torch.einsum("bhd,kd->bhk", qb, keys_c) * scale
+                parts.append(logits_c.masked_fill(~vis[:, None, :], float("-inf")))
+            elif self.kind == CSA and n_comp > 0:
+                sel = selected[b0:b1]
+                keys_c = pool[sel.clamp(min=0)].float()  # [b, k, d]
+                logits_c = torch.einsum("bhd,bkd->bhk", qb, keys_c) * scale
+                parts.append(logits_c.masked_fill((sel < 0)[:, None, :], float("-inf")))
+            logits = torch.cat(parts, dim=-1)
+            m = torch.maximum(logits.amax(dim=-1), sinks[None, :])  # [b, h]
+            p = torch.exp(logits - m[..., None])
+            denom = p.sum(dim=-1) + torch.exp(sinks[None, :] - m)
+            nw = keys_w.shape[0]
+            acc = torch.einsum("bhk,kd->bhd", p[..., :nw], keys_w)
+            if len(parts) > 1:
+                if self.kind == HCA:
+                    acc = acc + torch.einsum("bhk,kd->bhd", p[..., nw:], keys_c)
+                else:
+                    acc = acc + torch.einsum("bhk,bkd->bhd", p[..., nw:], keys_c)
+            out[b0:b1] = acc / denom[..., None]
+        return out

@@ -1,0 +1,56 @@
+"""The V4 compressor: token rows -> one pooled entry per `ratio` tokens (CSA overlapping, HCA not).
+
+Per token: kv = wkv.x, score = wgate.x + ape[p mod r] (fp32). Entry w is emitted in the step of
+position (w+1)r - 1, pooled with a per-channel softmax, RMS-normed, rotated at position w*r, and
+written to row w of the pool. The rows of a window still open at the end of a chunk stay in the
+state's position ring, so the next chunk (of any length, decode included) continues mid-window.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..numerics import RopeTable, apply_rope, pool_windows
+from ..state.dsv4_state import CompressorState
+from .basic import Linear, Norm, _param
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, rope_dim: int, eps: float, device=None):
+        super().__init__()
+        m = 2 if overlap else 1
+        self.ratio, self.overlap, self.width, self.rope_dim = ratio, overlap, width, rope_dim
+        # compressor projections, ape and norm stay fp32 whatever the model dtype (as REF keeps them)
+        self.kv_proj = Linear(hidden, m * width, torch.float32, device)
+        self.gate_proj = Linear(hidden, m * width, torch.float32, device)
+        self.position_bias = _param(ratio, m * width, dtype=torch.float32, device=device)
+        self.kv_norm = Norm(width, eps, device)
+
+    def step(self, x: torch.Tensor, start: int, st: CompressorState, rope: RopeTable) -> None:
+        """Consume the rows of positions [start, start + T) (x: [T, hidden]); emit every entry
+        whose window completes inside them into `st.pool`; leave the open rows in the ring."""
+        t = x.shape[0]
+        r = self.ratio
+        positions = torch.arange(start, start + t, device=x.device)
+        kv = self.kv_proj(x).float()
+        score = self.gate_proj(x).float() + self.position_bias[positions % r]
+
+        first_w, end_w = start // r, (start + t) // r
+        if end_w > first_w:
+            base = first_w * r - (r if self.overlap else 0)  # first position the fold reads
+            need_end = end_w * r
+            parts_kv, parts_sc = [], []
+            if base < 0:  # window 0 has no previous window: empty slots, weight 0
+                parts_kv.append(kv.new_zeros(-base, kv.shape[1]))
+                parts_sc.append(kv.new_full((-base, kv.shape[1]), float("-inf")))
+            old_from = max(base, 0)
+            parts_kv.append(st.kv.read(old_from, start))
+            parts_sc.append(st.score.read(old_from, start))
+            parts_kv.append(kv[: need_end - start])
+            parts_sc.append(score[: need_end - start])
+            pooled = pool_windows(torch.cat(parts_kv), torch.cat(parts_sc), r, self.overlap)
+            entries = self.kv_norm(pooled.to(st.pool.dtype))
+            cos, sin = rope.cos_sin(torch.arange(first_w, end_w, device=x.device) * r)
+            st.pool[first_w:end_w] = apply_rope(entries, cos, sin)
+        st.kv.write(start, kv)
+        st.score.write(start, score)

@@ -1,0 +1,60 @@
+"""The lightning indexer of CSA layers: its own overlapping compressor at `index_head_dim`, and
+per-query top-k selection of compressed entries.
+
+score(q, j) = sum_h w_h(q) * ReLU(qI_h(q) . kI_j) for visible entries j < (q+1)//r; the top
+`index_topk` are kept with ties going to the lower entry index; missing picks are -1.
+Scoring runs in blocks of queries so no [T, all entries] tensor beyond a fixed budget exists.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..numerics import RopeTable, apply_rope, topk_lower_index
+from ..state.dsv4_state import CompressorState
+from .basic import Linear
+from .compressor import Compressor
+
+_SCORE_BUDGET = 1 << 24  # floats per scoring block
+
+
+class Scorer(nn.Module):
+    def __init__(self, hidden: int, n_heads: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weights_proj = Linear(hidden, n_heads, torch.float32, device)
+
+
+class Indexer(Compressor):
+    def __init__(self, hidden: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, ratio: int,
+                 rope_dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__(hidden, head_dim, ratio, True, rope_dim, eps, device)
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.q_b_proj = Linear(q_lora_rank, n_heads * head_dim, dtype, device)
+        self.scorer = Scorer(hidden, n_heads, dtype, device)
+
+    def select(self, x: torch.Tensor, q_lora: torch.Tensor, start: int, st: CompressorState,
+               rope: RopeTable, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Entries chosen for each of the T queries at positions start..start+T-1: [T, k] long,
+        ascending, -1 padded. Call after `step` so entries completed by these tokens exist."""
+        t = x.shape[0]
+        r = self.ratio
+        n_entries = (start + t) // r
+        k = min(self.topk, n_entries)
+        if k == 0:
+            return torch.empty(t, 0, dtype=torch.long, device=x.device)
+        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim).float()
+        q = apply_rope(q, cos, sin)
+        w = self.scorer.weights_proj(x).float() * (self.n_heads ** -0.5)  # [T, H]
+        keys = st.pool[:n_entries].float()  # [E, d]
+        visible = (torch.arange(start, start + t, device=x.device) + 1) // r  # entries < this are visible
+        entry_ids = torch.arange(n_entries, device=x.device)
+        out = torch.empty(t, k, dtype=torch.long, device=x.device)
+        block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
+        scale = self.head_dim ** -0.5
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            s = torch.relu(torch.einsum("bhd,ed->bhe", q[b0:b1], keys)) * scale
+            scores = torch.einsum("bhe,bh->be", s, w[b0:b1])
+            scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
+            out[b0:b1] = topk_lower_index(scores, k)
+        return out

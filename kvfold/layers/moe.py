@@ -1,0 +1,107 @@
+"""V4 MoE: hash routing (tid2eid[token]) on the first layers, biased top-k elsewhere; SwiGLU
+experts with clamps; one always-on shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Dsv4Config
+from .basic import Linear, _param
+
+
+def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: Dsv4Config, is_hash: bool, device=None):
+        super().__init__()
+        self.is_hash = is_hash
+        self.k, self.scoring, self.scale = cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, device=device)
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.k, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [T, k] fp32, expert ids [T, k])."""
+        scores = _score(x.float() @ self.weight.t(), self.scoring)
+        if self.is_hash:
+            ids = self.tid2eid[token_ids].long()
+        else:
+            # the bias shifts which experts are chosen, never their weights; ties -> lower id
+            biased = scores + self.e_score_correction_bias
+            ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.k]
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids
+
+
+class Experts(nn.Module):
+    """Stacked routed experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
+        super().__init__()
+        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.limit = cfg.swiglu_limit
+        self.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
+        self.down_proj = _param(e, h, i, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        t, k = ids.shape
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        tok = order // k
+        wts = weights.reshape(-1)[order]
+        offset = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tok[offset:offset + n]
+            xe = x[rows].to(self.gate_up_proj.dtype)
+            gate, up = (xe @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            ye = swiglu(gate, up, self.limit) @ self.down_proj[e].t()
+            out.index_add_(0, rows, ye.float() * wts[offset:offset + n, None])
+            offset += n
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.limit = cfg.swiglu_limit
+        self.gate_proj = Linear(h, i, dtype, device)
+        self.up_proj = Linear(h, i, dtype, device)
+        self.down_proj = Linear(i, h, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", device)
+        self.experts = Experts(cfg, dtype, device)
+        self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, token_ids)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)

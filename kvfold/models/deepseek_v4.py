@@ -1,0 +1,165 @@
+"""DeepSeek-V4 text model: one `forward(tokens, state)` for any chunk length.
+
+Prefill, chunked prefill, decode and verify are the same code with different T; all
+per-sequence data lives in the `Dsv4State` passed in.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import CSA, HCA, SLIDING, Dsv4Config
+from ..errors import CapacityError, KvfoldError
+from ..layers.attention import Attention
+from ..layers.basic import Linear, Norm, _param
+from ..layers.mhc import HyperConnection, HyperHead
+from ..layers.moe import MoE
+from ..numerics import RopeTable
+from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
+from ..state.rings import PositionRing
+
+
+class InvalidInputError(KvfoldError, ValueError):
+    """Token ids that are not a non-empty 1-D sequence of ids inside the vocabulary."""
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Dsv4Config, i: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc, device=device)
+        self.ffn_hc = HyperConnection(*hc, device=device)
+        self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = Attention(cfg, i, dtype, device)
+        self.mlp = MoE(cfg, i, dtype, device)
+
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, ls: LayerState,
+                rope: RopeTable) -> torch.Tensor:
+        x, post, comb = self.attn_hc.collapse(streams)
+        y = self.self_attn(self.input_layernorm(x), start, ls, rope)
+        streams = HyperConnection.expand(streams, y, post, comb)
+        x, post, comb = self.ffn_hc.collapse(streams)
+        y = self.mlp(self.post_attention_layernorm(x), token_ids)
+        return HyperConnection.expand(streams, y, post, comb)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = _param(vocab, hidden, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class Dsv4Body(nn.Module):
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps, device)
+
+
+class Dsv4Model(nn.Module):
+    """Weights named as in a transformers `DeepseekV4ForCausalLM` checkpoint."""
+
+    max_chunk = 2048  # longer inputs run as consecutive chunks (exact by construction), bounding memory
+
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model = Dsv4Body(cfg, dtype, self.device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
+        rd = cfg.qk_rope_head_dim
+        self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)
+        self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, self.device)
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # `mtp.*` tensors, kept for speculative decoding
+        self.tokenizer = None
+        self.fingerprint = cfg.fingerprint()
+
+    # ---- state -------------------------------------------------------------------------------
+    def new_state(self, capacity: int = 4096, max_rewind: int = 0) -> Dsv4State:
+        """Reserve every buffer of one sequence for `capacity` tokens (never grown later)."""
+        if capacity < 1 or max_rewind < 0:
+            raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
+        cfg = self.config
+        layers = []
+        for kind, ratio in zip(cfg.layer_types, cfg.compress_ratios):
+            window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device)
+            ls = LayerState(window=window)
+            if kind != SLIDING:
+                ls.compressor = compressor_state(ratio, kind == CSA, cfg.head_dim, capacity, max_rewind,
+                                                 self.dtype, self.device)
+            if kind == CSA:
+                ls.indexer = compressor_state(ratio, True, cfg.index_head_dim, capacity, max_rewind,
+                                              self.dtype, self.device)
+            layers.append(ls)
+        return Dsv4State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
+                         device=self.device, dtype=self.dtype)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _as_ids(self, token_ids) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
+            else token_ids.long()
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise InvalidInputError(f"token ids must lie in [0, {self.config.vocab_size}); got range [{lo}, {hi}]")
+        return ids.to(self.device)
+
+    @torch.no_grad()
+    def forward(self, token_ids, state: Dsv4State) -> torch.Tensor:
+        """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab].
+
+        Every check runs before any buffer is written: a refused call changes nothing.
+        """
+        state.check_usable(self.fingerprint, self.device, self.dtype)
+        ids = self._as_ids(token_ids)
+        t = ids.numel()
+        if state.pos + t > state.capacity:
+            raise CapacityError(
+                f"forward of {t} tokens at pos {state.pos} would pass the state's capacity {state.capacity}; "
+                f"create the state with a larger new_state(capacity=...)")
+        outs = []
+        for c0 in range(0, t, self.max_chunk):
+            outs.append(self._forward_chunk(ids[c0:c0 + self.max_chunk], state))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State) -> torch.Tensor:
+        start = state.pos
+        streams = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
+        for block, ls, kind in zip(self.model.layers, state.layers, self.config.layer_types):
+            rope = self.rope_main if kind == SLIDING else self.rope_compress
+            streams = block(streams, ids, start, ls, rope)
+        h = self.model.norm(self.model.hc_head(streams))
+        state.pos = start + ids.numel()
+        return self.lm_head(h).float()
+
+    # ---- accounting --------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters()) + sum(t.numel() for t in self.mtp_weights.values())
+
+    def state_bytes_per_token(self) -> float:
+        """Bytes each further token adds to a state's compressed and indexer pools."""
+        cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
+        total = 0.0
+        for kind, r in zip(cfg.layer_types, cfg.compress_ratios):
+            if kind != SLIDING:
+                total += cfg.head_dim * esz / r
+            if kind == CSA:
+                total += cfg.index_head_dim * esz / r
+        return total
+
+    def fixed_state_bytes(self, max_rewind: int = 0) -> int:
+        """Bytes of a state that do not grow with capacity: window rings and compressor rows."""
+        st = self.new_state(capacity=1, max_rewind=max_rewind)
+        pools = sum(c.pool.numel() * c.pool.element_size() for ls in st.layers
+                    for c in (ls.compressor, ls.indexer) if c is not None)
+        n = st.nbytes - pools
+        st.free()
+        return n

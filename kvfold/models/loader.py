@@ -1,0 +1,42 @@
+"""`kvfold.load_model`: a checkpoint directory or "tiny" -> a ready Dsv4Model with its tokenizer."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_weights
+from ..config import load_config
+from ..errors import ConfigError
+from .deepseek_v4 import Dsv4Model
+from .tiny import init_random_, tiny_config
+
+TINY_SEED = 1234
+
+
+def _tokenizer_for(directory: Path | None, cfg):
+    from ..tokenizer import load_tokenizer
+    eos = cfg.eos_ids[0] if cfg.eos_ids else None
+    return load_tokenizer(str(directory) if directory else None, cfg.bos_token_id, eos, cfg.vocab_size)
+
+
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Dsv4Model:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if str(path) == "tiny":
+        model = Dsv4Model(tiny_config(), dtype=dtype, device=device)
+        init_random_(model, TINY_SEED)
+        model.tokenizer = _tokenizer_for(None, model.config)
+        return model.eval()
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"{directory} is not a directory; pass a checkpoint directory or 'tiny'")
+    cfg = load_config(directory)
+    model = Dsv4Model(cfg, dtype=dtype, device=device)
+    load_weights(model, directory)
+    try:
+        model.tokenizer = _tokenizer_for(directory, cfg)
+    except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing
+        print(f"kvfold: note: {e}", file=sys.stderr)
+    return model.eval()

@@ -1,0 +1,58 @@
+"""Interleaved partial RoPE on the trailing dims, with the YaRN frequency blend V4 uses on
+compressed layers (no mscale: cos/sin are never scaled)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
+    """Inverse frequencies f_i = theta^(-2i/rope_dim), optionally YaRN-blended, fp32 [rope_dim/2]."""
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if yarn is None:
+        return inv
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0 keeps the original frequency (extrapolate), ramp 1 divides it by the factor (interpolate)
+    return (inv / yarn.factor) * ramp + inv * (1 - ramp)
+
+
+class RopeTable:
+    """cos/sin for given positions, computed in fp32 from a fixed inv_freq (exact for any position,
+    so no table needs to grow with the context)."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn=None, device: torch.device | str = "cpu"):
+        self.rope_dim = rope_dim
+        self.inv_freq = rope_inv_freq(rope_dim, theta, yarn).to(device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2*cos.shape[-1] dims of x as interleaved (even, odd) pairs.
+
+    cos/sin are [T, rope_dim/2]; x is [T, ..., D] and they broadcast over the middle dims.
+    `inverse` uses the conjugate rotation (de-rotation of V4's attention output).
+    """
+    half = cos.shape[-1]
+    rd = 2 * half
+    extra = x.dim() - 2
+    c = cos.reshape(cos.shape[0], *([1] * extra), half)
+    s = sin.reshape(sin.shape[0], *([1] * extra), half)
+    if inverse:
+        s = -s
+    pairs = x[..., -rd:].float().unflatten(-1, (half, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)

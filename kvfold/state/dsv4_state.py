@@ -1,0 +1,106 @@
+"""Per-sequence state of a DeepSeek-V4 model: explicit buffers, preallocated, addressed by position.
+
+Everything visible derives from `pos` (tokens consumed): window rows cover positions
+[max(0, pos - W + 1), pos), compressed and indexer entries [0, pos // r). The compressors'
+open (and, for CSA, previous) windows are the token rows of positions >= (pos//r)*r - r, kept
+in position rings with `max_rewind` rows of slack so a rejected draft never overwrites a row
+the next fold still needs.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FreedStateError, StateMismatchError
+from .rings import PositionRing
+
+_kv_ids = itertools.count(1)  # never reused within a process
+
+
+@dataclass
+class CompressorState:
+    """One compressor's token rows (kv, score with `ape` added; fp32) and its entry pool."""
+    ratio: int
+    overlap: bool
+    kv: PositionRing
+    score: PositionRing
+    pool: torch.Tensor  # [ceil(capacity / ratio), c]; entry w at row w
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.score.nbytes + self.pool.numel() * self.pool.element_size()
+
+
+@dataclass
+class LayerState:
+    window: PositionRing
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.window.nbytes
+        for c in (self.compressor, self.indexer):
+            if c is not None:
+                n += c.nbytes
+        return n
+
+
+def compressor_state(ratio: int, overlap: bool, width: int, capacity: int, max_rewind: int,
+                     dtype: torch.dtype, device: torch.device) -> CompressorState:
+    m = 2 if overlap else 1
+    rows = (2 * ratio if overlap else ratio) + max_rewind
+    return CompressorState(
+        ratio=ratio, overlap=overlap,
+        kv=PositionRing(rows, m * width, torch.float32, device, 0.0),
+        score=PositionRing(rows, m * width, torch.float32, device, float("-inf")),
+        pool=torch.zeros(-(-capacity // ratio), width, dtype=dtype, device=device),
+    )
+
+
+class Dsv4State:
+    """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly."""
+
+    def __init__(self, layers: list[LayerState], *, capacity: int, max_rewind: int, fingerprint: str,
+                 device: torch.device, dtype: torch.dtype):
+        self.layers: list[LayerState] | None = layers
+        self.capacity = capacity
+        self.max_rewind = max_rewind
+        self.fingerprint = fingerprint
+        self.device = device
+        self.dtype = dtype
+        self.pos = 0
+        self.kv_id = next(_kv_ids)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    @property
+    def freed(self) -> bool:
+        return self.layers is None
+
+    def free(self) -> None:
+        """Release every buffer. A second call does nothing; any later use raises FreedStateError."""
+        self.layers = None
+
+    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype) -> None:
+        if self.layers is None:
+            raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
+        if fingerprint != self.fingerprint:
+            raise StateMismatchError(
+                f"state kv_id={self.kv_id} was made by a model with config fingerprint {self.fingerprint}, "
+                f"not this one ({fingerprint}); create the state with this model's new_state()")
+        if torch.device(device) != torch.device(self.device) or dtype != self.dtype:
+            raise StateMismatchError(
+                f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
+                f"{device}/{dtype}; create the state with this model's new_state()")
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of buffers held (0 once freed)."""
+        return 0 if self.layers is None else sum(layer.nbytes for layer in self.layers)
+
+    def __repr__(self) -> str:
+        status = "freed" if self.freed else f"pos={self.pos}/{self.capacity}"
+        return f"Dsv4State(kv_id={self.kv_id}, {status}, max_rewind={self.max_rewind})"
