@@ -31,3 +31,43 @@ class FreedStateError(StateError):
 
 class RewindError(StateError):
     """A rewind that would grow the sequence, or undo more than `max_rewind` tokens."""
+
+
+class SnapshotError(StateError):
+    """A snapshot blob was refused; the target state is unchanged."""
+
+
+class SnapshotTruncatedError(SnapshotError):
+    """The blob ends before its fixed header or section table does."""
+
+
+class SnapshotMagicError(SnapshotError):
+    """The blob does not start with kvfold's snapshot magic: not a kvfold state snapshot."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """The blob's format version is not one this kvfold reads."""
+
+
+class SnapshotModelError(SnapshotError, StateMismatchError):
+    """The blob was taken from a model with another config fingerprint."""
+
+
+class SnapshotDtypeError(SnapshotError, StateMismatchError):
+    """The blob's dtype differs from the target state's."""
+
+
+class SnapshotCountsError(SnapshotError):
+    """The section table's row counts do not follow from the blob's `pos`."""
+
+
+class SnapshotSizeError(SnapshotError):
+    """The body is shorter or longer than the section table says."""
+
+
+class SnapshotChecksumError(SnapshotError):
+    """The checksum over header and body does not match: the blob is corrupted."""
+
+
+class SnapshotCapacityError(SnapshotError, CapacityError):
+    """The blob's `pos` does not fit in the target state's capacity."""

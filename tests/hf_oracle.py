@@ -23,7 +23,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+
+# Everything here is local; make any accidental hub access fail instead of downloading.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 from safetensors import safe_open
@@ -155,9 +160,29 @@ def _random_value(name: str, t: torch.Tensor, config: DeepseekV4Config, gen: tor
         return _randn(gen, shape, 1.0 / math.sqrt(shape[-1]))
     if leaf == "down_proj":  # [E, H, I]
         return _randn(gen, shape, 1.0 / math.sqrt(shape[-1]))
+    if name.endswith("indexer.q_b_proj.weight"):
+        return _indexer_q_b_proj(gen, shape, config)
     if leaf == "weight" and t.dim() == 2:  # every nn.Linear (incl. grouped o_a_proj, routers, lm_head)
         return _randn(gen, shape, 1.0 / math.sqrt(shape[-1]))
     raise AssertionError(f"hf_oracle: no random init rule for {name} {tuple(shape)}; add one")
+
+
+def _indexer_q_b_proj(gen: torch.Generator, shape, config: DeepseekV4Config) -> torch.Tensor:
+    """Indexer query projection ``[n_heads * head_dim, q_lora_rank]`` with heads in +/- pairs.
+
+    Index score = sum_h w_h * ReLU(q_h . k). With independent random heads, q_h . k <= 0 for *all*
+    heads happens for ~1/2^n_heads of the (query, entry) pairs; each such pair scores exactly 0, and
+    two exact zeros can land on the k-th/(k+1)-th place of a row (seen at L=257, seed 9). Giving
+    head h + n/2 the negated rows of head h makes exactly one head of every pair see |q_h . k| > 0,
+    so no score is exactly 0 (short of q_h . k == 0) while every head stays distinct and the
+    sum over heads still mixes signs through w_h. Odd head counts keep one unpaired head.
+    """
+    n_heads, head_dim = config.index_n_heads, config.index_head_dim
+    assert shape[0] == n_heads * head_dim, shape
+    w = _randn(gen, shape, 1.0 / math.sqrt(shape[-1])).view(n_heads, head_dim, shape[-1])
+    half = n_heads // 2
+    w[half : 2 * half] = -w[:half]
+    return w.reshape(shape)
 
 
 def randomize_(model: DeepseekV4ForCausalLM, seed: int = 0) -> DeepseekV4ForCausalLM:
@@ -403,33 +428,38 @@ def hf_indexer_scores(model: DeepseekV4ForCausalLM, input_ids: list[int]) -> dic
 
 
 def _cut_gaps(model, input_ids):
-    """Per CSA layer and query row with more visible entries than k: (k-th, (k+1)-th) scores."""
+    """Per CSA layer, for query rows with more visible entries than k: (gap at the cut, row scale)
+    where gap = s_k - s_{k+1} of the sorted visible scores and scale = max |visible score|."""
     k_cfg = model.config.index_topk
-    pairs = []
+    out = []
     for scores in hf_indexer_scores(model, input_ids).values():
-        n_entries = scores.shape[-1]
-        k = min(k_cfg, n_entries)
+        k = min(k_cfg, scores.shape[-1])
         n_visible = torch.isfinite(scores).sum(-1)
         rows = scores[n_visible > k]
         if rows.numel() == 0:
             continue
         top = rows.topk(k + 1, dim=-1).values
-        pairs.append((top[:, k - 1], top[:, k]))
-    return pairs
+        scale = rows.masked_fill(~torch.isfinite(rows), 0.0).abs().amax(-1)
+        out.append((top[:, k - 1] - top[:, k], scale))
+    return out
 
 
 def hf_indexer_topk_margin(model: DeepseekV4ForCausalLM, input_ids: list[int]) -> float:
-    """Smallest ``(s_k - s_{k+1}) / max(|s_k|, |s_{k+1}|)`` over all CSA layers and query rows that
-    have a top-k cut (more visible entries than k). ``inf`` when no row has a cut."""
+    """Smallest gap at the top-k cut, ``(s_k - s_{k+1}) / max_j |s_j|`` (sorted visible scores of one
+    query row, normalised by that row's largest visible |score|), over all CSA layers and all query
+    rows that have a cut (more visible entries than k). ``inf`` when no row has a cut.
+
+    fp32 recomputation of the scores is accurate to ~1e-7 of the row scale, so a margin well above
+    that means kvfold's (differently ordered) fp32 scores select the same top-k set as HF's."""
     best = math.inf
-    for a, b in _cut_gaps(model, input_ids):
-        denom = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30)
-        best = min(best, ((a - b) / denom).min().item())
+    for gap, scale in _cut_gaps(model, input_ids):
+        best = min(best, (gap / scale.clamp_min(1e-30)).min().item())
     return best
 
 
 def hf_indexer_has_ties(model: DeepseekV4ForCausalLM, input_ids: list[int], rel_tol: float = 0.0) -> bool:
     """True when some CSA query row has a tie straddling the top-k cut: the k-th and (k+1)-th largest
-    *visible* index scores are equal (or within ``rel_tol`` relative). Rows with <= k visible
-    entries have no cut (every visible entry is selected) and cannot tie."""
+    *visible* index scores are equal (``rel_tol=0``) or closer than ``rel_tol`` times the row's
+    largest visible |score|. Rows with <= k visible entries have no cut (every visible entry is
+    selected) and cannot tie."""
     return hf_indexer_topk_margin(model, input_ids) <= rel_tol

@@ -98,7 +98,7 @@ class Dsv4Model(nn.Module):
                 ls.indexer = compressor_state(ratio, True, cfg.index_head_dim, capacity, max_rewind,
                                               self.dtype, self.device)
             layers.append(ls)
-        return Dsv4State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
+        return Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
                          device=self.device, dtype=self.dtype)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -137,7 +137,7 @@ class Dsv4Model(nn.Module):
             rope = self.rope_main if kind == SLIDING else self.rope_compress
             streams = block(streams, ids, start, ls, rope)
         h = self.model.norm(self.model.hc_head(streams))
-        state.pos = start + ids.numel()
+        state.pos = state.written_until = start + ids.numel()
         return self.lm_head(h).float()
 
     # ---- accounting --------------------------------------------------------------------------

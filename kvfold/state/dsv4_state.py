@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import FreedStateError, StateMismatchError
+from ..errors import FreedStateError, RewindError, StateMismatchError
 from .rings import PositionRing
 
 _kv_ids = itertools.count(1)  # never reused within a process
@@ -63,9 +63,10 @@ def compressor_state(ratio: int, overlap: bool, width: int, capacity: int, max_r
 class Dsv4State:
     """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly."""
 
-    def __init__(self, layers: list[LayerState], *, capacity: int, max_rewind: int, fingerprint: str,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(self, layers: list[LayerState], *, window: int, capacity: int, max_rewind: int,
+                 fingerprint: str, device: torch.device, dtype: torch.dtype):
         self.layers: list[LayerState] | None = layers
+        self.window = window
         self.capacity = capacity
         self.max_rewind = max_rewind
         self.fingerprint = fingerprint
@@ -73,6 +74,11 @@ class Dsv4State:
         self.dtype = dtype
         self.pos = 0
         self.kv_id = next(_kv_ids)
+        # rows of positions [pos, written_until) were computed and are still intact: a rewound
+        # verify pass can re-advance over them (sync_to) without recomputing
+        self.written_until = 0
+        # positions below this cannot be rewound to (their rows were never held: set by restore)
+        self.rewind_floor = 0
 
     # ---- lifecycle --------------------------------------------------------------------------
     @property
@@ -94,6 +100,63 @@ class Dsv4State:
             raise StateMismatchError(
                 f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
                 f"{device}/{dtype}; create the state with this model's new_state()")
+
+    # ---- cursors ----------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.layers is None:
+            raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
+
+    def rewind_to(self, n: int) -> None:
+        """Undo the tokens after position n (a rejected draft). Only shrinks, by at most
+        `max_rewind` tokens; rows past n become unreachable and are overwritten later."""
+        self._check_alive()
+        if n > self.pos:
+            raise RewindError(f"rewind_to({n}) would grow the sequence (pos is {self.pos}); rewind only shrinks")
+        if n < 0 or n < self.pos - self.max_rewind:
+            raise RewindError(
+                f"rewind_to({n}) undoes {self.pos - n} tokens but this state keeps only max_rewind="
+                f"{self.max_rewind}; create it with model.new_state(..., max_rewind={max(self.pos - n, 0)}) "
+                f"or restore an earlier snapshot")
+        if n < self.rewind_floor:
+            raise RewindError(f"rewind_to({n}) goes below position {self.rewind_floor}, where this state was "
+                              f"restored from a snapshot; restore an earlier snapshot instead")
+        self.pos = n
+
+    def advance(self, k: int) -> None:
+        """Re-expose k rows already written past pos (by a verify pass that was rewound)."""
+        self._check_alive()
+        if k < 0 or self.pos + k > self.written_until:
+            raise RewindError(f"advance({k}) from pos {self.pos} passes the rows written so far "
+                              f"(up to {self.written_until}); run forward() on those tokens instead")
+        self.pos += k
+
+    def sync_to(self, seq_len: int, k: int) -> None:
+        """Reconcile after a verify pass: rewind to seq_len if ahead, refuse if behind, then
+        advance by the k rows the pass wrote for accepted tokens. Refusals change nothing."""
+        self._check_alive()
+        if self.pos < seq_len:
+            raise RewindError(f"sync_to({seq_len}, {k}): state is behind (pos {self.pos}); "
+                              f"feed the missing tokens with forward() first")
+        if seq_len + k > self.written_until or k < 0:
+            raise RewindError(f"sync_to({seq_len}, {k}) needs rows up to {seq_len + k} but only "
+                              f"{self.written_until} were written")
+        if seq_len < self.pos:
+            self.rewind_to(seq_len)
+        self.pos = seq_len + k
+
+    # ---- snapshots ----------------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        """The rows still in use at `pos`, in kvfold's versioned format (docs/state-format.md)."""
+        from .snapshot import encode
+        self._check_alive()
+        return encode(self)
+
+    def restore(self, blob: bytes) -> None:
+        """Continue exactly where the snapshotted state was. Every check runs before any write;
+        a refused blob raises a `SnapshotError` subclass and leaves this state unchanged."""
+        from .snapshot import decode_and_apply
+        self._check_alive()
+        decode_and_apply(self, blob)
 
     # ---- accounting -------------------------------------------------------------------------
     @property
