@@ -11,11 +11,12 @@ from transformers import DeepseekV4ForCausalLM
 
 import hf_oracle as O
 
-ORACLE_SEEDS = (0, 1)  # build seeds validated tie-free below; input ids use the same seed
+ORACLE_SEEDS = O.ORACLE_SEEDS  # build seeds; input ids use the same seed
 SPEC_LENGTHS = (1, 3, 4, 5, 127, 128, 129, 255, 256, 257)
-# Relative gap at the top-k cut that must separate the k-th and (k+1)-th index scores, so that
-# fp32 re-computation noise in kvfold (~1e-7 relative) cannot flip the selected set.
-MIN_TOPK_MARGIN = 1e-5
+# Gap at the top-k cut, relative to the row's largest |score|, that must separate the k-th and
+# (k+1)-th index scores, so that fp32 noise in kvfold (~1e-7, plus ~1e-6 carried from upstream
+# layers) cannot flip the selected set.
+MIN_TOPK_MARGIN = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_legacy_rope_scaling_kwarg_is_equivalent():
 
 def test_build_is_deterministic_and_seeded(models):
     again = O.build_hf_model(seed=0)
-    sd0, sd0b, sd1 = models[0].state_dict(), again.state_dict(), models[1].state_dict()
+    sd0, sd0b, sd1 = models[0].state_dict(), again.state_dict(), models[ORACLE_SEEDS[1]].state_dict()
     assert sd0.keys() == sd0b.keys()
     assert all(torch.equal(sd0[k], sd0b[k]) for k in sd0)
     assert all(not torch.equal(sd0[k], sd1[k]) for k in sd0)
@@ -150,6 +151,17 @@ def test_no_topk_ties_at_spec_lengths(models, seed):
         assert math.isfinite(margin) == (length >= 20)
 
 
+def test_no_exact_ties_or_zero_scores_for_any_seed():
+    """Exact ties came from ReLU zeros (all indexer heads q.k <= 0 -> score exactly 0); the paired
+    +/- indexer heads rule those out for every seed, not just the chosen ones."""
+    for seed in range(12):
+        m = O.build_hf_model(seed=seed)
+        ids = O.random_input_ids(257, seed=seed)
+        for name, s in O.hf_indexer_scores(m, ids).items():
+            assert not (s == 0).any(), f"seed={seed} {name}: exact zero index score"
+        assert not O.hf_indexer_has_ties(m, ids), f"seed={seed}"
+
+
 def test_indexer_scores_are_distinct(models):
     scores = O.hf_indexer_scores(models[0], O.random_input_ids(257, seed=0))
     assert sorted(scores) == ["model.layers.1.self_attn.compressor.indexer.scorer",
@@ -158,9 +170,10 @@ def test_indexer_scores_are_distinct(models):
         assert s.shape == (257, 64)
         vis = s[torch.isfinite(s)]
         assert vis.numel() == sum((p + 1) // 4 for p in range(257))
-        assert (vis == 0).float().mean() < 0.01, f"{name}: too many ReLU zeros"
         assert (vis > 0).float().mean() > 0.4, f"{name}: scores mostly negative"
-        assert vis.unique().numel() > 0.98 * vis.numel(), name
+        for p in range(s.shape[0]):  # within a query row every visible score differs
+            row = s[p][torch.isfinite(s[p])]
+            assert row.unique().numel() == row.numel(), f"{name} row {p}"
 
 
 def test_tie_detector_detects_forced_ties():

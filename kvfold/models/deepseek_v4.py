@@ -113,8 +113,10 @@ class Dsv4Model(nn.Module):
         return ids.to(self.device)
 
     @torch.no_grad()
-    def forward(self, token_ids, state: Dsv4State) -> torch.Tensor:
-        """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab].
+    def forward(self, token_ids, state: Dsv4State, return_hidden: bool = False):
+        """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab]
+        (and, with `return_hidden`, the final residual streams [T, hc_mult, hidden] before
+        `hc_head`, which the MTP drafter reads).
 
         Every check runs before any buffer is written: a refused call changes nothing.
         """
@@ -125,10 +127,16 @@ class Dsv4Model(nn.Module):
             raise CapacityError(
                 f"forward of {t} tokens at pos {state.pos} would pass the state's capacity {state.capacity}; "
                 f"create the state with a larger new_state(capacity=...)")
-        outs = []
+        logits, hidden = [], []
         for c0 in range(0, t, self.max_chunk):
-            outs.append(self._forward_chunk(ids[c0:c0 + self.max_chunk], state))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            lg, h = self._forward_chunk(ids[c0:c0 + self.max_chunk], state)
+            logits.append(lg)
+            if return_hidden:
+                hidden.append(h)
+        out = logits[0] if len(logits) == 1 else torch.cat(logits)
+        if return_hidden:
+            return out, (hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+        return out
 
     def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State) -> torch.Tensor:
         start = state.pos
@@ -138,7 +146,7 @@ class Dsv4Model(nn.Module):
             streams = block(streams, ids, start, ls, rope)
         h = self.model.norm(self.model.hc_head(streams))
         state.pos = state.written_until = start + ids.numel()
-        return self.lm_head(h).float()
+        return self.lm_head(h).float(), streams
 
     # ---- accounting --------------------------------------------------------------------------
     def num_parameters(self) -> int:
