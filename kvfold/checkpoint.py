@@ -64,7 +64,7 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
                     continue
                 target.data.copy_(sf.get_tensor(key))  # one tensor at a time, converted into place
                 seen.add(name)
-    missing = sorted(expected - seen)
+    missing = sorted(n for n in expected - seen if not n.startswith("mtp."))
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
         params["lm_head.weight"].data.copy_(params[_PREFIX + "embed_tokens.weight"].data)
         missing.remove("lm_head.weight")
@@ -77,3 +77,18 @@ def load_weights(model: torch.nn.Module, directory: Path) -> None:
         if misshaped:
             parts.append(f"mis-shaped {len(misshaped)}: {misshaped[:20]}")
         raise CheckpointError(f"checkpoint {directory} does not match its config.json: " + "; ".join(parts))
+
+
+def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` in the transformers layout (MTP under the
+    official `mtp.0.*` names, which is where checkpoints carry it)."""
+    from safetensors.torch import save_file
+    from .models.mtp import official_mtp_weights
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    if model.mtp is not None:
+        tensors.update({k: v.cpu() for k, v in official_mtp_weights(model.mtp).items()})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+    return directory

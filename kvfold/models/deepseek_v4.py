@@ -77,7 +77,8 @@ class Dsv4Model(nn.Module):
         rd = cfg.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, self.device)
-        self.mtp_weights: dict[str, torch.Tensor] = {}  # `mtp.*` tensors, kept for speculative decoding
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # `mtp.*` tensors as read from the checkpoint
+        self.mtp = None  # MtpModule, built from `mtp.0.*` when the checkpoint has them
         self.tokenizer = None
         self.fingerprint = cfg.fingerprint()
 
@@ -150,7 +151,7 @@ class Dsv4Model(nn.Module):
 
     # ---- accounting --------------------------------------------------------------------------
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters()) + sum(t.numel() for t in self.mtp_weights.values())
+        return sum(p.numel() for p in self.parameters())
 
     def state_bytes_per_token(self) -> float:
         """Bytes each further token adds to a state's compressed and indexer pools."""

@@ -10,6 +10,7 @@ from ..checkpoint import load_weights
 from ..config import load_config
 from ..errors import ConfigError
 from .deepseek_v4 import Dsv4Model
+from .mtp import MtpModule, load_mtp
 from .tiny import init_random_, tiny_config
 
 TINY_SEED = 1234
@@ -26,6 +27,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if str(path) == "tiny":
         model = Dsv4Model(tiny_config(), dtype=dtype, device=device)
+        model.mtp = MtpModule(model.config, model.dtype, model.device)
         init_random_(model, TINY_SEED)
         model.tokenizer = _tokenizer_for(None, model.config)
         return model.eval()
@@ -35,6 +37,9 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     cfg = load_config(directory)
     model = Dsv4Model(cfg, dtype=dtype, device=device)
     load_weights(model, directory)
+    if model.mtp_weights:
+        model.mtp = load_mtp(model, model.mtp_weights)
+        model.mtp_weights = {}  # now held by model.mtp
     try:
         model.tokenizer = _tokenizer_for(directory, cfg)
     except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing

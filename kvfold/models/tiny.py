@@ -20,7 +20,7 @@ def tiny_config(**overrides) -> Dsv4Config:
         index_n_heads=8, index_head_dim=32, index_topk=16,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
         compress_yarn=YarnParams(factor=16, original_max_position_embeddings=256),
-        max_position_embeddings=65536, bos_token_id=256, eos_token_id=257,
+        max_position_embeddings=65536, bos_token_id=256, eos_token_id=257, num_nextn_predict_layers=1,
     )
     fields.update(overrides)
     return Dsv4Config(**fields)
