@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .checkpoint_names import to_kvfold_name
 from .errors import CheckpointError
 
 _PREFIX = "model."
@@ -36,35 +37,48 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-def _model_name(key: str) -> str:
-    """Checkpoint key -> our parameter name (we keep the transformers names)."""
-    return key  # identical layout; `model.` prefix and `lm_head` are ours too
-
-
 def load_weights(model: torch.nn.Module, directory: Path) -> None:
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    expected = set(params)
+    expected = {n for n in params if not n.startswith("mtp.")}
     seen: set[str] = set()
+    expert_seen: dict[str, set[tuple[int, str]]] = {}
     unexpected, misshaped = [], []
+    inter = model.config.moe_intermediate_size
     for f in checkpoint_files(directory):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
-                if key.startswith("mtp."):
-                    model.mtp_weights[key] = sf.get_tensor(key).to(model.device)
+                target = to_kvfold_name(key)
+                if target is None:  # mtp.*: kept for the MTP drafter
+                    model.mtp_weights[key.removeprefix("model.")] = sf.get_tensor(key).to(model.device)
                     continue
-                name = _model_name(key)
-                if name not in params:
+                if target.name not in params:
                     unexpected.append(key)
                     continue
-                target = params[name]
+                dest = params[target.name].data
+                if target.expert is not None:
+                    if target.expert >= dest.shape[0]:
+                        unexpected.append(key)
+                        continue
+                    dest = dest[target.expert]
+                    if target.part != "w2":
+                        dest = dest[:inter] if target.part == "w1" else dest[inter:]
                 shape = tuple(sf.get_slice(key).get_shape())
-                if shape != tuple(target.shape):
-                    misshaped.append(f"{key}: file {shape} vs expected {tuple(target.shape)}")
+                if shape != tuple(dest.shape):
+                    misshaped.append(f"{key}: file {shape} vs expected {tuple(dest.shape)}")
+                    seen.add(target.name)  # reported as mis-shaped, not also as missing
                     continue
-                target.data.copy_(sf.get_tensor(key))  # one tensor at a time, converted into place
-                seen.add(name)
-    missing = sorted(n for n in expected - seen if not n.startswith("mtp."))
+                dest.copy_(sf.get_tensor(key))  # one tensor at a time, converted into place
+                if target.expert is None:
+                    seen.add(target.name)
+                else:
+                    expert_seen.setdefault(target.name, set()).add((target.expert, target.part))
+    for name, parts in expert_seen.items():
+        n_exp = params[name].shape[0]
+        want = {(e, p) for e in range(n_exp) for p in (("w2",) if name.endswith("down_proj") else ("w1", "w3"))}
+        if parts == want:
+            seen.add(name)
+    missing = sorted(expected - seen)
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
         params["lm_head.weight"].data.copy_(params[_PREFIX + "embed_tokens.weight"].data)
         missing.remove("lm_head.weight")

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import KvfoldError
-from .generate import generate
+from .generate import generate, generation_capacity
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIB = 1024 * 1024
@@ -36,6 +36,13 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _pos_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _top_p(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -59,6 +66,13 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=_top_p, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
+                   help="draft tokens with the model's MTP head or by prompt lookup, verify them in one forward")
+    g.add_argument("--num-draft", type=_pos_int, default=4, help="draft tokens per verify step (default 4)")
+    g.add_argument("--save-session", metavar="FILE", default=None,
+                   help="write the state and token history to FILE when done (atomically)")
+    g.add_argument("--load-session", metavar="FILE", default=None,
+                   help="continue the conversation saved in FILE; --prompt is appended to it")
     _add_model_args(g)
 
     i = sub.add_parser("inspect", help="print the layer schedule and state sizes of a model")
@@ -68,34 +82,68 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from . import session as sess
+
+    loaded = None
+    if args.load_session:  # a damaged file is refused before the (possibly large) model loads
+        loaded = sess.read_session(args.load_session)
     model = _load_model(args.model, args.device, _DTYPES[args.dtype])
     tok = model.tokenizer
-    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
-    decoder = tok.stream_decoder()
-    out = sys.stdout
+    spec, n_draft, n_new = args.speculative, args.num_draft, args.max_new_tokens
+    state, history = None, None
+    try:
+        if loaded is not None:
+            sess.check_session_model(loaded, model, source=f"session {args.load_session}")
+            ids = loaded.continuation(tok.encode(args.prompt))  # no BOS: the conversation goes on
+            if not ids:
+                raise sess.SessionCorruptedError(
+                    f"session {args.load_session} has no pending token and --prompt is empty: nothing to feed")
+            cap, max_rewind = generation_capacity(len(ids), n_new, spec, n_draft)
+            state = sess.restore_session(model, loaded, capacity=loaded.pos + cap, max_rewind=max_rewind)
+            history = loaded.tokens
+        else:
+            ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
+            if args.save_session:  # generate must leave the state alive for the snapshot
+                cap, max_rewind = generation_capacity(len(ids), n_new, spec, n_draft)
+                state = model.new_state(capacity=cap, max_rewind=max_rewind)
+                history = []
+        decoder = tok.stream_decoder()
+        out = sys.stdout
 
-    def on_token(token_id: int) -> None:
-        text = decoder.push(token_id)
-        if text:
-            out.write(text)
-            out.flush()
+        def on_token(token_id: int) -> None:
+            text = decoder.push(token_id)
+            if text:
+                out.write(text)
+                out.flush()
 
-    result = generate(
-        model,
-        ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        on_token=on_token,
-    )
-    out.write(decoder.flush() + "\n")
-    out.write(
-        f"[kvfold] prompt {result.prompt_tokens} tok | generated {len(result.tokens)} tok"
-        f" | prefill {result.prefill_tok_s:.1f} tok/s | decode {result.decode_tok_s:.1f} tok/s"
-        f" | state {result.state_bytes / _MIB:.2f} MiB\n"
-    )
-    out.flush()
+        result = generate(
+            model,
+            ids,
+            n_new,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            on_token=on_token,
+            speculative=spec,
+            num_draft=n_draft,
+            state=state,
+            history=history,
+        )
+        out.write(decoder.flush() + "\n")
+        summary = (f"[kvfold] prompt {result.prompt_tokens} tok | generated {len(result.tokens)} tok"
+                   f" | prefill {result.prefill_tok_s:.1f} tok/s | decode {result.decode_tok_s:.1f} tok/s"
+                   f" | state {result.state_bytes / _MIB:.2f} MiB")
+        if spec is not None:
+            summary += f" | accept {100.0 * result.acceptance_rate:.1f}%"
+        out.write(summary + "\n")
+        out.flush()
+        if args.save_session:
+            consumed, pending = sess.split_history(list(history) + ids, result.tokens)
+            sess.save_session(args.save_session, state, consumed, pending)
+            print(f"[kvfold] session saved to {args.save_session} ({len(consumed)} tokens)", file=sys.stderr)
+    finally:
+        if state is not None:
+            state.free()
     return 0
 
 

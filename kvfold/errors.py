@@ -71,3 +71,23 @@ class SnapshotChecksumError(SnapshotError):
 
 class SnapshotCapacityError(SnapshotError, CapacityError):
     """The blob's `pos` does not fit in the target state's capacity."""
+
+
+class MtpUnavailableError(KvfoldError):
+    """Speculative decoding with the MTP drafter was asked of a checkpoint without `mtp.*` weights."""
+
+
+class SessionError(StateError):
+    """A saved session file was refused; nothing was allocated or changed."""
+
+
+class SessionCorruptedError(SessionError):
+    """The file is not a kvfold session, is truncated, or fails its checksum or metadata checks."""
+
+
+class SessionVersionError(SessionError):
+    """The session file's format version is not one this kvfold reads."""
+
+
+class SessionModelError(SessionError, StateMismatchError):
+    """The session was saved from a model with another config fingerprint (or dtype)."""
