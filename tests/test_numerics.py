@@ -75,3 +75,16 @@ def test_non_overlapping_pool_is_softmax_weighted_mean_per_channel(n_w):
     got = pool_windows(kv, sc, r, overlap=False)
     want = (torch.softmax(sc.view(n_w, r, c), dim=1) * kv.view(n_w, r, c)).sum(1)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_cpu_sinkhorn_equals_the_plain_torch_loop_and_is_doubly_stochastic():
+    from kvfold.numerics.hc import sinkhorn
+    comb = torch.softmax(torch.randn(5, 4, 4), dim=-1) + 1e-6
+    want = comb / (comb.sum(dim=-2, keepdim=True) + 1e-6)
+    for _ in range(19):
+        want = want / (want.sum(dim=-1, keepdim=True) + 1e-6)
+        want = want / (want.sum(dim=-2, keepdim=True) + 1e-6)
+    got = sinkhorn(comb, 20, 1e-6)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(got.sum(-2), torch.ones(5, 4), atol=1e-5)
+    assert torch.allclose(got.sum(-1), torch.ones(5, 4), atol=1e-3)
