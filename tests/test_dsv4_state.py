@@ -107,3 +107,12 @@ def test_forward_returns_logits_per_token_and_advances_pos(tiny):
 def test_generate_stays_callable_after_submodules_load():
     import kvfold.cli  # noqa: F401  (importing the submodule must not shadow the function)
     assert callable(kvfold.generate)
+
+
+def test_last_only_returns_the_last_row_of_the_full_logits(tiny, monkeypatch):
+    ids = random_ids(50, tiny.config.vocab_size, seed=8)
+    full = tiny.forward(ids, tiny.new_state(capacity=50))
+    monkeypatch.setattr(type(tiny), "max_chunk", 16)  # across internal chunks too
+    last = tiny.forward(ids, tiny.new_state(capacity=50), last_only=True)
+    assert last.shape == (1, tiny.config.vocab_size)
+    assert (last[0] - full[-1]).abs().max().item() < 1e-5

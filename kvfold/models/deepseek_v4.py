@@ -114,10 +114,11 @@ class Dsv4Model(nn.Module):
         return ids.to(self.device)
 
     @torch.no_grad()
-    def forward(self, token_ids, state: Dsv4State, return_hidden: bool = False):
+    def forward(self, token_ids, state: Dsv4State, return_hidden: bool = False, last_only: bool = False):
         """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab]
         (and, with `return_hidden`, the final residual streams [T, hc_mult, hidden] before
-        `hc_head`, which the MTP drafter reads).
+        `hc_head`, which the MTP drafter reads). `last_only` returns just the last row's
+        logits [1, vocab]: a long prompt never materialises T x vocab logits.
 
         Every check runs before any buffer is written: a refused call changes nothing.
         """
@@ -130,8 +131,10 @@ class Dsv4Model(nn.Module):
                 f"create the state with a larger new_state(capacity=...)")
         logits, hidden = [], []
         for c0 in range(0, t, self.max_chunk):
-            lg, h = self._forward_chunk(ids[c0:c0 + self.max_chunk], state)
-            logits.append(lg)
+            chunk = ids[c0:c0 + self.max_chunk]
+            lg, h = self._forward_chunk(chunk, state, last_only)
+            if not last_only or c0 + len(chunk) == t:
+                logits.append(lg)
             if return_hidden:
                 hidden.append(h)
         out = logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -139,14 +142,14 @@ class Dsv4Model(nn.Module):
             return out, (hidden[0] if len(hidden) == 1 else torch.cat(hidden))
         return out
 
-    def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State) -> torch.Tensor:
+    def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State, last_only: bool = False):
         start = state.pos
         streams = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for block, ls, kind in zip(self.model.layers, state.layers, self.config.layer_types):
             rope = self.rope_main if kind == SLIDING else self.rope_compress
             streams = block(streams, ids, start, ls, rope)
-        h = self.model.norm(self.model.hc_head(streams))
         state.pos = state.written_until = start + ids.numel()
+        h = self.model.norm(self.model.hc_head(streams[-1:] if last_only else streams))
         return self.lm_head(h).float(), streams
 
     # ---- accounting --------------------------------------------------------------------------
