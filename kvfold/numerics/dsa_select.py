@@ -1,0 +1,127 @@
+"""GLM-5.3 (`glm5_next`) DSA indexer selection with k-pools (docs: glm5-dsa.md §3, §4).
+
+Pure functions over the indexer rows a `Glm5NextDsaState` holds; nothing here owns state.
+
+Definitions (seq cached rows, kp = index_kpool, d = index_head_dim):
+
+- `first` is the first valid row (seq if none): left padding is skipped.
+- Pool P holds rows first + P*kp + s, s < kp, for P < n_pools = seq // kp. A pool is *valid*
+  only if all kp slots are in range and valid, so a partial trailing pool never counts.
+- Pooled key, per channel c: K_P[c] = sum_s softmax_s(gate[P,s,c] + ape[s,c]) * k[P,s,c]; the
+  softmax runs in fp32 over the pool's valid slots (invalid slots have logit -inf) and is cast
+  to the keys' dtype before the weighted sum. A pool with no valid slot gets key 0, not NaN.
+- Score: I(q, P) = sum_h w_h * ReLU(d^-0.5 * qI_h . K_P), in fp32.
+- Pool P is selectable for query q iff it is valid and its last row is <= q; the rest score
+  the fp32 minimum.
+- select_k = min(topk / kp, n_pools) pools per query, ranked by score descending with ties to
+  the lower pool index. A pick that is not selectable (early queries of a prefill chunk: select_k
+  is shared by the chunk) becomes -1 in all of its kp columns.
+- Tail (always_select_tail): with `visible` = valid rows <= q, the last visible % kp of them
+  (rows first + visible - tail ...), written from column select_k*kp on.
+
+Output row: [selected pools' rows, in rank order, each pool ascending | tail | -1 ...], int32,
+width topk + kp - 1 with the tail, topk without. A query whose own row is padding is all -1.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def first_valid_row(valid: torch.Tensor) -> int:
+    """Index of the first nonzero entry of `valid` [seq], or seq when there is none."""
+    nz = torch.nonzero(valid, as_tuple=False)
+    return int(nz[0, 0]) if nz.numel() else valid.shape[0]
+
+
+def dsa_pool_keys(k_normed: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor,
+                  kpool: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gate-weighted pooled keys of the complete-pool candidates.
+
+    k_normed, gate: [seq, d]; valid: [seq] (nonzero = valid); ape: [kp, d] gate bias by slot.
+    Returns (keys [n_pools, d] in k_normed's dtype, rows [n_pools, kp] long, pool_valid
+    [n_pools] bool) with n_pools = seq // kp and rows[P, s] = first + P*kp + s (possibly out of
+    range when `first` > 0; such a pool is invalid).
+    """
+    seq, d = k_normed.shape
+    n_pools = seq // kpool
+    device = k_normed.device
+    first = first_valid_row(valid)
+    rows = first + torch.arange(n_pools * kpool, device=device).view(n_pools, kpool)
+    in_range = rows < seq
+    safe = rows.clamp(max=max(seq - 1, 0))
+    slot_valid = in_range & (valid[safe] != 0) if seq else in_range
+    logits = gate[safe].float() + ape.float()[None]  # [n_pools, kp, d]
+    logits = logits.masked_fill(~slot_valid[..., None], float("-inf"))
+    # an all -inf column gives NaN: such a pool has no valid slot and its key is 0
+    probs = torch.nan_to_num(torch.softmax(logits, dim=1)).to(k_normed.dtype)
+    keys = (probs * k_normed[safe]).sum(dim=1)
+    return keys, rows, slot_valid.all(dim=1)
+
+
+def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
+               valid: torch.Tensor, ape: torch.Tensor, *, topk: int, kpool: int,
+               select_tail: bool = True) -> torch.Tensor:
+    """Rows each of the last q_rows positions attends to (see the module docstring).
+
+    q: [q_rows, H, d] indexer queries of positions seq - q_rows .. seq - 1 (no RoPE);
+    weights: [q_rows, H] head weights, already scaled by H^-0.5;
+    k_normed, gate: [seq, d]; valid: [seq]; rows [0, seq) of a state, including the queries' own;
+    ape: [kp, d]. Returns int32 [q_rows, topk + kp - 1] (or [q_rows, topk] without the tail).
+    """
+    if kpool < 1 or topk < 1 or topk % kpool:
+        raise ValueError(f"need kpool >= 1 and topk a positive multiple of it, got topk {topk}, kpool {kpool}")
+    q_rows, n_heads, d = q.shape
+    seq = k_normed.shape[0]
+    if q_rows > seq or weights.shape != (q_rows, n_heads) or gate.shape != k_normed.shape \
+            or k_normed.shape[1:] != (d,) or valid.shape != (seq,) or ape.shape != (kpool, d):
+        raise ValueError(f"inconsistent shapes: q {tuple(q.shape)}, weights {tuple(weights.shape)}, k_normed "
+                         f"{tuple(k_normed.shape)}, gate {tuple(gate.shape)}, valid {tuple(valid.shape)}, "
+                         f"ape {tuple(ape.shape)}")
+    device = q.device
+    out_width = topk + (kpool - 1 if select_tail else 0)
+    out = torch.full((q_rows, out_width), -1, dtype=torch.long, device=device)
+    if q_rows == 0:
+        return out.to(torch.int32)
+
+    q_pos = torch.arange(seq - q_rows, seq, device=device)  # [Q]
+    is_valid = valid != 0
+    visible = torch.cumsum(is_valid.long(), dim=0)[q_pos]  # valid rows <= q
+
+    # pools: score every candidate, mask the ones this query cannot select
+    keys, rows, pool_valid = dsa_pool_keys(k_normed, gate, valid, ape, kpool)
+    n_pools = rows.shape[0]
+    select_k = min(topk // kpool, n_pools)
+    if select_k:
+        scores = torch.matmul(q.float(), keys.float().transpose(0, 1))  # [Q, H, P]
+        scores = torch.relu(scores * d ** -0.5)
+        index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [Q, P]
+        selectable = pool_valid[None] & (rows[:, -1][None] <= q_pos[:, None])
+        index = index.masked_fill(~selectable, torch.finfo(index.dtype).min)
+        # a stable descending sort ranks ties by lower pool index (torch.topk leaves them undefined)
+        picks = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :select_k]
+        picked_rows = rows[picks]  # [Q, select_k, kp], each pool ascending
+        picked_rows = picked_rows.masked_fill(~selectable.gather(1, picks)[..., None], -1)
+        out[:, :select_k * kpool] = picked_rows.flatten(1)
+
+    # tail: the visible rows past the last complete pool this query can see
+    if select_tail and kpool > 1:
+        first = first_valid_row(valid)
+        tail = visible % kpool
+        offsets = torch.arange(kpool - 1, device=device)
+        tail_rows = (first + visible - tail)[:, None] + offsets  # [Q, kp - 1]
+        safe = tail_rows.clamp(max=seq - 1)
+        keep = (offsets[None] < tail[:, None]) & (tail_rows < seq) & is_valid[safe] & (tail_rows <= q_pos[:, None])
+        out[:, select_k * kpool:select_k * kpool + kpool - 1] = tail_rows.masked_fill(~keep, -1)
+
+    out = out.masked_fill(~is_valid[q_pos][:, None], -1)  # a padded query selects nothing
+    return out.to(torch.int32)
+
+
+def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Read a selection [Q, W] as a set per query: bool [Q, kv_len], True at every selected row.
+    -1 entries, out-of-range entries and duplicates are ignored (§3)."""
+    in_range = (indices >= 0) & (indices < kv_len)
+    mask = torch.zeros(indices.shape[0], kv_len + 1, dtype=torch.bool, device=indices.device)
+    # out-of-range entries land in a scratch column that is dropped
+    mask.scatter_(1, torch.where(in_range, indices.long(), kv_len), True)
+    return mask[:, :kv_len]

@@ -1,0 +1,358 @@
+"""Per-sequence indexer cache of one GLM-5.3 (`glm5_next`) DSA layer (docs: glm5-dsa.md §4, §6).
+
+One sequence x one *full* DSA layer. Three flat buffers, allocated once (zeroed) at `capacity`
+rows and never grown:
+
+    k_normed [capacity, d]  indexer keys after the k_norm LayerNorm   (model dtype, bf16 default)
+    gate     [capacity, d]  compress-gate projection G.x              (same dtype)
+    valid    [capacity]     u8, 1 unless the row is padding
+
+Rows [0, len) are reachable; the selector reads only those. Rows at or past `len` may still hold
+old data (a rewound draft) but the next write overwrites them before anything selects over them.
+The buffers are flat, not paged, because selection reads rows at absolute positions.
+
+Every method that refuses raises a `DsaStateError` subclass and changes neither `len` nor any
+buffer.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import (DsaBlobCapacityError, DsaBlobSizeError, DsaBlobTruncatedError, DsaBlobWidthError,
+                      DsaCapacityError, DsaFreedError, DsaGeometryError, DsaRewindError, DsaStateError)
+
+BLOB_HEADER = struct.Struct("<QQ")  # len, index_head_dim: u64 little-endian each
+_MAX_TOPK_TILE = 2048  # largest power of two T with 16*T <= 49,152 B of shared memory (one top-k tile)
+
+
+@dataclass(frozen=True)
+class Glm5NextDsaConfig:
+    """The indexer fields of a glm5_next config that the state and its selection plan need.
+
+    Defaults are GLM-5.3-Flash's (index_kpool 4 comes from its config.json; HF's class default
+    is 16, so always read it from the checkpoint's config)."""
+    index_head_dim: int = 128
+    index_heads: int = 32
+    index_topk: int = 2048
+    index_kpool: int = 4
+    always_select_tail: bool = True
+    max_context: int = 16384  # the max-seq-len setting; sizes every indexer state
+
+    def problems(self) -> list[str]:
+        """Why this config cannot run (empty when it can). HF's validate_architecture rules."""
+        out = []
+        if self.index_kpool < 1:
+            out.append(f"index_kpool must be >= 1, got {self.index_kpool}")
+        elif self.index_topk % self.index_kpool != 0:
+            out.append(f"index_topk ({self.index_topk}) must be divisible by index_kpool ({self.index_kpool})")
+        if self.index_topk < 1:
+            out.append(f"index_topk must be >= 1, got {self.index_topk}")
+        if self.index_head_dim < 1 or self.index_heads < 1:
+            out.append(f"index_head_dim and index_heads must be >= 1, got {self.index_head_dim}, "
+                       f"{self.index_heads}")
+        return out
+
+
+@dataclass(frozen=True)
+class DsaSelectGeometry:
+    """Plan of one selection over the `seq` cached rows for the last `q_rows` of them (§6.6)."""
+    seq: int
+    q_rows: int
+    n_pools_full: int  # ceil(seq / kp): pools including a partial trailing one
+    n_pools: int  # floor(seq / kp): complete pools only, the selection candidates
+    select_k: int  # min(topk / kp, n_pools) pools picked per query
+    out_width: int  # topk + kp - 1 with the tail, else topk
+    topk_np2: int  # one top-k tile: min(max(next_pow2(n_pools), 2), 2048)
+    topk_smem: int  # 16 * topk_np2 bytes
+    index_head_dim: int
+    index_heads: int
+    index_kpool: int
+
+
+def dsa_capacity(max_context: int, index_kpool: int) -> int:
+    """Rows reserved: max_context rounded DOWN to whole k-pools (kp 0 treated as 1).
+    E.g. 16386 -> 16384 at kp 4; 1001 -> 1000 at kp 8."""
+    kp = max(index_kpool, 1)
+    return (max(max_context, 0) // kp) * kp
+
+
+def indexer_state_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes one state holds: two [capacity, d] row buffers plus one validity byte per row
+    (capacity * (4d + 1) in bf16, i.e. 513 B per token at d = 128)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return capacity * (2 * index_head_dim * itemsize + 1)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class Glm5NextDsaState:
+    """Indexer rows of one sequence for one full DSA layer. See the module docstring."""
+
+    def __init__(self, max_context: int, index_head_dim: int, index_kpool: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+        if index_head_dim < 1:
+            raise DsaStateError(f"index_head_dim must be >= 1, got {index_head_dim}")
+        self._capacity = dsa_capacity(max_context, index_kpool)
+        self._d = index_head_dim
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._len = 0
+        self._released = False
+        self._k_normed: torch.Tensor | None = torch.zeros(self._capacity, index_head_dim, dtype=dtype,
+                                                          device=self.device)
+        self._gate: torch.Tensor | None = torch.zeros_like(self._k_normed)
+        self._valid: torch.Tensor | None = torch.zeros(self._capacity, dtype=torch.uint8, device=self.device)
+
+    @classmethod
+    def alloc(cls, cfg: Glm5NextDsaConfig, *, dtype: torch.dtype = torch.bfloat16,
+              device: torch.device | str | None = None) -> Glm5NextDsaState:
+        """Reserve for the whole addressable context: the cap, not the prompt, sizes the state
+        (the MTP drafter allocates its own with the same cap)."""
+        return cls(cfg.max_context, cfg.index_head_dim, cfg.index_kpool, dtype=dtype, device=device)
+
+    # ---- read-only ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def len(self) -> int:
+        """Reachable rows (0 once freed)."""
+        return self._len
+
+    def is_empty(self) -> bool:
+        return self._len == 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def index_head_dim(self) -> int:
+        """Indexer key width; restore_blob refuses a blob taken at another width."""
+        return self._d
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of buffers held (0 once freed)."""
+        return 0 if self._released else indexer_state_bytes(self._capacity, self._d, self.dtype)
+
+    def row_offset(self, pos: int) -> int:
+        """Byte offset of row `pos` in k_normed / gate (pos * d * 2 in bf16)."""
+        return pos * self._d * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def k_normed(self) -> torch.Tensor:
+        self._check_alive()
+        return self._k_normed
+
+    @property
+    def gate(self) -> torch.Tensor:
+        self._check_alive()
+        return self._gate
+
+    @property
+    def valid(self) -> torch.Tensor:
+        self._check_alive()
+        return self._valid
+
+    def reachable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of rows [0, len) of k_normed, gate and valid: what the selector reads."""
+        self._check_alive()
+        n = self._len
+        return self._k_normed[:n], self._gate[:n], self._valid[:n]
+
+    # ---- room checks (never mutate) -----------------------------------------------------------
+    def ensure_room_through(self, end: int) -> None:
+        """Refuse when absolute end row `end` passes capacity; end == capacity is fine.
+
+        Used before a graph replay, when the counter may still be ahead of the sequence, with
+        end = seq_len + k."""
+        self._check_alive()
+        if end > self._capacity:
+            raise DsaCapacityError(
+                f"DSA indexer state needs rows up to {end} but holds {self._capacity} "
+                f"(max_context rounded down to whole k-pools); raise the max-seq-len setting (max_context)")
+
+    def ensure_room(self, n: int) -> None:
+        """Refuse when n more rows would pass capacity. The indexer forward writes row `len`
+        before it advances, so it calls this first: at len == capacity that row is past the end."""
+        self._check_count("ensure_room", n)
+        self.ensure_room_through(self._len + n)
+
+    # ---- cursor -------------------------------------------------------------------------------
+    def write_rows(self, start: int, k_normed: torch.Tensor, gate: torch.Tensor,
+                   valid: torch.Tensor | None = None) -> None:
+        """Write rows [start, start + n) of k_normed and gate ([n, d] each, cast to the state's
+        dtype) and their validity (default 1: not padding). Does not move `len`: call
+        `advance(n)` after writing at `len`, or `sync_to` after a replay that wrote at seq_len.
+
+        `start` may be below `len` (a replay over a rejected draft) but not above it, since the
+        rows in between would become reachable without ever being written."""
+        self._check_alive()
+        n = k_normed.shape[0]
+        if k_normed.shape != (n, self._d) or gate.shape != (n, self._d):
+            raise DsaStateError(f"write_rows wants k_normed and gate of shape [n, {self._d}], got "
+                                f"{tuple(k_normed.shape)} and {tuple(gate.shape)}")
+        if valid is not None and valid.shape != (n,):
+            raise DsaStateError(f"write_rows wants valid of shape [{n}], got {tuple(valid.shape)}")
+        if start < 0 or start > self._len:
+            raise DsaStateError(f"write_rows at row {start} would leave a gap: rows are written at or "
+                                f"below len ({self._len})")
+        self.ensure_room_through(start + n)
+        end = start + n
+        self._k_normed[start:end] = k_normed.to(device=self.device, dtype=self.dtype)
+        self._gate[start:end] = gate.to(device=self.device, dtype=self.dtype)
+        if valid is None:
+            self._valid[start:end] = 1
+        else:
+            self._valid[start:end] = (valid.to(self.device) != 0).to(torch.uint8)
+
+    def advance(self, n: int) -> None:
+        """Expose n rows written at [len, len + n). Refused, len unchanged, past capacity."""
+        self._check_count("advance", n)
+        self.ensure_room(n)
+        self._len += n
+
+    def rewind_to(self, n: int) -> None:
+        """Undo rows past n (a rejected speculative draft). Only shrinks: rows [n, len) stay in
+        memory but are unreachable, and the next write starts at n so it overwrites them."""
+        self._check_alive()
+        if n > self._len:
+            raise DsaRewindError(f"rewind_to({n}) with len {self._len}: rewind only shrinks; growing is "
+                                 f"advance's job, so the caller has lost track of the sequence")
+        if n < 0:
+            raise DsaRewindError(f"rewind_to({n}): a row count cannot be negative")
+        self._len = n
+
+    def sync_to(self, seq_len: int, k: int) -> None:
+        """Put the counter where decode would have left it after a step whose k rows at seq_len
+        were written without host bookkeeping (a graph replay): rewind to seq_len if ahead
+        (a rejected draft), refuse if behind (rows are missing), then advance by k.
+
+        Every check runs before the rewind, so a refusal leaves len unchanged."""
+        self._check_count("sync_to", k)
+        if seq_len < 0:
+            raise DsaRewindError(f"sync_to({seq_len}, {k}): a sequence length cannot be negative")
+        if self._len < seq_len:
+            raise DsaRewindError(f"sync_to({seq_len}, {k}): state is behind (len {self._len}), rows are "
+                                 f"missing; run the indexer over positions [{self._len}, {seq_len}) first")
+        self.ensure_room_through(seq_len + k)
+        self._len = seq_len + k
+
+    # ---- selection plan -----------------------------------------------------------------------
+    def geometry(self, cfg: Glm5NextDsaConfig, q_rows: int) -> DsaSelectGeometry:
+        """Plan a selection over everything cached so far (seq = len) for the last q_rows rows.
+
+        Refused when the config is invalid (or of another index_head_dim than this state),
+        q_rows is 0 or more than seq, seq is 0, or select_k does not fit one top-k tile."""
+        self._check_alive()
+        problems = cfg.problems()
+        if cfg.index_head_dim != self._d:
+            problems.append(f"index_head_dim {cfg.index_head_dim} differs from this state's {self._d}")
+        if problems:
+            raise DsaGeometryError("invalid DSA indexer config: " + "; ".join(problems))
+        seq, kp = self._len, cfg.index_kpool
+        if seq == 0:
+            raise DsaGeometryError("geometry over an empty DSA state: write and advance rows first")
+        if q_rows < 1 or q_rows > seq:
+            raise DsaGeometryError(f"geometry wants 1 <= q_rows <= seq ({seq}), got q_rows {q_rows}")
+        n_pools = seq // kp
+        select_k = min(cfg.index_topk // kp, n_pools)
+        topk_np2 = min(max(_next_pow2(n_pools), 2), _MAX_TOPK_TILE)
+        if select_k > topk_np2:
+            raise DsaGeometryError(f"select_k {select_k} exceeds one top-k tile ({topk_np2} pools); "
+                                   f"index_topk / index_kpool must be <= {_MAX_TOPK_TILE}")
+        return DsaSelectGeometry(
+            seq=seq, q_rows=q_rows, n_pools_full=-(-seq // kp), n_pools=n_pools, select_k=select_k,
+            out_width=cfg.index_topk + (kp - 1 if cfg.always_select_tail else 0),
+            topk_np2=topk_np2, topk_smem=16 * topk_np2, index_head_dim=cfg.index_head_dim,
+            index_heads=cfg.index_heads, index_kpool=kp)
+
+    # ---- prefix-cache blob (§6.4, §6.5) -------------------------------------------------------
+    def snapshot_blob(self) -> bytes:
+        """Rows [0, len): 16-byte header (len u64 LE, index_head_dim u64 LE), then key rows,
+        gate rows (raw, row-major, in the state's dtype) and validity bytes. The size,
+        16 + len * (4d + 1) in bf16, does not depend on capacity."""
+        self._check_alive()
+        n = self._len
+        parts = [BLOB_HEADER.pack(n, self._d)]
+        for buf in (self._k_normed, self._gate, self._valid):
+            parts.append(_raw_bytes(buf[:n]))
+        return b"".join(parts)
+
+    def restore_blob(self, blob: bytes) -> None:
+        """Replace rows [0, L) and len with a snapshot's. Checks, all before any write and in
+        this order: truncated, other width, size mismatch, over capacity. A blob too long for
+        this state is refused, not clamped: selecting over a prefix while the MLA cache holds the
+        whole context would be silently wrong."""
+        self._check_alive()
+        blob = bytes(blob)
+        if len(blob) < BLOB_HEADER.size:
+            raise DsaBlobTruncatedError(f"DSA indexer blob of {len(blob)} bytes is shorter than its "
+                                        f"{BLOB_HEADER.size}-byte header")
+        rows, width = BLOB_HEADER.unpack_from(blob)
+        # width before size: two (len, d) pairs can give the same byte count
+        if width != self._d:
+            raise DsaBlobWidthError(f"DSA indexer blob has index_head_dim {width}, this state {self._d}: "
+                                    f"it was taken from another model")
+        row_bytes = 2 * self.row_offset(1) + 1
+        expected = BLOB_HEADER.size + rows * row_bytes
+        if len(blob) != expected:
+            raise DsaBlobSizeError(f"DSA indexer blob is {len(blob)} bytes but its header (len {rows}, "
+                                   f"d {width}) implies {expected}: it is cut short or corrupted")
+        if rows > self._capacity:
+            raise DsaBlobCapacityError(
+                f"DSA indexer blob holds {rows} rows but this state reserves {self._capacity}; raise the "
+                f"max-seq-len setting (max_context) to at least {rows}")
+        key_bytes = self.row_offset(rows)
+        at = BLOB_HEADER.size
+        for buf, size in ((self._k_normed, key_bytes), (self._gate, key_bytes), (self._valid, rows)):
+            if rows:
+                _copy_raw(blob[at:at + size], buf[:rows])
+            at += size
+        self._len = rows
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def free(self) -> None:
+        """Release the buffers. Idempotent (`released` is set first): both the layer's release
+        and the MTP proposer can reach one state. Afterwards len is 0 and use raises."""
+        if self._released:
+            return
+        self._released = True
+        self._k_normed = self._gate = self._valid = None
+        self._len = 0
+
+    def _check_alive(self) -> None:
+        if self._released:
+            raise DsaFreedError("this DSA indexer state was freed; allocate a new one")
+
+    def _check_count(self, what: str, n: int) -> None:
+        self._check_alive()
+        if n < 0:
+            raise DsaStateError(f"{what}({n}): a row count cannot be negative; use rewind_to to shrink")
+
+    def __repr__(self) -> str:
+        status = "freed" if self._released else f"len={self._len}/{self._capacity}"
+        return f"Glm5NextDsaState({status}, d={self._d}, {self.dtype})"
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's in-memory bytes, row-major (little-endian on every platform torch runs on)."""
+    if t.numel() == 0:
+        return b""
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _copy_raw(data: bytes, dst: torch.Tensor) -> None:
+    """Copy raw row-major bytes into dst (same dtype and shape as they were taken from)."""
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dst.dtype).view(dst.shape)
+    dst.copy_(src)

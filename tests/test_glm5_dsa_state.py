@@ -1,0 +1,614 @@
+"""GLM-5.3 DSA indexer state and selection (docs/glm5-dsa.md §4, §6; invariants §6.8).
+
+State: capacity rounding, cursor edges, blob round trips and ordered refusals that change nothing,
+rewind/re-advance, idempotent free, geometry. Selection: an independent brute force written here
+(plain loops, float64), tie and tail rules, and transformers' Glm5NextTextIndexer as an oracle.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import struct
+import weakref
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from kvfold.errors import (CapacityError, DsaBlobCapacityError, DsaBlobError, DsaBlobSizeError,
+                           DsaBlobTruncatedError, DsaBlobWidthError, DsaCapacityError, DsaFreedError,
+                           DsaGeometryError, DsaRewindError, DsaStateError, FreedStateError, RewindError,
+                           SnapshotError, StateError)
+from kvfold.numerics.dsa_select import dsa_pool_keys, dsa_select, selection_mask
+from kvfold.state.glm5_dsa_state import (Glm5NextDsaConfig, Glm5NextDsaState, dsa_capacity,
+                                         indexer_state_bytes)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def filled(max_context: int, d: int, kp: int, n: int, seed: int = 0, dtype=torch.bfloat16) -> Glm5NextDsaState:
+    """A state with n random rows written and advanced over (valid = 1)."""
+    s = Glm5NextDsaState(max_context, d, kp, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    s.write_rows(0, torch.randn(n, d, generator=g), torch.randn(n, d, generator=g))
+    s.advance(n)
+    return s
+
+
+def buffers(s: Glm5NextDsaState) -> list[torch.Tensor]:
+    return [s.k_normed.clone(), s.gate.clone(), s.valid.clone()]
+
+
+def assert_unchanged(s: Glm5NextDsaState, before: list[torch.Tensor], length: int) -> None:
+    assert s.len == length
+    for a, b in zip(before, buffers(s)):
+        assert torch.equal(a, b)
+
+
+def make_blob(rows: int, d: int) -> bytes:
+    """A well-formed bf16 blob of `rows` rows of width d (body bytes all 1)."""
+    return struct.pack("<QQ", rows, d) + b"\x01" * (rows * (4 * d + 1))
+
+
+# ---- capacity and cursor -----------------------------------------------------------------------
+def test_capacity_rounds_down_to_whole_pools():
+    assert dsa_capacity(16386, 4) == 16384
+    assert dsa_capacity(1001, 8) == 1000
+    assert dsa_capacity(7, 0) == 7  # kp 0 is treated as 1
+    assert dsa_capacity(3, 4) == 0
+    s = Glm5NextDsaState(16386, 128, 4)
+    assert s.capacity == 16384 and s.len == 0 and s.is_empty() and s.index_head_dim == 128
+    assert s.k_normed.shape == s.gate.shape == (16384, 128) and s.valid.shape == (16384,)
+    assert s.k_normed.dtype == s.gate.dtype == torch.bfloat16 and s.valid.dtype == torch.uint8
+    assert not s.k_normed.any() and not s.gate.any() and not s.valid.any()  # allocated zeroed
+    assert s.nbytes == indexer_state_bytes(16384, 128) == 8_404_992 == 16384 * 513
+    assert 11 * s.nbytes < 100 * 2**20
+    assert Glm5NextDsaState.alloc(Glm5NextDsaConfig(index_kpool=8, max_context=1001)).capacity == 1000
+
+
+def test_dtype_and_row_offset():
+    s = Glm5NextDsaState(1024, 128, 4)
+    assert s.row_offset(1000) == 256_000 and s.row_offset(0) == 0
+    for p in (1, 7, 1000):  # the byte offset really is where row p starts in both row buffers
+        assert s.k_normed[p].data_ptr() - s.k_normed.data_ptr() == s.row_offset(p)
+        assert s.gate[p].data_ptr() - s.gate.data_ptr() == s.row_offset(p)
+    f = Glm5NextDsaState(8, 16, 4, dtype=torch.float32)
+    assert f.k_normed.dtype == torch.float32 and f.row_offset(3) == 3 * 16 * 4
+    assert f.nbytes == indexer_state_bytes(8, 16, torch.float32) == 8 * (2 * 16 * 4 + 1)
+
+
+def test_advance_cap_edges_and_refusals_keep_len():
+    s = Glm5NextDsaState(10, 4, 4)  # capacity 8
+    assert s.capacity == 8
+    s.advance(5)
+    with pytest.raises(DsaCapacityError, match="max-seq-len"):
+        s.advance(4)
+    assert s.len == 5
+    s.advance(3)  # landing exactly on the cap is allowed
+    assert s.len == 8
+    s.ensure_room(0)
+    s.ensure_room_through(8)
+    for call in (lambda: s.advance(1), lambda: s.ensure_room(1), lambda: s.ensure_room_through(9)):
+        with pytest.raises(DsaCapacityError) as e:
+            call()
+        assert isinstance(e.value, CapacityError) and isinstance(e.value, StateError)
+        assert s.len == 8
+    with pytest.raises(DsaStateError):
+        s.advance(-1)
+    assert s.len == 8
+
+
+def test_rewind_only_shrinks():
+    s = filled(64, 4, 4, 10)
+    before = buffers(s)
+    for n in (11, 100, -1):
+        with pytest.raises(DsaRewindError) as e:
+            s.rewind_to(n)
+        assert isinstance(e.value, RewindError)
+        assert_unchanged(s, before, 10)
+    s.rewind_to(10)
+    assert s.len == 10
+    s.rewind_to(3)
+    assert s.len == 3
+    assert_unchanged(s, before, 3)  # rows past len stay in memory, unreachable
+    assert s.reachable()[0].shape == (3, 4)
+
+
+def test_sync_to_rewinds_when_ahead_refuses_when_behind():
+    s = filled(16, 4, 4, 10)  # capacity 16
+    s.sync_to(10, 2)  # on time: plain advance
+    assert s.len == 12
+    s.sync_to(9, 3)  # ahead (rejected draft): rewind to 9, then advance 3
+    assert s.len == 12
+    with pytest.raises(DsaRewindError, match="missing"):
+        s.sync_to(13, 1)  # behind
+    assert s.len == 12
+    with pytest.raises(DsaCapacityError):
+        s.sync_to(9, 8)  # 17 > 16: refused before the rewind, so len stays where it was
+    assert s.len == 12
+    s.sync_to(8, 8)  # exactly the cap
+    assert s.len == 16
+
+
+def test_write_rows():
+    s = Glm5NextDsaState(16, 4, 4)
+    rows = torch.arange(8.0).view(2, 4)
+    s.write_rows(0, rows, -rows)
+    assert s.len == 0  # writing does not advance
+    assert torch.equal(s.k_normed[:2], rows.bfloat16()) and torch.equal(s.gate[:2], -rows.bfloat16())
+    assert s.valid[:2].tolist() == [1, 1]
+    s.advance(2)
+    s.write_rows(2, rows, rows, valid=torch.tensor([False, True]))  # padding row
+    assert s.valid[2:4].tolist() == [0, 1]
+    s.write_rows(1, rows, rows)  # below len: a replay over a rejected draft
+    before = buffers(s)
+    for call in (lambda: s.write_rows(3, rows, rows),  # gap: rows [2, 3) never written
+                 lambda: s.write_rows(15, rows, rows),  # past the capacity
+                 lambda: s.write_rows(0, rows, rows[:1]),
+                 lambda: s.write_rows(0, torch.zeros(2, 5), torch.zeros(2, 5)),
+                 lambda: s.write_rows(0, rows, rows, valid=torch.ones(3))):
+        with pytest.raises(DsaStateError):
+            call()
+        assert_unchanged(s, before, 2)
+
+
+def test_free_is_idempotent_and_later_use_raises():
+    s = filled(16, 4, 4, 5)
+    refs = [weakref.ref(t) for t in (s.k_normed, s.gate, s.valid)]
+    s.free()
+    gc.collect()
+    assert all(r() is None for r in refs)  # the buffers are really released
+    assert s.released and s.len == 0 and s.nbytes == 0
+    s.free()  # second call: nothing
+    assert s.released and s.len == 0
+    calls = [lambda: s.advance(1), lambda: s.ensure_room(0), lambda: s.ensure_room_through(0),
+             lambda: s.rewind_to(0), lambda: s.sync_to(0, 0), lambda: s.snapshot_blob(),
+             lambda: s.restore_blob(make_blob(0, 4)), lambda: s.geometry(Glm5NextDsaConfig(index_head_dim=4), 1),
+             lambda: s.write_rows(0, torch.zeros(1, 4), torch.zeros(1, 4)), lambda: s.reachable(),
+             lambda: s.k_normed]
+    for call in calls:
+        with pytest.raises(DsaFreedError) as e:
+            call()
+        assert isinstance(e.value, FreedStateError)
+
+
+def test_alloc_free_cycles_leak_nothing():
+    refs = []
+    for i in range(100):
+        s = Glm5NextDsaState(64, 8, 4)
+        refs += [weakref.ref(t) for t in (s.k_normed, s.gate, s.valid)]
+        s.free()
+        s.free()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+# ---- blob round trip ----------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [0, 1, 4, 255, 256, 1023, 4096])
+def test_blob_round_trip(length):
+    s = filled(4096, 128, 4, length, seed=length)
+    s.valid[:length:3] = 0  # padding rows travel too
+    blob = s.snapshot_blob()
+    assert len(blob) == 16 + 513 * length
+    assert struct.unpack_from("<QQ", blob) == (length, 128)
+    expect = [t[:length].clone() for t in buffers(s)]
+    # overwrite everything, move len, then restore
+    g = torch.Generator().manual_seed(99)
+    s.rewind_to(0)
+    s.write_rows(0, torch.randn(4096, 128, generator=g), torch.randn(4096, 128, generator=g))
+    s.advance(17)
+    s.restore_blob(blob)
+    assert s.len == length
+    for a, b in zip(expect, s.reachable()):  # byte-exact, not just numerically equal
+        assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
+    assert s.snapshot_blob() == blob
+    # the size does not depend on capacity: a bigger state gives the same bytes, and takes them
+    big = Glm5NextDsaState(8192, 128, 4)
+    big.restore_blob(blob)
+    assert big.len == length and big.snapshot_blob() == blob
+
+
+def test_blob_in_other_dtype_is_raw_rows_of_that_dtype():
+    s = filled(16, 4, 4, 3, dtype=torch.float32)
+    blob = s.snapshot_blob()
+    assert len(blob) == 16 + 3 * (2 * 4 * 4 + 1)
+    bf = Glm5NextDsaState(16, 4, 4)
+    with pytest.raises(DsaBlobSizeError):  # same width, other dtype: the byte count gives it away
+        bf.restore_blob(blob)
+    t = Glm5NextDsaState(16, 4, 4, dtype=torch.float32)
+    t.restore_blob(blob)
+    assert torch.equal(t.reachable()[0], s.reachable()[0])
+
+
+# ---- refusals -----------------------------------------------------------------------------------
+@pytest.fixture()
+def target():
+    """A state holding 7 rows, to restore refused blobs into."""
+    s = filled(4096, 128, 4, 7, seed=3)
+    return s, buffers(s)
+
+
+def blob_of(length: int, d: int = 128, seed: int = 1) -> bytes:
+    return filled(8192, d, 4, length, seed=seed).snapshot_blob()
+
+
+def refuse(target, blob, error):
+    s, before = target
+    with pytest.raises(error) as e:
+        s.restore_blob(blob)
+    assert isinstance(e.value, DsaBlobError) and isinstance(e.value, SnapshotError)
+    assert isinstance(e.value, StateError)
+    assert_unchanged(s, before, 7)
+    return e.value
+
+
+def test_truncated_blobs_are_refused(target):
+    blob = blob_of(100)
+    for cut in (0, 8, 15):
+        refuse(target, blob[:cut], DsaBlobTruncatedError)
+    for cut in (16, len(blob) - 1):
+        refuse(target, blob[:cut], DsaBlobSizeError)
+
+
+def test_other_width_is_refused(target):
+    refuse(target, blob_of(100, d=64), DsaBlobWidthError)
+    # width is checked before size: a d=64 header over a body that fits d=128 is still "width"
+    body = blob_of(100)[16:]
+    refuse(target, struct.pack("<QQ", 100, 64) + body, DsaBlobWidthError)
+
+
+@pytest.mark.parametrize("header_len", [99, 101, 0])
+def test_header_len_off_in_either_direction_is_a_size_mismatch(target, header_len):
+    body = blob_of(100)[16:]
+    refuse(target, struct.pack("<QQ", header_len, 128) + body, DsaBlobSizeError)
+
+
+def test_over_capacity_is_refused_not_clamped():
+    s = Glm5NextDsaState(4096, 128, 4)
+    blob = blob_of(8192)
+    with pytest.raises(DsaBlobCapacityError, match="max-seq-len") as e:
+        s.restore_blob(blob)
+    assert isinstance(e.value, CapacityError)
+    assert s.len == 0 and not s.k_normed.any() and not s.valid.any()
+
+
+def test_refusal_order(target):
+    # truncated beats width; width beats size; size beats capacity
+    refuse(target, struct.pack("<QQ", 5, 64)[:15], DsaBlobTruncatedError)
+    refuse(target, struct.pack("<QQ", 5, 64) + b"\0" * 3, DsaBlobWidthError)
+    refuse(target, struct.pack("<QQ", 10_000, 128) + b"\0" * 3, DsaBlobSizeError)
+    refuse(target, struct.pack("<QQ", 4097, 128) + b"\0" * (4097 * 513), DsaBlobCapacityError)
+
+
+# hypothesis: structural mutations of a valid blob are always refused with the typed error
+D, CAP, ROWS = 8, 16, 5
+ROW_BYTES = 4 * D + 1
+
+
+def expected_refusal(blob: bytes) -> type[DsaBlobError] | None:
+    """Which refusal the documented order gives (None: a well-formed blob that fits)."""
+    if len(blob) < 16:
+        return DsaBlobTruncatedError
+    rows, d = struct.unpack_from("<QQ", blob)
+    if d != D:
+        return DsaBlobWidthError
+    if len(blob) != 16 + rows * ROW_BYTES:
+        return DsaBlobSizeError
+    if rows > CAP:
+        return DsaBlobCapacityError
+    return None
+
+
+BASE = filled(CAP, D, 4, ROWS, seed=11).snapshot_blob()
+u64 = st.integers(0, 2**64 - 1)
+mutations = st.one_of(
+    st.integers(0, len(BASE) - 1).map(lambda n: BASE[:n]),  # truncate
+    st.binary(min_size=1, max_size=64).map(lambda extra: BASE + extra),  # extend
+    u64.filter(lambda n: n != ROWS).map(lambda n: struct.pack("<Q", n) + BASE[8:]),  # header len
+    u64.filter(lambda d: d != D).map(lambda d: BASE[:8] + struct.pack("<Q", d) + BASE[16:]),  # header d
+    st.tuples(u64, st.integers(0, 400)).map(  # header len and body length both changed
+        lambda t: struct.pack("<QQ", t[0], D) + b"\x07" * t[1]),
+    st.integers(CAP + 1, 3 * CAP).map(  # well formed, but more rows than the cap
+        lambda n: struct.pack("<QQ", n, D) + b"\x01" * (n * ROW_BYTES)),
+    st.binary(max_size=300),  # noise
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blob=mutations)
+def test_mutated_blobs_are_refused_and_change_nothing(blob):
+    error = expected_refusal(blob)
+    assume(error is not None)  # e.g. a header len change with a body that happens to fit
+    s = filled(CAP, D, 4, 3, seed=12)
+    before = buffers(s)
+    with pytest.raises(DsaBlobError) as e:
+        s.restore_blob(blob)
+    assert type(e.value) is error
+    assert_unchanged(s, before, 3)
+
+
+# ---- rewind and re-advance ----------------------------------------------------------------------
+def test_rewind_then_readvance_reproduces_rows():
+    s = filled(512, 128, 4, 500, seed=5)
+    blob500 = s.snapshot_blob()
+    s.rewind_to(300)
+    blob300 = s.snapshot_blob()
+    assert len(blob300) == 16 + 300 * 513
+    key_bytes = 300 * 128 * 2
+    assert blob300[16:16 + key_bytes] == blob500[16:16 + key_bytes]  # 300-row keys prefix 500-row keys
+    with pytest.raises(DsaRewindError):
+        s.rewind_to(301)
+    s.advance(200)  # the rows are still there
+    assert s.snapshot_blob() == blob500
+    # re-writing the same rows after a rewind reproduces them too
+    k, g, v = (t.clone() for t in s.reachable())
+    s.rewind_to(300)
+    s.write_rows(300, torch.randn(200, 128), torch.randn(200, 128))
+    s.write_rows(300, k[300:], g[300:])
+    s.advance(200)
+    assert s.snapshot_blob() == blob500
+
+
+# ---- geometry -----------------------------------------------------------------------------------
+def ref_geometry(seq: int, kp: int, topk: int, tail: bool) -> dict:
+    """Counted, not computed: pools enumerated one by one."""
+    pools_complete = sum(1 for p in range(seq + 1) if (p + 1) * kp <= seq)
+    pools_any = sum(1 for p in range(seq + 1) if p * kp < seq)
+    np2 = 1
+    while np2 < pools_complete:
+        np2 *= 2
+    np2 = min(max(np2, 2), 2048)
+    return dict(n_pools=pools_complete, n_pools_full=pools_any, select_k=min(topk // kp, pools_complete),
+                out_width=topk + (kp - 1 if tail else 0), topk_np2=np2, topk_smem=16 * np2)
+
+
+@pytest.mark.parametrize("kp", [1, 2, 3, 4, 8])
+def test_geometry_matches_counted_pools(kp):
+    topk = 24  # divisible by every kp above
+    cfg = Glm5NextDsaConfig(index_head_dim=1, index_heads=2, index_topk=topk, index_kpool=kp, max_context=264)
+    s = Glm5NextDsaState.alloc(cfg)
+    with pytest.raises(DsaGeometryError):
+        s.geometry(cfg, 1)  # seq 0
+    for seq in range(1, 258):
+        s.rewind_to(0)
+        s.advance(seq)
+        for q_rows in {1, seq}:
+            g = s.geometry(cfg, q_rows)
+            got = {f: getattr(g, f) for f in ref_geometry(seq, kp, topk, True)}
+            assert got == ref_geometry(seq, kp, topk, True), (seq, q_rows)
+            assert (g.seq, g.q_rows, g.index_head_dim, g.index_heads, g.index_kpool) == (seq, q_rows, 1, 2, kp)
+    assert s.geometry(dataclasses.replace(cfg, always_select_tail=False), 1).out_width == topk
+
+
+def test_geometry_documented_values_and_refusals():
+    cfg = Glm5NextDsaConfig(index_head_dim=1)  # topk 2048, kp 4
+    s = Glm5NextDsaState.alloc(cfg)
+    expect = {8192: (512, 2048), 400: (100, 128), 1200: (300, 512), 16384: (512, 2048), 3: (0, 2), 4: (1, 2)}
+    for seq, (select_k, np2) in expect.items():
+        s.rewind_to(0)
+        s.advance(seq)
+        g = s.geometry(cfg, 1)
+        assert (g.select_k, g.topk_np2, g.topk_smem, g.out_width) == (select_k, np2, 16 * np2, 2051)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.seq = 1
+    s.advance(16384 - s.len)
+    for bad_cfg, q_rows in [(cfg, 0), (cfg, 16385), (dataclasses.replace(cfg, index_kpool=0), 1),
+                            (dataclasses.replace(cfg, index_topk=2046), 1),  # not a multiple of kp
+                            (dataclasses.replace(cfg, index_head_dim=2), 1),  # not this state's width
+                            (dataclasses.replace(cfg, index_topk=16384), 1)]:  # select_k 4096 > one tile
+        with pytest.raises(DsaGeometryError):
+            s.geometry(bad_cfg, q_rows)
+    assert s.len == 16384
+
+
+# ---- selection: brute force --------------------------------------------------------------------
+def brute_select(q, w, k, g, valid, ape, topk, kp, tail=True) -> list[list[int]]:
+    """Selection straight from the doc's definitions: loops and float64, no tensor ops shared
+    with the implementation except reading the inputs."""
+    seq, d = len(k), len(k[0])
+    q_rows = len(q)
+    first = next((i for i in range(seq) if valid[i]), seq)
+    n_pools = seq // kp
+    pool_rows = [[first + p * kp + s for s in range(kp)] for p in range(n_pools)]
+    pool_ok = [all(r < seq and valid[r] for r in rows) for rows in pool_rows]
+    keys = []
+    for rows in pool_rows:
+        key = [0.0] * d
+        for c in range(d):
+            logits = [g[r][c] + ape[s][c] if r < seq and valid[r] else -math.inf for s, r in enumerate(rows)]
+            top = max(logits)
+            if top == -math.inf:
+                continue  # no valid slot: key 0
+            e = [math.exp(x - top) for x in logits]
+            key[c] = sum(ei / sum(e) * k[r][c] for ei, r in zip(e, rows) if r < seq)
+        keys.append(key)
+    select_k = min(topk // kp, n_pools)
+    width = topk + (kp - 1 if tail else 0)
+    out = []
+    for i in range(q_rows):
+        pos = seq - q_rows + i
+        row = [-1] * width
+        if not valid[pos]:
+            out.append(row)
+            continue
+        scored = []
+        for p in range(n_pools):
+            if pool_ok[p] and pool_rows[p][-1] <= pos:
+                score = sum(w[i][h] * max(0.0, sum(a * b for a, b in zip(q[i][h], keys[p])) / math.sqrt(d))
+                            for h in range(len(w[i])))
+                scored.append((-score, p))
+        ranked = [p for _, p in sorted(scored)][:select_k]  # ties -> lower pool index
+        for j, p in enumerate(ranked):
+            row[j * kp:(j + 1) * kp] = pool_rows[p]
+        if tail:
+            visible = sum(1 for r in range(pos + 1) if valid[r])
+            n_tail = visible % kp
+            start = first + visible - n_tail
+            for j in range(n_tail):
+                r = start + j
+                if r < seq and valid[r] and r <= pos:
+                    row[select_k * kp + j] = r
+        out.append(row)
+    return out
+
+
+def random_inputs(seq, q_rows, kp, heads=3, d=8, seed=0, pad=0, hole=None):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(seq, d, generator=g)
+    gate = torch.randn(seq, d, generator=g)
+    valid = torch.ones(seq, dtype=torch.uint8)
+    valid[:pad] = 0
+    if hole is not None:
+        valid[hole[0]:hole[1]] = 0
+    q = torch.randn(q_rows, heads, d, generator=g)
+    w = torch.randn(q_rows, heads, generator=g)
+    ape = torch.randn(kp, d, generator=g)
+    return q, w, k, gate, valid, ape
+
+
+@pytest.mark.parametrize("kp,topk", [(1, 4), (2, 6), (3, 9), (4, 8), (4, 16), (8, 16)])
+def test_selection_equals_brute_force(kp, topk):
+    # random signs: many pools score exactly 0 after ReLU, so the tie rule is exercised too
+    cases = [dict(seq=29, q_rows=29), dict(seq=29, q_rows=3), dict(seq=2, q_rows=2),
+             dict(seq=30, q_rows=30, pad=3), dict(seq=31, q_rows=10, hole=(12, 21))]
+    for j, case in enumerate(cases):
+        q, w, k, gate, valid, ape = random_inputs(kp=kp, seed=100 * kp + j, **case)
+        got = dsa_select(q, w, k, gate, valid, ape, topk=topk, kpool=kp)
+        want = brute_select(q.tolist(), w.tolist(), k.tolist(), gate.tolist(), valid.tolist(), ape.tolist(),
+                            topk, kp)
+        assert got.dtype == torch.int32 and got.tolist() == want, (kp, topk, case)
+    got = dsa_select(q, w, k, gate, valid, ape, topk=topk, kpool=kp, select_tail=False)
+    assert got.tolist() == brute_select(q.tolist(), w.tolist(), k.tolist(), gate.tolist(), valid.tolist(),
+                                        ape.tolist(), topk, kp, tail=False)
+
+
+def test_ties_go_to_the_lower_pool_index():
+    kp, d = 4, 8
+    g = torch.Generator().manual_seed(7)
+    pool = torch.randn(kp, d, generator=g)
+    k = pool.repeat(6, 1)  # six identical pools: every score ties
+    gate = torch.randn(kp, d, generator=g).repeat(6, 1)
+    q, w, ape = torch.rand(1, 2, d, generator=g), torch.rand(1, 2, generator=g), torch.zeros(kp, d)
+    valid = torch.ones(24, dtype=torch.uint8)
+    out = dsa_select(q, w, k, gate, valid, ape, topk=12, kpool=kp)
+    assert out[0, :12].tolist() == list(range(12))  # pools 0, 1, 2 in that order
+    # two pools share the best score: the lower one ranks first, whatever their positions
+    k2 = k.clone()
+    k2[20:24] = k2[8:12] = pool * 3 + 1
+    out = dsa_select(q, w, k2, gate, valid, ape, topk=8, kpool=kp)
+    assert out[0, :8].tolist() == [8, 9, 10, 11, 20, 21, 22, 23]
+
+
+def test_incomplete_pool_tail_and_padding():
+    kp, d = 4, 4
+    q, w, k, gate, valid, ape = random_inputs(seq=8, q_rows=8, kp=kp, d=d, seed=1)
+    w = w.abs()
+    # decode-style (one query at the end): the worked cases of §4
+    for pos, want_pools, want_tail in [(2, [], [0, 1, 2]), (3, [0, 1, 2, 3], []), (5, [0, 1, 2, 3], [4, 5])]:
+        n = pos + 1
+        out = dsa_select(q[pos:pos + 1], w[pos:pos + 1], k[:n], gate[:n], valid[:n], ape, topk=2048, kpool=kp)
+        assert out.shape == (1, 2051)
+        row = out[0].tolist()
+        assert row == want_pools + want_tail + [-1] * (2051 - len(want_pools) - len(want_tail))
+    # prefill chunk: select_k is shared, so q=2 gets -1 picks, and the tail starts at select_k*kp
+    out = dsa_select(q, w, k, gate, valid, ape, topk=16, kpool=kp)
+    assert out.shape == (8, 19)
+    assert out[2].tolist() == [-1] * 8 + [0, 1, 2] + [-1] * 8
+    assert out[5].tolist()[:4] == [0, 1, 2, 3] and out[5].tolist()[4:11] == [-1] * 4 + [4, 5, -1]
+    assert sorted(out[7].tolist()[:8]) == list(range(8)) and out[7].tolist()[8:] == [-1] * 11
+    # seq < kp: [0..seq) then -1
+    out = dsa_select(q[2:3], w[2:3], k[:3], gate[:3], valid[:3], ape, topk=16, kpool=kp)
+    assert out[0].tolist() == [0, 1, 2] + [-1] * 16
+    # a padded query row is all -1; pooling starts at the first valid row
+    valid = valid.clone()
+    valid[:2] = 0
+    out = dsa_select(q, w, k, gate, valid, ape, topk=16, kpool=kp)
+    assert (out[:2] == -1).all()
+    assert out[5].tolist()[:4] == [2, 3, 4, 5] and out[7].tolist()[8:10] == [6, 7]
+
+
+def test_pool_keys_partial_and_invalid_pools():
+    kp, d = 4, 3
+    g = torch.Generator().manual_seed(2)
+    k, gate, ape = torch.randn(10, d, generator=g), torch.randn(10, d, generator=g), torch.randn(kp, d, generator=g)
+    valid = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0, 1, 1], dtype=torch.uint8)
+    keys, rows, ok = dsa_pool_keys(k, gate, valid, ape, kp)
+    assert keys.shape == (2, d) and ok.tolist() == [True, False]  # rows 8, 9: partial pool dropped
+    assert torch.equal(keys[1], torch.zeros(d))  # no valid slot: key 0, not NaN
+    wts = torch.softmax(gate[:4] + ape, dim=0)  # per channel, over the slots
+    torch.testing.assert_close(keys[0], (wts * k[:4]).sum(0))
+
+
+def test_selection_mask_reads_a_set():
+    idx = torch.tensor([[3, 3, -1, 7, 9, 0], [-1, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    m = selection_mask(idx, 8)
+    assert m.shape == (2, 8)
+    assert m[0].nonzero().flatten().tolist() == [0, 3, 7] and not m[1].any()
+
+
+def test_state_rows_feed_selection_and_match_geometry():
+    kp, d, topk = 4, 8, 8
+    cfg = Glm5NextDsaConfig(index_head_dim=d, index_heads=3, index_topk=topk, index_kpool=kp, max_context=64)
+    q, w, k, gate, valid, ape = random_inputs(seq=23, q_rows=5, kp=kp, d=d, seed=4)
+    s = Glm5NextDsaState.alloc(cfg, dtype=torch.float32)
+    s.ensure_room(23)
+    s.write_rows(0, k, gate, valid)
+    s.advance(23)
+    out = dsa_select(q, w, *s.reachable(), ape, topk=topk, kpool=kp)
+    geo = s.geometry(cfg, 5)
+    assert out.shape == (geo.q_rows, geo.out_width)
+    assert out.tolist() == dsa_select(q, w, k, gate, valid, ape, topk=topk, kpool=kp).tolist()
+    assert (out[:, geo.select_k * kp + kp - 1:] == -1).all()
+
+
+# ---- selection: transformers' indexer as the oracle ---------------------------------------------
+@pytest.fixture(scope="module")
+def hf_indexer():
+    pytest.importorskip("transformers")
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+    def build(kp: int, topk: int, dtype: torch.dtype, seed: int):
+        cfg = Glm5NextTextConfig(hidden_size=32, index_n_heads=4, index_head_dim=16, q_lora_rank=16,
+                                 index_topk=topk, index_kpool=kp, qk_rope_head_dim=0)
+        m = Glm5NextTextIndexer(cfg, 0)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+            # keep every q.K positive: no ReLU-zero ties, whose order torch.topk leaves undefined
+            m.wq_b.weight.abs_()
+            m.k_norm.bias.fill_(3.0)
+            m.k_norm.weight.mul_(0.5)
+        return m.to(dtype), g
+    return build
+
+
+@pytest.mark.parametrize("kp,topk", [(1, 4), (3, 6), (4, 8), (8, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_matches_transformers_indexer(hf_indexer, kp, topk, dtype):
+    import torch.nn.functional as F
+    m, g = hf_indexer(kp, topk, dtype, seed=kp)
+    seq = 37
+    x = torch.randn(1, seq, 32, generator=g).to(dtype)
+    q_resid = torch.randn(1, seq, 16, generator=g).abs().to(dtype)
+    for pad in (0, 3):
+        mask = torch.ones(1, seq, dtype=torch.bool)
+        mask[0, :pad] = False
+        want = m(x, q_resid, mask, None)[0]
+        with torch.no_grad():  # the per-token values the state stores, and the queries
+            k = m.k_norm(m.wk(x))[0]
+            gate = F.linear(x, m.index_kpool_compress_gate)[0]
+            q = m.wq_b(q_resid)[0].view(seq, 4, 16)
+            w = m.weights_proj(x)[0].float() * 4 ** -0.5
+        s = Glm5NextDsaState(64, 16, kp, dtype=dtype)
+        s.write_rows(0, k, gate, mask[0])
+        s.advance(seq)
+        for q_rows in (seq, 5):  # a whole prefill, and the last chunk over a cached prefix
+            got = dsa_select(q[seq - q_rows:], w[seq - q_rows:], *s.reachable(),
+                             m.index_kpool_compress_ape.detach(), topk=topk, kpool=kp)
+            assert got.shape == want[seq - q_rows:].shape
+            if pad == 0:
+                assert torch.equal(got, want[seq - q_rows:])
+            else:  # with left padding HF may size select_k by valid pools only: compare as sets
+                assert torch.equal(selection_mask(got, seq), selection_mask(want[seq - q_rows:], seq))
