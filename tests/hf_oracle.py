@@ -16,12 +16,15 @@ API
 - ``random_input_ids(length, seed=0, vocab_size=300)`` -> ``list[int]`` (prefix-stable in ``length``)
 - ``ORACLE_SEEDS``: build/input seeds validated tie-free with a comfortable top-k margin
 - ``hf_indexer_scores(model, input_ids)`` -> ``{module_name: Tensor[T, n_entries]}`` (invisible = -inf)
+- ``hf_indexer_topk(model, input_ids)`` -> ``{module_name: LongTensor[T, k]}`` HF's selected entries
+  (ascending, ``-1`` padded)
 - ``hf_indexer_topk_margin(model, input_ids)`` -> smallest relative gap at the top-k cut (``inf`` if no cut)
 - ``hf_indexer_has_ties(model, input_ids, rel_tol=0.0)`` -> ``bool``
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -396,10 +399,23 @@ def random_input_ids(length: int, seed: int = 0, vocab_size: int = 300) -> list[
     return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
 
+@contextlib.contextmanager
+def _single_thread():
+    """Run the (tiny) oracle on one intra-op thread: as fast as two for these shapes, independent
+    of the machine's core count, and immune to OpenMP oversubscription (with 2 threads on 2 busy
+    cores the file took 240 s instead of 12 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def hf_logits(model: DeepseekV4ForCausalLM, input_ids: list[int]) -> torch.Tensor:
-    """Full-sequence logits ``[T, vocab]`` (fp32), one batch row, no KV cache."""
+    """Full-sequence logits ``[T, vocab]`` (fp32), one batch row, no KV cache, one CPU thread."""
     ids = torch.tensor([list(input_ids)], dtype=torch.long)
-    with torch.no_grad():
+    with torch.no_grad(), _single_thread():
         out = model(input_ids=ids, use_cache=False)
     return out.logits[0].float()
 
@@ -432,6 +448,37 @@ def hf_indexer_scores(model: DeepseekV4ForCausalLM, input_ids: list[int]) -> dic
         pos = torch.arange(t).unsqueeze(-1)
         visible = torch.arange(n).unsqueeze(0) < (pos + 1) // ratio
         out[name] = scores.masked_fill(~visible, float("-inf"))
+    return out
+
+
+def hf_indexer_topk(model: DeepseekV4ForCausalLM, input_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The top-k entry sets HF's lightning indexer selects, per CSA layer, from a no-cache forward.
+
+    Returns ``{indexer_module_name: LongTensor[T, k]}``, ``k = min(index_topk, n_entries)``; each row
+    holds the selected entry indices ascending, then ``-1`` for unused slots (rows with fewer than
+    k visible entries). Read from HF's own ``DeepseekV4Indexer`` output, so it is HF's choice
+    (``torch.topk``), not a recomputation; only meaningful where ``hf_indexer_has_ties`` is False.
+    """
+    captured: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, hf_dsv4.DeepseekV4Indexer):
+
+            def hook(mod, args, output, _name=name):
+                captured[_name] = output.detach().clone()
+
+            handles.append(module.register_forward_hook(hook))
+    try:
+        hf_logits(model, input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for name, idx in captured.items():
+        idx = idx[0]  # [T, k], -1 = invalid
+        big = torch.iinfo(idx.dtype).max
+        idx = torch.where(idx < 0, big, idx).sort(dim=-1).values
+        out[name] = torch.where(idx == big, -1, idx)
     return out
 
 

@@ -176,6 +176,28 @@ def test_indexer_scores_are_distinct(models):
             assert row.unique().numel() == row.numel(), f"{name} row {p}"
 
 
+def test_hf_topk_matches_scores(models):
+    """HF's selected sets equal the top-k of the visible scores we expose (no ties at the cut)."""
+    ids = O.random_input_ids(257, seed=0)
+    scores = O.hf_indexer_scores(models[0], ids)
+    topk = O.hf_indexer_topk(models[0], ids)
+    assert sorted(topk) == ["model.layers.1.self_attn.compressor.indexer",
+                            "model.layers.3.self_attn.compressor.indexer"]
+    for name, sel in topk.items():
+        s = scores[name + ".scorer"]
+        assert sel.shape == (257, 4)
+        for p in range(257):
+            n_vis = (p + 1) // 4
+            row = sel[p]
+            valid = row[row >= 0]
+            assert valid.numel() == min(4, n_vis) and (row[valid.numel():] == -1).all()
+            if n_vis > 4:
+                expect = s[p].topk(4).indices.sort().values
+                assert torch.equal(valid, expect), f"{name} row {p}"
+            else:
+                assert valid.tolist() == list(range(n_vis))
+
+
 def test_tie_detector_detects_forced_ties():
     m = O.build_hf_model(seed=0)
     ids = O.random_input_ids(64, seed=0)
