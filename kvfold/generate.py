@@ -4,6 +4,7 @@ speculative decoding (a drafter proposes tokens, one forward verifies them).
 Model contract used here (and nothing more):
   state = model.new_state(capacity=N)     # speculative: new_state(capacity=N, max_rewind=K)
   logits = model.forward(ids, state)      # [T, vocab]; advances state.pos by T
+  logits = model.forward(ids, state, last_only=True)               # [1, vocab]: the prefill
   logits, hidden = model.forward(ids, state, return_hidden=True)   # only for drafters that read it
   state.pos, state.capacity, state.rewind_to(n) (speculative only), state.nbytes, state.free()
   model.device (torch.device), model.config.eos_token_id (int | list[int] | None)
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .sampling import sample_next
-from .speculative import Drafter, make_drafter, verify_drafts
+from .speculative import SPECULATIVE_KINDS, Drafter, make_drafter, verify_drafts
 
 
 @dataclass
@@ -112,9 +113,11 @@ def generate(
     `[]` to never stop early). `on_token` is called with each generated id as soon as it
     is chosen. The last chosen id is never fed to the model (nothing would read its logits).
 
-    `speculative` ("ngram", "mtp" or a `Drafter`) drafts up to `num_draft` tokens per step and
-    verifies them in one forward; greedy output is the plain greedy output, sampled output has
-    the plain sampling distribution (but, per seed, other tokens than plain sampling).
+    `speculative` ("ngram", "mtp" or a `Drafter`, which generate closes when done) drafts up to
+    `num_draft` tokens per step and verifies them in one forward. Greedy output is the plain
+    greedy output (barring an argmax near-tie within the ~1e-5 by which chunked logits differ
+    from 1-token ones); sampled output has the plain sampling distribution (but, per seed,
+    other tokens than plain sampling).
 
     `state`: continue an existing state (e.g. one restored from a session) instead of creating
     one; the prompt is fed at `state.pos` and the caller keeps ownership (it is not freed, and
@@ -133,8 +136,10 @@ def generate(
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if speculative is not None:
-        if isinstance(speculative, str) and speculative not in ("mtp", "ngram"):
-            raise ValueError(f"speculative must be None, 'mtp', 'ngram' or a Drafter, got {speculative!r}")
+        is_drafter = not isinstance(speculative, str) and hasattr(speculative, "propose") \
+            and hasattr(speculative, "update")
+        if not (is_drafter or (isinstance(speculative, str) and speculative in SPECULATIVE_KINDS)):
+            raise ValueError(f"speculative must be None, one of {SPECULATIVE_KINDS} or a Drafter, got {speculative!r}")
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
             raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
     stops = set(_eos_ids(model) if stop_ids is None else (int(i) for i in stop_ids))
@@ -212,10 +217,10 @@ def generate(
     )
 
 
-def _forward(model: Any, ids: list[int], state: Any, drafter: Drafter | None):
+def _forward(model: Any, ids: list[int], state: Any, drafter: Drafter | None, **kw):
     if drafter is not None and drafter.needs_hidden:
-        return model.forward(ids, state, return_hidden=True)
-    return model.forward(ids, state), None
+        return model.forward(ids, state, return_hidden=True, **kw)
+    return model.forward(ids, state, **kw), None
 
 
 def _prefill(model, state, prompt, drafter, out: _Output, temperature, top_p, generator) -> bool:
@@ -226,12 +231,13 @@ def _prefill(model, state, prompt, drafter, out: _Output, temperature, top_p, ge
         # digests each piece's hidden streams before the next exists (bounded memory).
         piece = int(getattr(model, "max_chunk", 0)) or len(prompt)
         for a in range(0, len(prompt) - piece, piece):
-            _, hidden = _forward(model, prompt[a:a + piece], state, drafter)
+            _, hidden = _forward(model, prompt[a:a + piece], state, drafter, last_only=True)
             drafter.update(hidden, start + a, prompt[a + 1:a + piece + 1])
         last = ((len(prompt) - 1) // piece) * piece
     else:
         last = 0
-    logits, hidden = _forward(model, prompt[last:], state, drafter)
+    # only the last row's logits are read: never materialise T x vocab for a long prompt
+    logits, hidden = _forward(model, prompt[last:], state, drafter, last_only=True)
     if out.limit == 0:
         return True
     y = sample_next(logits[-1], temperature, top_p, generator)

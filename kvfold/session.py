@@ -82,7 +82,9 @@ def encode_session(state: Any, tokens: Sequence[int], pending: int | None) -> by
 
 def save_session(path: str | os.PathLike, state: Any, tokens: Sequence[int], pending: int | None) -> None:
     """Write a session file atomically: a temp file in the same directory, fsync, os.replace.
-    A crash or error leaves either the old file or the new one, and no temp file."""
+    `path` always holds the old file or the complete new one; an exception removes the temp
+    file (only a hard kill in between can leave a `.NAME.*.tmp`). The file is created with
+    mode 0600: it holds the conversation."""
     data = encode_session(state, tokens, pending)
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 import kvfold
 
@@ -7,3 +8,8 @@ import kvfold
 def tiny():
     """The built-in tiny model (fp32, CPU)."""
     return kvfold.load_model("tiny")
+
+
+# The suite's models are tiny: one thread avoids OpenMP oversubscription on shared CI cores
+# (a decode step went from ~25 ms to 0.5 s with two threads fighting another process).
+torch.set_num_threads(1)

@@ -40,12 +40,13 @@ class FakeModel:
         self.fail_at_pos = fail_at_pos
         self.states: list[FakeState] = []
         self.calls: list[list[int]] = []
+        self.last_only: list[bool] = []
 
     def new_state(self, capacity: int) -> FakeState:
         self.states.append(FakeState(capacity))
         return self.states[-1]
 
-    def forward(self, ids, state: FakeState) -> torch.Tensor:
+    def forward(self, ids, state: FakeState, last_only: bool = False) -> torch.Tensor:
         ids = [int(i) for i in ids]
         if state.freed:
             raise FreedStateError("freed")
@@ -54,12 +55,13 @@ class FakeModel:
         if self.fail_at_pos is not None and state.pos >= self.fail_at_pos:
             raise RuntimeError("boom")
         self.calls.append(ids)
+        self.last_only.append(last_only)
         logits = torch.zeros(len(ids), VOCAB)
         for t, i in enumerate(ids):
             nxt = EOS if i == self.eos_after else (i + 1) % 256
             logits[t, nxt] = 10.0
         state.pos += len(ids)
-        return logits
+        return logits[-1:] if last_only else logits
 
 
 def test_greedy_counts_calls_and_frees():
@@ -78,6 +80,12 @@ def test_greedy_counts_calls_and_frees():
     assert res.state_bytes == 16 * 8
     assert res.prefill_seconds >= 0 and res.decode_seconds >= 0
     assert res.prefill_tok_s > 0 and res.decode_tok_s > 0
+
+
+def test_prefill_asks_only_for_the_last_logits():
+    model = FakeModel()
+    generate(model, list(range(50)), 3)
+    assert model.last_only == [True, False, False]  # a long prompt never makes T x vocab logits
 
 
 def test_stops_at_eos_and_includes_it():
@@ -147,9 +155,9 @@ def test_bad_arguments(prompt, n):
 
 def test_seeded_sampling_reproducible_through_generate():
     class Noisy(FakeModel):
-        def forward(self, ids, state):
+        def forward(self, ids, state, last_only=False):
             super().forward(ids, state)
-            return torch.zeros(len(ids), VOCAB)  # uniform: every draw is up to the seed
+            return torch.zeros(1 if last_only else len(ids), VOCAB)  # uniform: every draw is up to the seed
 
     runs = [generate(Noisy(), [1], 20, temperature=1.0, seed=s, stop_ids=[]).tokens for s in (3, 3, 4)]
     assert runs[0] == runs[1]
@@ -195,9 +203,9 @@ def test_cli_generate_streams_multibyte_output(monkeypatch, capsys):
         # Emits the three bytes of "€" then EOS, whatever the prompt.
         script = [0xE2, 0x82, 0xAC, EOS]
 
-        def forward(self, ids, state):
+        def forward(self, ids, state, last_only=False):
             super().forward(ids, state)
-            logits = torch.zeros(len(ids), VOCAB)
+            logits = torch.zeros(1 if last_only else len(ids), VOCAB)
             logits[-1, self.script[len(self.calls) - 1]] = 10.0
             return logits
 

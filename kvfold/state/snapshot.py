@@ -108,7 +108,7 @@ def decode_and_apply(state, blob: bytes) -> None:
     # 1. truncated
     if len(blob) < _HEADER.size:
         raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes, shorter than its {_HEADER.size}-byte header")
-    magic, version, _flags, fp, dtype_code, n_sec, pos, body_len, _ = _HEADER.unpack_from(blob, 0)
+    magic, version, flags, fp, dtype_code, n_sec, pos, body_len, reserved = _HEADER.unpack_from(blob, 0)
     table_end = _HEADER.size + n_sec * _SECTION.size
     if magic == MAGIC and len(blob) < table_end:
         raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes but its section table ends at {table_end}")
@@ -118,6 +118,10 @@ def decode_and_apply(state, blob: bytes) -> None:
     if version != VERSION:
         raise SnapshotVersionError(f"snapshot format version {version} is not supported (this kvfold reads "
                                    f"version {VERSION}); re-save it with a matching kvfold")
+    if flags or reserved:
+        # a later format may give these meaning; reading them as version 1 would misread the blob
+        raise SnapshotVersionError(f"snapshot uses header flags {flags:#x} / reserved {reserved:#x} that "
+                                   f"format version {VERSION} does not define; re-save it with a matching kvfold")
     # 4. model, 5. dtype
     fp_str = fp.rstrip(b"\0").decode(errors="replace")
     if fp_str != state.fingerprint:
