@@ -142,6 +142,23 @@ class Dsv4Model(nn.Module):
             return out, (hidden[0] if len(hidden) == 1 else torch.cat(hidden))
         return out
 
+    def forward_batch(self, batch: list[tuple[list[int] | torch.Tensor, Dsv4State]],
+                      last_only: bool = True) -> list[torch.Tensor]:
+        """Advance several sequences in one call: each (token_ids, state) pair as `forward` would.
+        Returns one logits tensor per pair ([1, vocab] with `last_only`, else [T_i, vocab]).
+        Every pair is validated before any state is touched."""
+        checked = []
+        for ids, st in batch:
+            st.check_usable(self.fingerprint, self.device, self.dtype)
+            ids = self._as_ids(ids)
+            if st.pos + ids.numel() > st.capacity:
+                raise CapacityError(f"forward of {ids.numel()} tokens at pos {st.pos} would pass the state's "
+                                    f"capacity {st.capacity}")
+            checked.append((ids, st))
+        if len({id(st) for _, st in checked}) != len(checked):
+            raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
+        return [self.forward(ids, st, last_only=last_only) for ids, st in checked]
+
     def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State, last_only: bool = False):
         start = state.pos
         streams = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
