@@ -64,10 +64,10 @@ class Attention(nn.Module):
             self.compressor = Compressor(hid, self.head_dim, self.ratio, False, cfg.qk_rope_head_dim,
                                          cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor, start: int, ls: LayerState, rope: RopeTable) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start: int, ls: LayerState, rope: RopeTable,
+                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] at `positions` (= start .. start+T-1) with this layer's rope cos/sin."""
         t = x.shape[0]
-        positions = torch.arange(start, start + t, device=x.device)
-        cos, sin = rope.cos_sin(positions)
 
         q_lora = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
@@ -85,7 +85,7 @@ class Attention(nn.Module):
         # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
         prev_start = max(0, start - self.window + 1)
         local = torch.cat([ls.window.read(prev_start, start), kv.to(ls.window.data.dtype)])
-        out = self._attend(q, local, prev_start, start, ls, selected)
+        out = self._attend(q, local, prev_start, start, ls, selected, positions)
         ls.window.write(start, kv)
 
         out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         return self.o_b_proj(grouped)
 
     def _attend(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, ls: LayerState,
-                selected: torch.Tensor | None) -> torch.Tensor:
+                selected: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         t, h, d = q.shape
         w = self.window
         scale = d ** -0.5
@@ -110,22 +110,25 @@ class Attention(nn.Module):
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
             qb = q[b0:b1].float()
-            qpos = torch.arange(start + b0, start + b1, device=q.device)
+            qpos = positions[b0:b1]
             # band of window keys for this block, in local (position - local_start) coordinates
             k0 = max(0, start + b0 - w + 1 - local_start)
             k1 = start + b1 - local_start
             keys_w = local[k0:k1].float()
-            kpos = torch.arange(k0, k1, device=q.device) + local_start
-            band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
             logits_w = torch.einsum("bhd,kd->bhk", qb, keys_w) * scale
-            logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
+            if b1 - b0 > 1:  # a lone query's band is exactly its window: nothing to mask
+                kpos = torch.arange(k0, k1, device=q.device) + local_start
+                band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
+                logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
             parts = [logits_w]
             if self.kind == HCA:
                 n_vis = (start + b1) // self.ratio
                 keys_c = pool[:n_vis].float()
-                vis = torch.arange(n_vis, device=q.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
                 logits_c = torch.einsum("bhd,kd->bhk", qb, keys_c) * scale
-                parts.append(logits_c.masked_fill(~vis[:, None, :], float("-inf")))
+                if b1 - b0 > 1:  # the last query of a block sees all n_vis entries
+                    vis = torch.arange(n_vis, device=q.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+                    logits_c = logits_c.masked_fill(~vis[:, None, :], float("-inf"))
+                parts.append(logits_c)
             elif self.kind == CSA and n_comp > 0:
                 sel = selected[b0:b1]
                 keys_c = pool[sel.clamp(min=0)].float()  # [b, k, d]

@@ -55,6 +55,7 @@ class Indexer(Compressor):
             b1 = min(t, b0 + block)
             s = torch.relu(torch.einsum("bhd,ed->bhe", q[b0:b1], keys)) * scale
             scores = torch.einsum("bhe,bh->be", s, w[b0:b1])
-            scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
+            if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
+                scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores, k)
         return out

@@ -35,9 +35,9 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, i, dtype, device)
 
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, ls: LayerState,
-                rope: RopeTable) -> torch.Tensor:
+                rope: RopeTable, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, post, comb = self.attn_hc.collapse(streams)
-        y = self.self_attn(self.input_layernorm(x), start, ls, rope)
+        y = self.self_attn(self.input_layernorm(x), start, ls, rope, positions, *cos_sin)
         streams = HyperConnection.expand(streams, y, post, comb)
         x, post, comb = self.ffn_hc.collapse(streams)
         y = self.mlp(self.post_attention_layernorm(x), token_ids)
@@ -161,10 +161,14 @@ class Dsv4Model(nn.Module):
 
     def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State, last_only: bool = False):
         start = state.pos
+        positions = torch.arange(start, start + ids.numel(), device=ids.device)
+        tables = {SLIDING: (self.rope_main, self.rope_main.cos_sin(positions))}
+        if any(k != SLIDING for k in self.config.layer_types):
+            tables["compressed"] = (self.rope_compress, self.rope_compress.cos_sin(positions))
         streams = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for block, ls, kind in zip(self.model.layers, state.layers, self.config.layer_types):
-            rope = self.rope_main if kind == SLIDING else self.rope_compress
-            streams = block(streams, ids, start, ls, rope)
+            rope, cos_sin = tables[SLIDING if kind == SLIDING else "compressed"]
+            streams = block(streams, ids, start, ls, rope, positions, cos_sin)
         state.pos = state.written_until = start + ids.numel()
         h = self.model.norm(self.model.hc_head(streams[-1:] if last_only else streams))
         return self.lm_head(h).float(), streams

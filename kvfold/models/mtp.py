@@ -88,7 +88,8 @@ class MtpModule(nn.Module):
         e = self.e_proj(self.enorm(embed[next_ids]))
         x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype)))
         start = state.pos
-        streams = self.block(x, next_ids, start, state.layers[0], rope)
+        positions = torch.arange(start, start + t, device=next_ids.device)
+        streams = self.block(x, next_ids, start, state.layers[0], rope, positions, rope.cos_sin(positions))
         state.pos = state.written_until = start + t
         logits = lm_head(self.norm(self.hc_head(streams))).float()
         return logits, streams
