@@ -1,20 +1,31 @@
-"""Load a transformers-layout DeepSeek-V4 checkpoint directory: `config.json` plus
-`model.safetensors` or shards listed in `model.safetensors.index.json`.
+"""Load a DeepSeek-V4 checkpoint directory: `config.json` (or the official `inference/config.json`)
+plus `model.safetensors` or shards listed in `model.safetensors.index.json` (or any `*.safetensors`).
+
+Tensor names may follow the transformers module layout, what `save_pretrained` writes, or the
+official release (see `checkpoint_names`). Weights stored as FP8 e4m3 with 128x128 ue8m0 block
+scales, or as packed FP4 e2m1 with 1x32 scales (the official release), are dequantized at load
+time into the model's dtype (see `quantized`).
 
 Tensors are read one at a time from memory-mapped safetensors files straight into the model's
-parameters, so a checkpoint is never held in memory twice. Every missing, unexpected or
-mis-shaped tensor is collected and reported in one error.
+parameters (a quantized one is decoded in place into its parameter), so a checkpoint is never held
+in memory twice. Every missing, unexpected or mis-shaped tensor is collected and reported in one error.
 """
 from __future__ import annotations
 
 import json
+import struct
+import sys
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
-from .checkpoint_names import to_kvfold_name
+from .checkpoint_names import Target, is_mtp_key, mtp_target, to_kvfold_name
 from .errors import CheckpointError
+from .quantized import (FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape, read_config_dict,
+                        scale_keys, stored_format)
 
 _PREFIX = "model."
 
@@ -37,42 +48,172 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: torch.nn.Module, directory: Path) -> None:
+class _Progress:
+    """One self-overwriting stderr line while loading, only when stderr is a terminal."""
+
+    def __init__(self, total_bytes: int, enabled: bool | None = None, label: str = "loading weights"):
+        self.total, self.done, self.count, self.label = max(total_bytes, 1), 0, 0, label
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.count += 1
+        now = time.monotonic()
+        if self.enabled and (now - self.last >= 0.1 or self.done >= self.total):
+            self.last = now
+            gib = 1 << 30
+            rate = self.done / gib / max(now - self.t0, 1e-9)
+            sys.stderr.write(f"\rkvfold: {self.label} {100 * self.done / self.total:5.1f}% "
+                             f"({self.done / gib:.2f}/{self.total / gib:.2f} GiB, {self.count} tensors, "
+                             f"{rate:.2f} GiB/s)\x1b[K")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class _Entry(NamedTuple):
+    file: Path
+    dtype: str           # safetensors dtype name
+    shape: tuple          # as the header lists it (F4: in fp4 elements)
+    nbytes: int
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+class CheckpointReader:
+    """A checkpoint's tensors indexed from the safetensors headers alone (no data is mapped), then read
+    shard by shard: a shard is memory-mapped only while its own tensors are read, so the pages of a
+    100 GB checkpoint never all count against the process at once."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.files = checkpoint_files(self.directory)
+        self.entries: dict[str, _Entry] = {}
+        for f in self.files:
+            for key, info in _safetensors_header(f).items():
+                if key != "__metadata__":
+                    begin, end = info["data_offsets"]
+                    self.entries[key] = _Entry(f, info["dtype"], tuple(info["shape"]), end - begin)
+        self.scales = scale_keys(self.entries)  # weight key -> its block-scale key
+        scale_set = set(self.scales.values())
+        self.weight_keys = [k for k in self.entries if k not in scale_set]
+        self.total_bytes = sum(e.nbytes for e in self.entries.values())
+
+    def nbytes(self, key: str) -> int:
+        """Stored bytes of `key` plus its scale's."""
+        s = self.scales.get(key)
+        return self.entries[key].nbytes + (self.entries[s].nbytes if s else 0)
+
+    def tensors(self):
+        """Yield (key, read, read_scale) for every non-scale tensor, grouped by shard; `read()` returns the
+        tensor, `read_scale()` its block scale (or None). Valid until the next item."""
+        by_file: dict[Path, list[str]] = {}
+        for k in sorted(self.weight_keys):
+            by_file.setdefault(self.entries[k].file, []).append(k)
+        for f in self.files:
+            if f not in by_file:
+                continue
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for key in by_file[f]:
+                    yield key, (lambda k=key: sf.get_tensor(k)), (lambda k=key, h=sf: self._scale(k, h))
+
+    def _scale(self, key: str, handle) -> torch.Tensor | None:
+        s = self.scales.get(key)
+        if s is None:
+            return None
+        if self.entries[s].file == self.entries[key].file:
+            return handle.get_tensor(s)
+        with safe_open(str(self.entries[s].file), framework="pt", device="cpu") as other:
+            return other.get_tensor(s)
+
+
+def _resolve(key: str) -> Target | None:
+    """Checkpoint key -> destination (`mtp.*` keys go to the MtpModule's parameters); None: not loaded."""
+    if is_mtp_key(key):
+        return mtp_target(key)
+    return to_kvfold_name(key)
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None = None) -> None:
+    """Fill `model` (and, when the checkpoint carries `mtp.0.*`, a new `model.mtp`) from a checkpoint
+    directory: any of the three name layouts, unquantized or with FP8 / FP4 block-quantized weights
+    (decoded straight into the parameters, one tensor at a time, from memory-mapped files).
+    `progress`: a stderr progress line (default: only when stderr is a terminal)."""
+    directory = Path(directory)
+    reader = CheckpointReader(directory)
+    try:
+        settings = QuantSettings.from_config_dict(read_config_dict(directory))
+    except ValueError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
+    if getattr(model, "mtp", None) is None and any(is_mtp_key(k) and mtp_target(k) is not None
+                                                    for k in reader.weight_keys):
+        from .models.mtp import MtpModule
+        model.mtp = MtpModule(model.config, model.dtype, model.device)
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
-    expected = {n for n in params if not n.startswith("mtp.")}
+    has_mtp = getattr(model, "mtp", None) is not None
+    expected = {n for n in params if has_mtp or not n.startswith("mtp.")}
     seen: set[str] = set()
     expert_seen: dict[str, set[tuple[int, str]]] = {}
     unexpected, misshaped = [], []
     inter = model.config.moe_intermediate_size
-    for f in checkpoint_files(directory):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                target = to_kvfold_name(key)
-                if target is None:  # mtp.*: kept for the MTP drafter
-                    model.mtp_weights[key.removeprefix("model.")] = sf.get_tensor(key).to(model.device)
-                    continue
-                if target.name not in params:
+    bar = _Progress(reader.total_bytes, progress)
+    try:
+        for key, read, read_scale in reader.tensors():
+            entry = reader.entries[key]
+            scale_key = reader.scales.get(key)
+            target = _resolve(key)
+            if target is None:  # not loaded (see mtp_target)
+                bar.update(reader.nbytes(key))
+                continue
+            if target.name not in params:
+                unexpected.append(key)
+                continue
+            dest = params[target.name].data
+            if target.expert is not None:
+                if dest.dim() != 3 or target.expert >= dest.shape[0]:
                     unexpected.append(key)
                     continue
-                dest = params[target.name].data
-                if target.expert is not None:
-                    if target.expert >= dest.shape[0]:
-                        unexpected.append(key)
-                        continue
-                    dest = dest[target.expert]
-                    if target.part != "w2":
-                        dest = dest[:inter] if target.part == "w1" else dest[inter:]
-                shape = tuple(sf.get_slice(key).get_shape())
-                if shape != tuple(dest.shape):
-                    misshaped.append(f"{key}: file {shape} vs expected {tuple(dest.shape)}")
-                    seen.add(target.name)  # reported as mis-shaped, not also as missing
-                    continue
-                dest.copy_(sf.get_tensor(key))  # one tensor at a time, converted into place
-                if target.expert is None:
+                dest = dest[target.expert]
+                if target.part != "w2":
+                    dest = dest[:inter] if target.part == "w1" else dest[inter:]
+            quantized_dtype = stored_format(entry.dtype) is not None
+            if scale_key is None and quantized_dtype and (entry.dtype == "F8_E4M3" or dest.is_floating_point()):
+                raise CheckpointError(f"{key} is stored quantized ({entry.dtype}) but has no block scale "
+                                      f"(`.scale` or `.weight_scale_inv`) next to it")
+            fmt = stored_format(entry.dtype) if scale_key is not None else None
+            shape = logical_shape(entry.shape, entry.dtype, fmt)
+            if shape != tuple(dest.shape):
+                misshaped.append(f"{key}: file {shape} vs expected {tuple(dest.shape)}")
+                seen.add(target.name)  # reported as mis-shaped, not also as missing
+                continue
+            if scale_key is not None:
+                sshape = reader.entries[scale_key].shape
+                want = expected_scale_shape(shape, fmt or FP8, settings)
+                if sshape != want:
+                    misshaped.append(f"{scale_key}: scale {sshape} vs expected {want} for {fmt or 'block'} "
+                                     f"weight {shape}")
                     seen.add(target.name)
-                else:
-                    expert_seen.setdefault(target.name, set()).add((target.expert, target.part))
+                    continue
+                dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
+            else:
+                dest.copy_(read())  # one tensor at a time, converted into place
+            bar.update(reader.nbytes(key))
+            if target.expert is None:
+                seen.add(target.name)
+            else:
+                expert_seen.setdefault(target.name, set()).add((target.expert, target.part))
+    finally:
+        bar.close()
     for name, parts in expert_seen.items():
         n_exp = params[name].shape[0]
         want = {(e, p) for e in range(n_exp) for p in (("w2",) if name.endswith("down_proj") else ("w1", "w3"))}
@@ -106,3 +247,19 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
     return directory
+
+
+def checkpoint_dtype_breakdown(directory: str | Path) -> dict[str, tuple[int, int]]:
+    """{stored dtype: (tensor count, bytes)} over a checkpoint's safetensors files, read from the file
+    headers only (no tensor data is touched). Dtype names are safetensors' (`BF16`, `F32`, `F8_E4M3`,
+    `F8_E8M0`, `I8`, `F4`, ...); FP4 experts packed in int8 count as `I8`. Sorted by bytes, largest first."""
+    out: dict[str, list[int]] = {}
+    for f in checkpoint_files(Path(directory)):
+        for key, info in _safetensors_header(f).items():
+            if key == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            entry = out.setdefault(info["dtype"], [0, 0])
+            entry[0] += 1
+            entry[1] += end - begin
+    return {k: (c, b) for k, (c, b) in sorted(out.items(), key=lambda kv: -kv[1][1])}

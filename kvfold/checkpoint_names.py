@@ -65,3 +65,109 @@ def to_kvfold_name(key: str) -> Target | None:
         name = f"model.{stem}." + ("down_proj" if part == "w2" else "gate_up_proj")
         return Target(name, e, part)
     return Target("model." + k)
+
+
+# ---- MTP keys ---------------------------------------------------------------------------------
+
+# `mtp.0.<head leaf>` (official) -> MtpModule attribute path
+_MTP_HEAD = {"e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight", "enorm.weight": "enorm.weight",
+             "hnorm.weight": "hnorm.weight", "norm.weight": "norm.weight", "hc_head_fn": "hc_head.hc_fn",
+             "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+_MTP_KEY = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+
+
+def is_mtp_key(key: str) -> bool:
+    return key.removeprefix("model.").startswith("mtp.")
+
+
+def mtp_target(key: str) -> Target | None:
+    """`mtp.0.*` checkpoint key (official block names or transformers block names) -> the parameter of
+    `Dsv4Model.mtp` (an `MtpModule`) it fills, named as in `Dsv4Model.named_parameters()` (`mtp.` prefix).
+    None for keys kvfold does not load: other MTP depths (`mtp.1.*`, unsupported), and the copies of
+    the shared embedding / head some releases carry (`mtp.0.emb.*`, `mtp.0.head.weight`), which the
+    official converter drops as well."""
+    m = _MTP_KEY.match(key)
+    if m is None:
+        return None
+    depth, rest = int(m.group(1)), m.group(2)
+    if depth != 0 or rest.startswith("emb") or rest == "head.weight":
+        return None
+    if rest in _MTP_HEAD:
+        return Target("mtp." + _MTP_HEAD[rest])
+    if rest in _MTP_HEAD.values():
+        return Target("mtp." + rest)
+    t = to_kvfold_name("layers.0." + rest)  # block leaves: same rules as any layer
+    name = "mtp.block." + t.name.removeprefix("model.layers.0.")
+    return Target(name, t.expert, t.part)
+
+
+# ---- kvfold names -> official names -------------------------------------------------------------
+
+# leaf names inside one block (transformers module name -> official release name)
+_LAYER_LEAVES = {
+    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.sinks": "attn.attn_sink",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_a_norm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight", "self_attn.kv_proj.weight": "attn.wkv.weight",
+    "self_attn.kv_norm.weight": "attn.kv_norm.weight", "self_attn.o_a_proj.weight": "attn.wo_a.weight",
+    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+}
+_TOP = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+        "model.norm.weight": "norm.weight",
+        "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+        "model.hc_head.hc_scale": "hc_head_scale"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def to_official_names(name: str, n_routed_experts: int) -> list[tuple[str, int | None, str | None]]:
+    """kvfold parameter name -> [(official key, expert, part)]: one entry, or for stacked experts one per
+    expert and part (`gate_up_proj` -> w1 rows [:I] and w3 rows [I:]; `down_proj` -> w2).
+    Raises KeyError for a name that has no official counterpart."""
+    if name in _TOP:
+        return [(_TOP[name], None, None)]
+    if name.startswith("mtp."):
+        rest = name[len("mtp."):]
+        inv = {v: k for k, v in _MTP_HEAD.items()}
+        if rest in inv:
+            return [("mtp.0." + inv[rest], None, None)]
+        if not rest.startswith("block."):
+            raise KeyError(name)
+        prefix, leaf = "mtp.0.", rest[len("block."):]
+    else:
+        m = _LAYER.match(name)
+        if m is None:
+            raise KeyError(name)
+        prefix, leaf = f"layers.{m.group(1)}.", m.group(2)
+    if leaf == "mlp.experts.gate_up_proj":
+        return [(f"{prefix}ffn.experts.{e}.{p}.weight", e, p) for e in range(n_routed_experts) for p in ("w1", "w3")]
+    if leaf == "mlp.experts.down_proj":
+        return [(f"{prefix}ffn.experts.{e}.w2.weight", e, "w2") for e in range(n_routed_experts)]
+    return [(prefix + _LAYER_LEAVES[leaf], None, None)]
+
+
+def hf_key_for_official(official_key: str) -> str:
+    """The name transformers' `save_pretrained` (5.23, default format) gives a release tensor: official
+    leaf names under `model.`, except `head.weight`, and the top-level embed / hc_head names, which it
+    keeps as module names (`model.embed_tokens.weight`, `model.hc_head.hc_fn`)."""
+    if official_key == "head.weight":
+        return official_key
+    inverse = {"embed.weight": "embed_tokens.weight", "hc_head_fn": "hc_head.hc_fn",
+               "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+    return "model." + inverse.get(official_key, official_key)

@@ -78,6 +78,20 @@ def _build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the layer schedule and state sizes of a model")
     i.add_argument("model", help='checkpoint directory, or "tiny"')
     _add_model_args(i)
+
+    c = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (hf) or official layout")
+    c.add_argument("src", help="checkpoint directory to read")
+    c.add_argument("dst", help="directory to write (new or empty)")
+    c.add_argument("--to", choices=("hf", "official"), required=True, help="layout to write")
+    q = c.add_mutually_exclusive_group()
+    q.add_argument("--quantize", dest="quantize", action="store_const", const=True, default=None,
+                   help="store the release's FP8/FP4 weights quantized (the default for --to official; "
+                        "--to hf keeps the source's formats by default)")
+    q.add_argument("--dequantize", dest="quantize", action="store_const", const=False,
+                   help="store every weight dequantized, in --dtype")
+    c.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                   help="dtype of dequantized weights (default bfloat16); other tensors keep their stored dtype")
+    c.add_argument("--shard-size-gib", type=float, default=4.0, help="maximum shard size (default 4 GiB)")
     return parser
 
 
@@ -179,6 +193,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     out.write(f"fixed state per sequence: {_fmt_bytes(fixed)} (window rings + compressor windows)\n")
     for n in (4096, 131072, 1048576):
         out.write(f"state at {n} tokens: {_fmt_bytes(fixed + per_tok * n)}\n")
+    if args.model != "tiny":
+        from .checkpoint import checkpoint_dtype_breakdown
+
+        out.write("checkpoint tensors by stored dtype:\n")
+        for name, (count, nbytes) in checkpoint_dtype_breakdown(args.model).items():
+            out.write(f"  {name:<8} {count:>7} tensors  {_fmt_bytes(nbytes):>12}\n")
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    out = convert(args.src, args.dst, args.to, quantize=args.quantize, dtype=_DTYPES[args.dtype],
+                  max_shard_bytes=int(args.shard_size_gib * (1 << 30)))
+    print(f"[kvfold] wrote {out}", file=sys.stderr)
     return 0
 
 
@@ -190,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "convert":
+            return _cmd_convert(args)
         return _cmd_inspect(args)
     except KvfoldError as exc:
         sys.stdout.flush()

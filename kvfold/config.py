@@ -222,7 +222,7 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
     if d.get("mlp_layer_types") is not None:
         mlp_types = list(d["mlp_layer_types"])[:n]
     else:
-        n_hash = int(d.get("num_hash_layers", 3))
+        n_hash = int(d.get("num_hash_layers", d.get("n_hash_layers", 3)))
         mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     if len(mlp_types) != n or any(t not in ("hash_moe", "moe") for t in mlp_types):
         raise ConfigError(f"mlp_layer_types must list {n} entries of hash_moe/moe; got {mlp_types}")
@@ -236,6 +236,11 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
         compress_rp = rope_params or d.get("rope_scaling")
         main_theta = float(d.get("rope_theta", 10000.0))
         compress_theta = float(d.get("compress_rope_theta", 160000.0))
+    if not compress_rp and d.get("rope_factor") is not None and int(d.get("original_seq_len") or 0) > 0:
+        # official keys: YaRN on the compressed layers when original_seq_len > 0 (REF precompute_freqs_cis)
+        compress_rp = {"rope_type": "yarn", "factor": d["rope_factor"],
+                       "original_max_position_embeddings": d["original_seq_len"],
+                       "beta_fast": d.get("beta_fast"), "beta_slow": d.get("beta_slow")}
     yarn = _yarn_from(compress_rp)
 
     eos = d.get("eos_token_id", 1)
@@ -263,18 +268,18 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
         num_experts_per_tok=int(_require(d, "num_experts_per_tok", "n_activated_experts")),
         moe_intermediate_size=int(_require(d, "moe_intermediate_size", "moe_inter_dim")),
         n_shared_experts=int(d.get("n_shared_experts", 1)),
-        scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
+        scoring_func=str(d.get("scoring_func", d.get("score_func", "sqrtsoftplus"))),
         routed_scaling_factor=float(d.get("routed_scaling_factor", d.get("route_scale", 1.5))),
         swiglu_limit=float(d.get("swiglu_limit", 10.0)),
         hc_mult=int(d.get("hc_mult", 4)),
         hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
         hc_eps=float(d.get("hc_eps", 1e-6)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(d.get("rms_norm_eps", d.get("norm_eps", 1e-6))),
         rope_theta=main_theta,
         compress_rope_theta=compress_theta,
         compress_yarn=yarn,
         max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
-        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0)),
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", d.get("n_mtp_layers", 0))),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id", 0),
         eos_token_id=eos,
@@ -306,6 +311,8 @@ def _validate(c: Dsv4Config) -> None:
 def load_config(path: str | Path) -> Dsv4Config:
     p = Path(path)
     f = p / "config.json" if p.is_dir() else p
+    if p.is_dir() and not f.exists() and (p / "inference" / "config.json").exists():
+        f = p / "inference" / "config.json"  # where the official release keeps its config
     if not f.exists():
         raise ConfigError(f"{f} not found: a checkpoint directory needs a config.json")
     try:

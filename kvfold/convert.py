@@ -1,0 +1,286 @@
+"""`kvfold convert SRC DST --to hf|official`: rewrite a DeepSeek-V4 checkpoint in another layout,
+one tensor at a time (nothing but the tensor being converted is held in memory, except that a stacked
+`gate_up_proj` / `down_proj` source tensor is read whole to split it per expert).
+
+Layouts written:
+* `official`: release names (`embed.weight`, `layers.N.attn.wq_a.weight`, per-expert
+  `layers.N.ffn.experts.E.w1.weight`, `mtp.0.*`, ...), FP8 / FP4 weights with `.scale` (e8m0)
+  companions, and a `config.json` in the official keys (`dim`, `n_layers`, `compress_ratios`, ...)
+  with a `quantization_config`.
+* `hf`: the names transformers' `save_pretrained` writes (official leaf names under `model.`,
+  `head.weight`, `model.embed_tokens.weight`, `model.hc_head.*`; MTP as `mtp.0.*`), quantized
+  weights with `.weight_scale_inv` (e8m0) companions, and a transformers `config.json`.
+
+`quantize`: None (default) quantizes for `official` (FP8 for attention wq_a/wq_b/wkv/wo_a/wo_b,
+indexer wq_b, shared experts and MTP e_proj/h_proj; FP4 for routed experts: spec section 10) and
+keeps the source's formats for `hf`; True quantizes that same set for either layout; False writes every
+weight dequantized. Dequantized weights are written in `dtype` (default bfloat16); unquantized source
+tensors are copied in their stored dtype. A source tensor already quantized in the wanted format
+(128x128 FP8 or 1x32 FP4 with power-of-two scales) is copied bit for bit, never requantized.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import CheckpointReader, _Progress, _resolve
+from .checkpoint_names import hf_key_for_official, to_official_names
+from .config import CSA, HCA, SLIDING, Dsv4Config, load_config
+from .errors import CheckpointError, ConfigError
+from .numerics.quant import (E8M0_BIAS, FP4_BLOCK, FP8_BLOCK, dequant_fp4_blocks, dequant_fp8_blocks,
+                             quantize_fp4_blocks, quantize_fp8_blocks)
+from .quantized import FP4, FP8, QuantSettings, official_quant_kind, read_config_dict, stored_format
+
+LAYOUTS = ("hf", "official")
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                       "weight_block_size": list(FP8_BLOCK), "activation_scheme": "dynamic"}
+
+
+# ---- configs ----------------------------------------------------------------------------------
+
+def official_config_dict(cfg: Dsv4Config, quantized: bool = True, expert_fp4: bool = True) -> dict:
+    """`cfg` in the official config.json keys (what the release's `inference/config.json` uses), plus the
+    bos/eos ids and, when the schedule needs them, the explicit layer types. `config_from_dict` reads it
+    back to an equal config."""
+    yarn = cfg.compress_yarn
+    n_hash = sum(1 for t in cfg.mlp_layer_types if t == "hash_moe")
+    d = {
+        "vocab_size": cfg.vocab_size, "dim": cfg.hidden_size, "moe_inter_dim": cfg.moe_intermediate_size,
+        "n_layers": cfg.num_hidden_layers, "n_hash_layers": n_hash, "n_mtp_layers": cfg.num_nextn_predict_layers,
+        "n_heads": cfg.num_attention_heads, "n_routed_experts": cfg.n_routed_experts,
+        "n_shared_experts": cfg.n_shared_experts, "n_activated_experts": cfg.num_experts_per_tok,
+        "score_func": cfg.scoring_func, "route_scale": cfg.routed_scaling_factor, "swiglu_limit": cfg.swiglu_limit,
+        "q_lora_rank": cfg.q_lora_rank, "head_dim": cfg.head_dim, "rope_head_dim": cfg.qk_rope_head_dim,
+        "norm_eps": cfg.rms_norm_eps, "o_groups": cfg.o_groups, "o_lora_rank": cfg.o_lora_rank,
+        "window_size": cfg.sliding_window,
+        "original_seq_len": yarn.original_max_position_embeddings if yarn else 0,
+        "rope_theta": cfg.rope_theta, "rope_factor": yarn.factor if yarn else 1.0,
+        "beta_fast": yarn.beta_fast if yarn else 32, "beta_slow": yarn.beta_slow if yarn else 1,
+        "index_n_heads": cfg.index_n_heads, "index_head_dim": cfg.index_head_dim, "index_topk": cfg.index_topk,
+        "hc_mult": cfg.hc_mult, "hc_sinkhorn_iters": cfg.hc_sinkhorn_iters, "hc_eps": cfg.hc_eps,
+        "compress_rope_theta": cfg.compress_rope_theta,
+        # one entry per layer, then one per MTP block (pure sliding window)
+        "compress_ratios": list(cfg.compress_ratios) + [0] * cfg.num_nextn_predict_layers,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
+    }
+    if cfg.mlp_layer_types != tuple(["hash_moe"] * n_hash + ["moe"] * (cfg.num_hidden_layers - n_hash)):
+        d["mlp_layer_types"] = list(cfg.mlp_layer_types)
+    rates = {t: r for t, r in zip(cfg.layer_types, cfg.compress_ratios) if t != SLIDING}
+    if rates.get(CSA, 4) != 4 or rates.get(HCA, 128) != 128:
+        d["layer_types"] = list(cfg.layer_types)
+        d["compress_rate_csa"], d["compress_rate_hca"] = rates.get(CSA, 4), rates.get(HCA, 128)
+    if quantized:
+        d.update(dtype="fp8", scale_fmt="ue8m0")
+        d["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        if expert_fp4:
+            d["expert_dtype"] = "fp4"
+            d["quantization_config"]["expert_dtype"] = "fp4"
+    else:
+        d["dtype"] = "bf16"
+    return d
+
+
+# ---- writer -----------------------------------------------------------------------------------
+
+class _ShardWriter:
+    def __init__(self, directory: Path, max_bytes: int):
+        self.dir, self.max = directory, max(int(max_bytes), 1)
+        self.buf: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.keys: set[str] = set()
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        if key in self.keys:
+            raise CheckpointError(f"two source tensors convert to the same name {key}")
+        self.keys.add(key)
+        n = t.numel() * t.element_size()
+        if self.buf and self.size + n > self.max:
+            self.flush()
+        self.buf[key] = t.detach().contiguous().cpu().clone()
+        self.size += n
+
+    def flush(self) -> None:
+        if not self.buf:
+            return
+        path = self.dir / f".part-{len(self.files):05d}.safetensors"
+        save_file(self.buf, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.buf)))
+        self.buf, self.size = {}, 0
+
+    def finish(self) -> list[Path]:
+        self.flush()
+        if len(self.files) == 1:
+            final = self.dir / "model.safetensors"
+            self.files[0][0].rename(final)
+            return [final]
+        n = len(self.files)
+        weight_map, out, total = {}, [], 0
+        for i, (path, keys) in enumerate(self.files):
+            final = self.dir / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(final)
+            total += final.stat().st_size
+            weight_map.update({k: final.name for k in keys})
+            out.append(final)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return out
+
+
+# ---- conversion -------------------------------------------------------------------------------
+
+def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor | None:
+    """A scale as e8m0 exponent bytes, when it is exactly representable (e8m0 input, or float powers of
+    two in range); None otherwise."""
+    if scale.dtype == torch.uint8 or scale.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return scale.view(torch.uint8)
+    s = scale.to(torch.float32)
+    m, e = torch.frexp(s)
+    k = e.to(torch.int32) - 1
+    if not bool(((m == 0.5) & (k >= -E8M0_BIAS) & (k <= E8M0_BIAS)).all()):
+        return None
+    return (k + E8M0_BIAS).to(torch.uint8)
+
+
+def _as_e8m0_tensor(exps: torch.Tensor) -> torch.Tensor:
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    return exps.view(e8m0) if e8m0 is not None else exps
+
+
+class _Piece:
+    """One tensor to write: float values, or stored quantized bytes + scale (+ its format)."""
+
+    def __init__(self, value: torch.Tensor, scale: torch.Tensor | None = None, fmt: str | None = None,
+                 settings: QuantSettings | None = None):
+        self.value, self.scale, self.fmt, self.settings = value, scale, fmt, settings
+
+    def floats(self) -> torch.Tensor:
+        if self.fmt == FP8:
+            return dequant_fp8_blocks(self.value, self.scale, self.settings.fp8_block)
+        if self.fmt == FP4:
+            return dequant_fp4_blocks(self.value, self.scale, self.settings.fp4_block)
+        return self.value
+
+
+def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None = None,
+            dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 4 << 30,
+            progress: bool | None = None) -> Path:
+    """Convert checkpoint directory `src` into a new directory `dst` in layout `to` ("hf" or "official").
+    Returns `dst`. See the module docstring for `quantize` and `dtype`."""
+    if to not in LAYOUTS:
+        raise ValueError(f"to must be one of {LAYOUTS}, got {to!r}")
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ConfigError(f"{src} is not a checkpoint directory")
+    if dst.exists() and any(dst.iterdir()):
+        raise ConfigError(f"{dst} exists and is not empty; convert writes a new directory")
+    cfg = load_config(src)
+    try:
+        settings = QuantSettings.from_config_dict(read_config_dict(src))
+    except ValueError as e:
+        raise CheckpointError(f"{src}: {e}") from None
+    mode = ("official" if to == "official" else "keep") if quantize is None else ("official" if quantize else "none")
+    reader = CheckpointReader(src)
+    unknown = []
+    for key in reader.weight_keys:
+        target = _resolve(key)
+        try:
+            if target is not None:
+                to_official_names(target.name, cfg.n_routed_experts)
+        except KeyError:
+            unknown.append(key)
+    if unknown:  # refused before anything is written
+        raise CheckpointError(f"{src}: {len(unknown)} tensors have no place in a DeepSeek-V4 model: {unknown[:20]}")
+    dst.mkdir(parents=True, exist_ok=True)
+    writer = _ShardWriter(dst, max_shard_bytes)
+    written_fmts: set[str] = set()
+    dropped = []
+    inter = cfg.moe_intermediate_size
+
+    def out_keys(official_key: str) -> tuple[str, str]:
+        stem = official_key[: -len(".weight")] if official_key.endswith(".weight") else official_key
+        if to == "official":
+            return official_key, stem + ".scale"
+        key = official_key if official_key.startswith("mtp.") else hf_key_for_official(official_key)
+        stem = key[: -len(".weight")] if key.endswith(".weight") else key
+        return key, stem + ".weight_scale_inv"
+
+    def emit(official_key: str, param_name: str, piece: _Piece, source_fmt: str | None) -> None:
+        if mode == "official":
+            want = official_quant_kind(param_name)
+        elif mode == "keep":
+            want = source_fmt
+        else:
+            want = None
+        key, skey = out_keys(official_key)
+        if want is None:
+            writer.add(key, piece.floats().to(dtype) if piece.fmt else piece.value)
+            return
+        written_fmts.add(want)
+        exps = None
+        if piece.fmt == want and (want == FP4 or piece.settings.fp8_block == FP8_BLOCK):
+            exps = _e8m0_bytes(piece.scale)
+        if exps is not None:  # already in the wanted format: copy bit for bit
+            q = piece.value.view(torch.int8) if want == FP4 else piece.value
+        else:
+            values = piece.floats()
+            if want == FP4 and values.shape[-1] % 2:
+                raise CheckpointError(f"{official_key}: FP4 needs an even input dim, got {tuple(values.shape)}")
+            q, exps = quantize_fp8_blocks(values) if want == FP8 else quantize_fp4_blocks(values, FP4_BLOCK)
+        writer.add(key, q)
+        writer.add(skey, _as_e8m0_tensor(exps))
+
+    bar = _Progress(reader.total_bytes, progress, "converting")
+    try:
+        for key, read, read_scale in reader.tensors():
+            target = _resolve(key)
+            if target is None:
+                dropped.append(key)
+                bar.update(reader.nbytes(key))
+                continue
+            names = to_official_names(target.name, cfg.n_routed_experts)
+            tensor, scale = read(), read_scale()
+            fmt = stored_format(tensor.dtype) if scale is not None else None
+            if target.expert is not None:  # one expert's w1 / w3 / w2, stored on its own
+                off = [n for n in names if n[1] == target.expert and n[2] == target.part]
+                emit(off[0][0], target.name, _Piece(tensor, scale, fmt, settings), fmt)
+            elif len(names) == 1:
+                emit(names[0][0], target.name, _Piece(tensor, scale, fmt, settings), fmt)
+            else:  # a stacked experts tensor: split per expert (and into w1 / w3 rows)
+                for official_key, e, part in names:
+                    rows = slice(None) if part == "w2" else slice(0, inter) if part == "w1" else slice(inter, None)
+                    if fmt == FP4:  # 1x32 blocks split cleanly along rows
+                        piece = _Piece(tensor[e][rows], scale[e][rows], fmt, settings)
+                    elif fmt is not None:
+                        piece = _Piece(_Piece(tensor[e], scale[e], fmt, settings).floats()[rows])
+                    else:
+                        piece = _Piece(tensor[e][rows])
+                    emit(official_key, target.name, piece, fmt)
+            bar.update(reader.nbytes(key))
+        writer.finish()
+    except BaseException:
+        for part in dst.glob(".part-*.safetensors"):  # leave no half-written checkpoint behind
+            part.unlink()
+        raise
+    finally:
+        bar.close()
+    if to == "official":
+        config = official_config_dict(cfg, quantized=bool(written_fmts), expert_fp4=FP4 in written_fmts)
+    else:
+        config = cfg.to_hf_dict()
+        if written_fmts:
+            config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+            if FP4 in written_fmts:
+                config["quantization_config"]["expert_dtype"] = "fp4"
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():  # tokenizer and generation files
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copyfile(f, dst / f.name)
+    return dst
