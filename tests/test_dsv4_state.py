@@ -11,10 +11,10 @@ from helpers import random_ids
 def snapshot_buffers(state):
     bufs = []
     for ls in state.layers:
-        bufs.append(ls.window.data.clone())
+        bufs += ls.window.store.clone_storage()
         for c in (ls.compressor, ls.indexer):
             if c is not None:
-                bufs += [c.kv.data.clone(), c.score.data.clone(), c.pool.clone()]
+                bufs += c.kv.store.clone_storage() + c.score.store.clone_storage() + c.pool.clone_storage()
     return bufs
 
 

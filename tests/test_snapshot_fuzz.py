@@ -124,5 +124,5 @@ def test_resealed_header_and_table_edits(blob, target, data):
 def test_unknown_flags_or_reserved_bits_are_refused(tiny, blob, off):
     s = tiny.new_state(capacity=100)
     with pytest.raises(kvfold.StateError, match="flags"):
-        s.restore(reseal(blob[:off] + b"\x01" + blob[off + 1:]))
+        s.restore(reseal(blob[:off] + b"\x02" + blob[off + 1:]))  # bit 0 of flags means FP8 KV
     assert s.pos == 0

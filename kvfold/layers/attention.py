@@ -15,6 +15,7 @@ from torch import nn
 from ..config import CSA, HCA, SLIDING, Dsv4Config
 from ..numerics import RopeTable, apply_rope, unweighted_rms_norm
 from ..state.dsv4_state import LayerState
+from ..state.kv_rows import fp8_roundtrip
 from .basic import Linear, Norm, _param
 from .compressor import Compressor
 from .indexer import Indexer
@@ -83,8 +84,11 @@ class Attention(nn.Module):
                 selected = idx.select(x, q_lora, start, ls.indexer, rope, cos, sin)
 
         # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
+        fp8_nope = ls.window.store.fp8_nope
+        if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
+            kv = fp8_roundtrip(kv, fp8_nope)
         prev_start = max(0, start - self.window + 1)
-        local = torch.cat([ls.window.read(prev_start, start), kv.to(ls.window.data.dtype)])
+        local = torch.cat([ls.window.read(prev_start, start), kv.to(ls.window.store.dtype)])
         out = self._attend(q, local, prev_start, start, ls, selected, positions)
         ls.window.write(start, kv)
 

@@ -49,7 +49,7 @@ class Compressor(nn.Module):
             parts_kv.append(kv[: need_end - start])
             parts_sc.append(score[: need_end - start])
             pooled = pool_windows(torch.cat(parts_kv), torch.cat(parts_sc), r, self.overlap)
-            entries = self.kv_norm(pooled.to(st.pool.dtype))
+            entries = self.kv_norm(pooled.to(st.pool.dtype))  # cast to the activation dtype, then norm
             cos, sin = rope.cos_sin(torch.arange(first_w, end_w, device=x.device) * r)
             st.pool[first_w:end_w] = apply_rope(entries, cos, sin)
         st.kv.write(start, kv)

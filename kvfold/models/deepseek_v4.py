@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import CSA, HCA, SLIDING, Dsv4Config
-from ..errors import CapacityError, KvfoldError
+from ..errors import CapacityError, ConfigError, KvfoldError
 from ..layers.attention import Attention
 from ..layers.basic import Linear, Norm, _param
 from ..layers.mhc import HyperConnection, HyperHead
@@ -83,24 +83,31 @@ class Dsv4Model(nn.Module):
         self.fingerprint = cfg.fingerprint()
 
     # ---- state -------------------------------------------------------------------------------
-    def new_state(self, capacity: int = 4096, max_rewind: int = 0) -> Dsv4State:
-        """Reserve every buffer of one sequence for `capacity` tokens (never grown later)."""
+    def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Dsv4State:
+        """Reserve every buffer of one sequence for `capacity` tokens (never grown later).
+
+        `kv_dtype="fp8"` stores window rows and compressed entries as float8_e4m3fn at unit
+        scale (non-rope dims; rope dims stay exact in the model dtype)."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
+        if kv_dtype not in (None, "auto", "fp8"):
+            raise ConfigError(f"kv_dtype must be None (the model dtype) or 'fp8', got {kv_dtype!r}")
         cfg = self.config
+        nope = cfg.head_dim - cfg.qk_rope_head_dim if kv_dtype == "fp8" else None
         layers = []
         for kind, ratio in zip(cfg.layer_types, cfg.compress_ratios):
-            window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device)
+            window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device,
+                                  fp8_nope=nope)
             ls = LayerState(window=window)
             if kind != SLIDING:
                 ls.compressor = compressor_state(ratio, kind == CSA, cfg.head_dim, capacity, max_rewind,
-                                                 self.dtype, self.device)
+                                                 self.dtype, self.device, fp8_nope=nope)
             if kind == CSA:
                 ls.indexer = compressor_state(ratio, True, cfg.index_head_dim, capacity, max_rewind,
                                               self.dtype, self.device)
             layers.append(ls)
-        return Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
-                         device=self.device, dtype=self.dtype)
+        return Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind,
+                         fingerprint=self.fingerprint, device=self.device, dtype=self.dtype, kv_fp8=nope is not None)
 
     # ---- forward -----------------------------------------------------------------------------
     def _as_ids(self, token_ids) -> torch.Tensor:
@@ -177,22 +184,24 @@ class Dsv4Model(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def state_bytes_per_token(self) -> float:
+    def state_bytes_per_token(self, kv_dtype: str | None = None) -> float:
         """Bytes each further token adds to a state's compressed and indexer pools."""
         cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
+        entry = cfg.head_dim * esz
+        if kv_dtype == "fp8":
+            entry = cfg.head_dim - cfg.qk_rope_head_dim + cfg.qk_rope_head_dim * esz
         total = 0.0
         for kind, r in zip(cfg.layer_types, cfg.compress_ratios):
             if kind != SLIDING:
-                total += cfg.head_dim * esz / r
+                total += entry / r
             if kind == CSA:
                 total += cfg.index_head_dim * esz / r
         return total
 
-    def fixed_state_bytes(self, max_rewind: int = 0) -> int:
+    def fixed_state_bytes(self, max_rewind: int = 0, kv_dtype: str | None = None) -> int:
         """Bytes of a state that do not grow with capacity: window rings and compressor rows."""
-        st = self.new_state(capacity=1, max_rewind=max_rewind)
-        pools = sum(c.pool.numel() * c.pool.element_size() for ls in st.layers
-                    for c in (ls.compressor, ls.indexer) if c is not None)
+        st = self.new_state(capacity=1, max_rewind=max_rewind, kv_dtype=kv_dtype)
+        pools = sum(c.pool.nbytes for ls in st.layers for c in (ls.compressor, ls.indexer) if c is not None)
         n = st.nbytes - pools
         st.free()
         return n

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import FreedStateError, RewindError, StateMismatchError
+from .kv_rows import KvRows
 from .rings import PositionRing
 
 _kv_ids = itertools.count(1)  # never reused within a process
@@ -26,11 +27,11 @@ class CompressorState:
     overlap: bool
     kv: PositionRing
     score: PositionRing
-    pool: torch.Tensor  # [ceil(capacity / ratio), c]; entry w at row w
+    pool: KvRows  # [ceil(capacity / ratio), c]; entry w at row w
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + self.score.nbytes + self.pool.numel() * self.pool.element_size()
+        return self.kv.nbytes + self.score.nbytes + self.pool.nbytes
 
 
 @dataclass
@@ -49,14 +50,14 @@ class LayerState:
 
 
 def compressor_state(ratio: int, overlap: bool, width: int, capacity: int, max_rewind: int,
-                     dtype: torch.dtype, device: torch.device) -> CompressorState:
+                     dtype: torch.dtype, device: torch.device, fp8_nope: int | None = None) -> CompressorState:
     m = 2 if overlap else 1
     rows = (2 * ratio if overlap else ratio) + max_rewind
     return CompressorState(
         ratio=ratio, overlap=overlap,
         kv=PositionRing(rows, m * width, torch.float32, device, 0.0),
         score=PositionRing(rows, m * width, torch.float32, device, float("-inf")),
-        pool=torch.zeros(-(-capacity // ratio), width, dtype=dtype, device=device),
+        pool=KvRows(-(-capacity // ratio), width, dtype, device, fp8_nope),
     )
 
 
@@ -64,9 +65,10 @@ class Dsv4State:
     """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly."""
 
     def __init__(self, layers: list[LayerState], *, window: int, capacity: int, max_rewind: int,
-                 fingerprint: str, device: torch.device, dtype: torch.dtype):
+                 fingerprint: str, device: torch.device, dtype: torch.dtype, kv_fp8: bool = False):
         self.layers: list[LayerState] | None = layers
         self.window = window
+        self.kv_fp8 = kv_fp8  # window rows and compressed entries stored as FP8 (non-rope dims)
         self.capacity = capacity
         self.max_rewind = max_rewind
         self.fingerprint = fingerprint

@@ -7,23 +7,32 @@ from __future__ import annotations
 
 import torch
 
+from .kv_rows import KvRows
+
 
 class PositionRing:
-    def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device, fill: float = 0.0):
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, device: torch.device, fill: float = 0.0,
+                 fp8_nope: int | None = None):
         self.rows = rows
-        self.data = torch.full((rows, width), fill, dtype=dtype, device=device)
+        self.store = KvRows(rows, width, dtype, device, fp8_nope, fill)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """Every slot, decoded (a view in the plain dtype; a copy in FP8 mode)."""
+        return self.store[:]
 
     def slots(self, start: int, end: int) -> torch.Tensor:
-        return torch.arange(start, end, device=self.data.device) % self.rows
+        return torch.arange(start, end, device=self.store.rope.device if self.store.fp8_nope else
+                            self.store.data.device) % self.rows
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end), oldest first. Caller guarantees end - start <= rows."""
         if end <= start:
-            return self.data[:0]
+            return self.store[0:0]
         a, b = start % self.rows, (end - 1) % self.rows + 1
-        if a < b:  # contiguous: a view, no copy
-            return self.data[a:b]
-        return self.data.index_select(0, self.slots(start, end))
+        if a < b:  # contiguous: a view, no copy (plain dtype)
+            return self.store[a:b]
+        return self.store[self.slots(start, end)]
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Write rows for positions [start, start + len(rows)); only the last `self.rows` land."""
@@ -33,10 +42,10 @@ class PositionRing:
             n = self.rows
         a = start % self.rows
         first = min(n, self.rows - a)
-        self.data[a:a + first] = rows[:first].to(self.data.dtype)
+        self.store[a:a + first] = rows[:first]
         if first < n:
-            self.data[:n - first] = rows[first:].to(self.data.dtype)
+            self.store[:n - first] = rows[first:]
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return self.store.nbytes

@@ -15,12 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_rows import KvRows
 from ..errors import (SnapshotCapacityError, SnapshotChecksumError, SnapshotCountsError, SnapshotDtypeError,
                       SnapshotMagicError, SnapshotModelError, SnapshotSizeError, SnapshotTruncatedError,
                       SnapshotVersionError)
 
 MAGIC = b"KVFOLDST"
 VERSION = 1
+FLAG_FP8_KV = 1  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
+KNOWN_FLAGS = FLAG_FP8_KV
 _HEADER = struct.Struct("<8sII16sIIQQQ")  # 64 bytes
 _SECTION = struct.Struct("<IIQQII")  # 32 bytes
 _DIGEST = 32
@@ -48,6 +51,10 @@ class Section:
         return self.rows * self.width * CODE_DTYPES[self.dtype].itemsize
 
 
+def _flags(state) -> int:
+    return FLAG_FP8_KV if getattr(state, "kv_fp8", False) else 0
+
+
 def _buffers(ls, kind):
     """(kind -> tensor-or-ring) of one layer, for the kinds this layer has."""
     out = {WINDOW: ls.window}
@@ -65,22 +72,22 @@ def expected_sections(state, pos: int) -> list[Section]:
     secs = []
     for i, ls in enumerate(state.layers):
         first = max(0, pos - state.window + 1)
-        secs.append(Section(i, WINDOW, first, pos - first, ls.window.data.shape[1], sd))
+        secs.append(Section(i, WINDOW, first, pos - first, ls.window.store.width, sd))
         for comp, kinds in ((ls.compressor, (COMP_KV, COMP_SCORE, COMP_POOL)), (ls.indexer, (IX_KV, IX_SCORE, IX_POOL))):
             if comp is None:
                 continue
             r = comp.ratio
             # the open window's rows, and (overlapping) the previous window's for its Ca half
             first = max(0, (pos // r) * r - (r if comp.overlap else 0))
-            secs.append(Section(i, kinds[0], first, pos - first, comp.kv.data.shape[1], f32))
-            secs.append(Section(i, kinds[1], first, pos - first, comp.score.data.shape[1], f32))
-            secs.append(Section(i, kinds[2], 0, pos // r, comp.pool.shape[1], sd))
+            secs.append(Section(i, kinds[0], first, pos - first, comp.kv.store.width, f32))
+            secs.append(Section(i, kinds[1], first, pos - first, comp.score.store.width, f32))
+            secs.append(Section(i, kinds[2], 0, pos // r, comp.pool.width, sd))
     return secs
 
 
 def _rows_of(state, s: Section) -> torch.Tensor:
     buf = _buffers(state.layers[s.layer], s.kind)
-    if isinstance(buf, torch.Tensor):
+    if isinstance(buf, KvRows):
         return buf[s.first:s.first + s.rows]
     return buf.read(s.first, s.first + s.rows)
 
@@ -92,7 +99,7 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 def encode(state) -> bytes:
     secs = expected_sections(state, state.pos)
     body = b"".join(_to_bytes(_rows_of(state, s)) for s in secs)
-    header = _HEADER.pack(MAGIC, VERSION, 0, state.fingerprint.encode().ljust(16, b"\0")[:16],
+    header = _HEADER.pack(MAGIC, VERSION, _flags(state), state.fingerprint.encode().ljust(16, b"\0")[:16],
                           DTYPE_CODES[state.dtype], len(secs), state.pos, len(body), 0)
     table = b"".join(_SECTION.pack(s.layer, s.kind, s.first, s.rows, s.width, s.dtype) for s in secs)
     payload = header + table + body
@@ -118,7 +125,7 @@ def decode_and_apply(state, blob: bytes) -> None:
     if version != VERSION:
         raise SnapshotVersionError(f"snapshot format version {version} is not supported (this kvfold reads "
                                    f"version {VERSION}); re-save it with a matching kvfold")
-    if flags or reserved:
+    if flags & ~KNOWN_FLAGS or reserved:
         # a later format may give these meaning; reading them as version 1 would misread the blob
         raise SnapshotVersionError(f"snapshot uses header flags {flags:#x} / reserved {reserved:#x} that "
                                    f"format version {VERSION} does not define; re-save it with a matching kvfold")
@@ -127,6 +134,11 @@ def decode_and_apply(state, blob: bytes) -> None:
     if fp_str != state.fingerprint:
         raise SnapshotModelError(f"snapshot was taken from a model with config fingerprint {fp_str}; this state "
                                  f"belongs to {state.fingerprint}; restore it into a state of the same model")
+    if (flags & FLAG_FP8_KV) != _flags(state):
+        blob_kv, own_kv = ("fp8" if flags & FLAG_FP8_KV else "plain"), ("fp8" if _flags(state) else "plain")
+        hint = "kv_dtype='fp8'" if blob_kv == "fp8" else "the default kv_dtype"
+        raise SnapshotDtypeError(f"snapshot KV storage is {blob_kv} but this state's is {own_kv}; restore it "
+                                 f"into a state made with new_state(..., {hint})")
     if CODE_DTYPES.get(dtype_code) != state.dtype:
         raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(dtype_code, dtype_code)} differs from the "
                                  f"state's {state.dtype}; load the model with the snapshot's dtype")
@@ -163,7 +175,7 @@ def decode_and_apply(state, blob: bytes) -> None:
         off += s.nbytes
     for s, r in zip(want, rows):
         buf = _buffers(state.layers[s.layer], s.kind)
-        if isinstance(buf, torch.Tensor):
+        if isinstance(buf, KvRows):
             buf[s.first:s.first + s.rows] = r
         else:
             buf.write(s.first, r)

@@ -1,0 +1,61 @@
+"""Rows of attention KV (window rows, compressed entries), stored in the model dtype or in FP8.
+
+FP8 mode (`kv_dtype="fp8"`): the non-rope dims are stored as float8_e4m3fn at unit scale
+(clamped to +-448) and the rope dims stay in the model dtype, so positions stay exact
+(448 + 2*64 = 576 bytes per V4 row in bf16, against 1024). Reading decodes; decoding an FP8
+value is exact, so re-encoding what was read gives the same bytes (snapshots stay exact).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+
+
+def fp8_roundtrip(x: torch.Tensor, nope: int) -> torch.Tensor:
+    """What FP8 storage of the first `nope` dims gives back: used on a chunk's fresh rows so
+    they attend exactly as they will when read back from the state later."""
+    q = x[..., :nope].clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    return torch.cat([q, x[..., nope:]], dim=-1)
+
+
+class KvRows:
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, device, fp8_nope: int | None = None,
+                 fill: float = 0.0):
+        self.dtype, self.width, self.fp8_nope = dtype, width, fp8_nope
+        if fp8_nope is None:
+            self.data = torch.full((rows, width), fill, dtype=dtype, device=device)
+        else:
+            self.nope = torch.zeros(rows, fp8_nope, dtype=torch.float8_e4m3fn, device=device)
+            self.rope = torch.zeros(rows, width - fp8_nope, dtype=dtype, device=device)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0] if self.fp8_nope is None else self.nope.shape[0], self.width)
+
+    @property
+    def row_bytes(self) -> int:
+        if self.fp8_nope is None:
+            return self.width * self.data.element_size()
+        return self.fp8_nope + (self.width - self.fp8_nope) * self.rope.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self.fp8_nope is None:
+            return self.data[index]
+        return torch.cat([self.nope[index].to(self.dtype), self.rope[index]], dim=-1)
+
+    def __setitem__(self, index, values: torch.Tensor) -> None:
+        if self.fp8_nope is None:
+            self.data[index] = values.to(self.dtype)
+            return
+        n = self.fp8_nope
+        self.nope[index] = values[..., :n].clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        self.rope[index] = values[..., n:].to(self.dtype)
+
+    def clone_storage(self) -> list[torch.Tensor]:
+        """Copies of the stored bytes (tests compare them to prove a refusal changed nothing)."""
+        return [self.data.clone()] if self.fp8_nope is None else [self.nope.clone(), self.rope.clone()]
