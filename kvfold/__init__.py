@@ -5,10 +5,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import (CapacityError, CheckpointError, ConfigError, FreedStateError, KvfoldError, RewindError,
-                     StateError, StateMismatchError)
+from .errors import (CapacityError, CheckpointError, ConfigError, EngineError, FreedStateError, InvalidRequestError,
+                     KvfoldError, QueueFullError, RequestTooLongError, RewindError, StateError, StateMismatchError)
 
 from .generate import GenerationResult, generate
+from .engine import AsyncEngine, Engine, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -22,4 +23,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
 
 __all__ = ["load_model", "generate", "GenerationResult", "KvfoldError", "StateError", "CapacityError", "StateMismatchError",
-           "FreedStateError", "RewindError", "ConfigError", "CheckpointError"]
+           "FreedStateError", "RewindError", "ConfigError", "CheckpointError", "Engine", "AsyncEngine", "SamplingParams",
+           "RequestOutput", "EngineError", "InvalidRequestError", "RequestTooLongError", "QueueFullError"]

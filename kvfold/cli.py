@@ -79,6 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", help='checkpoint directory, or "tiny"')
     _add_model_args(i)
 
+    from .server import add_serve_parser
+    add_serve_parser(sub)
+
     c = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (hf) or official layout")
     c.add_argument("src", help="checkpoint directory to read")
     c.add_argument("dst", help="directory to write (new or empty)")
@@ -221,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "convert":
             return _cmd_convert(args)
+        if args.command == "serve":
+            from .server import run_serve
+            return run_serve(args)
         return _cmd_inspect(args)
     except KvfoldError as exc:
         sys.stdout.flush()

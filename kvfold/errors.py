@@ -131,3 +131,20 @@ class DsaBlobSizeError(DsaBlobError):
 
 class DsaBlobCapacityError(DsaBlobError, CapacityError):
     """The DSA blob holds more rows than the target state reserves; refused, never clamped."""
+
+
+class EngineError(KvfoldError):
+    """Base class of errors the serving engine (`kvfold.Engine`) raises about a request."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the engine refuses before any work: bad sampling parameters or prompt ids."""
+
+
+class RequestTooLongError(InvalidRequestError):
+    """Prompt plus max_tokens exceed the engine's per-sequence capacity (max_seq_len), or the
+    request's state alone would pass max_state_bytes; shorten the prompt or lower max_tokens."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue holds max_queue requests already; retry later."""

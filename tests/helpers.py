@@ -3,3 +3,27 @@ import torch
 
 def random_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def chunked_reference(model, ids: list[int], max_new: int, chunk: int = 128, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = None, stop_ids=None) -> list[int]:
+    """What the serving engine must produce for one request run alone, written with the plain
+    model API: the prompt fed in chunks ending at multiples of `chunk` (the engine's split, which
+    makes prefix-cache hits exact), then one token per forward, sampled like `kvfold.generate`.
+    For prompts up to `chunk` tokens this is exactly `kvfold.generate`."""
+    from kvfold.sampling import sample_next
+    stops = set(model.config.eos_ids if stop_ids is None else stop_ids)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    state = model.new_state(capacity=len(ids) + max_new)
+    try:
+        for a in range(0, len(ids), chunk):
+            logits = model.forward(ids[a:a + chunk], state, last_only=True)
+        out: list[int] = []
+        while True:
+            tok = sample_next(logits[-1], temperature, top_p, gen)
+            out.append(tok)
+            if tok in stops or len(out) >= max_new:
+                return out
+            logits = model.forward([tok], state)
+    finally:
+        state.free()

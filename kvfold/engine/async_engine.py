@@ -1,0 +1,180 @@
+"""`AsyncEngine`: the engine's step loop on a background thread, fed from asyncio code.
+
+Only the worker thread ever touches the `Engine`: adds and cancels from the event loop go into
+an inbox the worker applies between steps, so a cancel can never free a state in the middle of
+a forward. Outputs go back through one asyncio queue per request; metrics are published by the
+worker after every step as a plain dict, so readers on other threads never see a half-updated
+engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import AsyncIterator, Callable, Sequence as Seq
+
+from ..errors import EngineError
+from .engine import Engine
+from .sequence import RequestOutput, SamplingParams
+
+log = logging.getLogger("kvfold.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._metrics = engine.metrics()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvfold-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """True while the step loop is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _submit(self, op: Callable[[], None]) -> None:
+        with self._cv:
+            if self._stop:
+                raise EngineError("the engine is shutting down")
+            self._inbox.append(op)
+            self._cv.notify()
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> "RequestStream":
+        """Queue a request; returns the stream of its outputs. Engine refusals
+        (InvalidRequestError, RequestTooLongError, QueueFullError) raise here."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        added: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def add() -> None:
+            if not added.set_running_or_notify_cancel():
+                return  # the caller gave up before the worker got here: add nothing
+            try:
+                rid = self.engine.add_request(prompt_ids, params)
+            except Exception as exc:
+                added.set_exception(exc)
+                return
+            self._streams[rid] = (loop, queue)  # registered before any step can produce output
+            added.set_result(rid)
+
+        self._submit(add)
+        try:
+            rid = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # caller gone while the worker was adding it: cancel once added
+            def cleanup(f: concurrent.futures.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.cancel(f.result())
+            added.add_done_callback(cleanup)
+            raise
+        return RequestStream(self, rid, queue)
+
+    async def generate(self, prompt_ids: Seq[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """`add_request` and iterate; leaving the loop early cancels the request."""
+        stream = await self.add_request(prompt_ids, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.cancel()
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request (from any thread); its state is freed before the next step."""
+        def op() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.cancel(request_id)
+        try:
+            self._submit(op)
+        except EngineError:  # shutting down: every request is being freed anyway
+            pass
+
+    def metrics(self) -> dict[str, float]:
+        return self._metrics
+
+    # ---- worker thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._inbox and not self.engine.has_unfinished():
+                    self._cv.wait()
+                if self._stop:
+                    break
+                ops, self._inbox = self._inbox, []
+            for op in ops:
+                op()
+            try:
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+            except Exception as exc:  # a bug, not a request's fault: end every request, keep serving
+                log.exception("engine step failed")
+                outputs = self._fail_all(f"engine step failed: {exc!r}")
+            self._metrics = self.engine.metrics()  # published before outputs: a finished client sees it
+            self._dispatch(outputs)
+        # shutting down: apply what is still in the inbox, then end every request and free its state
+        with self._cv:
+            ops, self._inbox = self._inbox, []
+        for op in ops:
+            op()
+        outputs = self._fail_all("the server is shutting down")
+        self._metrics = self.engine.metrics()
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._streams.pop(out.request_id, None) if out.finished else \
+                self._streams.get(out.request_id)
+            if target is not None:
+                loop, queue = target
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:  # that event loop is closed: nobody is listening
+                    pass
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error output (their states are freed)."""
+        outs = [RequestOutput(rid, [], "", True, "error", 0, 0, 0, message) for rid in self._streams]
+        self.engine.cancel_all()
+        return outs
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; ends after the finished one."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out: RequestOutput = await self._queue.get()
+        self.finished = out.finished
+        return out
+
+    def cancel(self) -> None:
+        """Stop the request unless it already finished (idempotent): call it when the reader goes away."""
+        if not self.finished:
+            self.finished = True
+            self.engine.cancel(self.request_id)

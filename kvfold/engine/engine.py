@@ -1,0 +1,286 @@
+"""`kvfold.Engine`: continuous batching over exact per-sequence states, with a prefix cache.
+
+Each `step()` admits waiting requests that fit, then advances every running sequence with ONE
+`model.forward_batch` call: a decode token for each sequence past its prompt, plus prefill
+chunks under a per-step token budget. Prefill chunks always end at multiples of
+`prefill_chunk` (a multiple of 128), whatever the load, so a sequence's computation is the same
+split of the same tokens whether it ran alone, batched, or resumed from the prefix cache.
+
+Not thread-safe: call it from one thread (`AsyncEngine` does that for the server).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import torch
+
+from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
+from ..sampling import sample_next
+from .prefix_cache import PrefixCache
+from .scheduler import Scheduler
+from .sequence import RequestOutput, SamplingParams, Sequence, Status
+
+BLOCK = 128  # design rule 2: snapshot and prefix boundaries at multiples of 128
+
+
+@dataclass
+class Completion:
+    """A finished request, as `Engine.generate` returns it."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_tokens: int
+
+
+class Engine:
+    def __init__(self, model: Any, *, max_seq_len: int = 4096, max_running: int = 16, max_queue: int = 256,
+                 max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
+                 prefix_cache_bytes: int = 256 << 20):
+        """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
+        that much). `max_running`: sequences holding a state at once. `max_queue`: requests
+        waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
+        fed per step. `prefill_chunk`: prefill chunk and prefix-cache block size, a multiple of
+        128. `max_state_bytes`: bound on the bytes of all live states (None: no bound beyond
+        max_running). `prefix_cache_bytes`: snapshot budget of the prefix cache (0 disables it)."""
+        if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
+            raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
+        if max_batch_tokens < max_running:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must cover one decode token per running "
+                             f"sequence (max_running={max_running})")
+        for name, v in (("max_seq_len", max_seq_len), ("max_running", max_running)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if max_queue < 0 or prefix_cache_bytes < 0:
+            raise ValueError("max_queue and prefix_cache_bytes must be >= 0")
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and max_seq_len > limit:
+            raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
+        self.model = model
+        self.tokenizer = getattr(model, "tokenizer", None)
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.vocab_size = model.config.vocab_size
+        self.eos_ids = frozenset(int(i) for i in model.config.eos_ids)
+        self._fixed_bytes, self._pools = _state_layout(model)
+        self.max_state_bytes = math.inf if max_state_bytes is None else max_state_bytes
+        self.scheduler = Scheduler(max_running=max_running, max_queue=max_queue,
+                                   max_state_bytes=self.max_state_bytes, max_batch_tokens=max_batch_tokens,
+                                   prefill_chunk=prefill_chunk)
+        root = f"{model.fingerprint}/{model.dtype}".encode()
+        self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root) if prefix_cache_bytes else None
+        self._seqs: dict[str, Sequence] = {}  # every unfinished request
+        self._ids = itertools.count()
+        self._c = dict.fromkeys(
+            ["requests_added", "requests_rejected", "requests_cancelled", "finished_stop", "finished_length",
+             "finished_error", "prompt_tokens", "prefill_tokens", "generation_tokens", "steps", "batch_seqs",
+             "batch_tokens", "last_batch_seqs", "last_batch_tokens", "states_allocated", "states_freed"], 0)
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def state_bytes(self, capacity: int) -> int:
+        """Exact `nbytes` of a state created with `new_state(capacity)`, known before allocating it."""
+        return self._fixed_bytes + sum(-(-capacity // r) * row for r, row in self._pools)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Seq[int] | torch.Tensor, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Refusals happen here, before any work:
+        InvalidRequestError (bad ids or parameters), RequestTooLongError (prompt + max_tokens over
+        max_seq_len, or a state over max_state_bytes), QueueFullError (max_queue requests waiting)."""
+        try:
+            seq = self._make_sequence(prompt_ids, params, request_id)
+            self.scheduler.add(seq)
+        except (InvalidRequestError, QueueFullError):
+            self._c["requests_rejected"] += 1
+            raise
+        self._seqs[seq.request_id] = seq
+        self._c["requests_added"] += 1
+        self._c["prompt_tokens"] += len(seq.prompt)
+        return seq.request_id
+
+    def _make_sequence(self, prompt_ids, params, request_id) -> Sequence:
+        params = SamplingParams() if params is None else params
+        params.validate()
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        prompt = list(prompt_ids)
+        if not prompt or not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+            raise InvalidRequestError("the prompt must be a non-empty list of token ids")
+        bad = [i for i in prompt if not 0 <= i < self.vocab_size]
+        if bad:  # refused here: one bad id in a batched forward would refuse the whole batch
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self._seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        stop_ids = self.eos_ids if params.stop_token_ids is None else frozenset(int(i) for i in params.stop_token_ids)
+        seq = Sequence(request_id, prompt, params, stop_ids, self.tokenizer)
+        if seq.capacity > self.max_seq_len:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {seq.capacity} passes "
+                f"max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
+        if self.state_bytes(seq.capacity) > self.max_state_bytes:
+            raise RequestTooLongError(
+                f"this request's state needs {self.state_bytes(seq.capacity)} bytes, more than max_state_bytes "
+                f"{self.max_state_bytes} for all sequences together; lower max_tokens or the prompt length")
+        return seq
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its state now. False if it is unknown or done."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._release(seq)
+        self._c["requests_cancelled"] += 1
+        return True
+
+    def cancel_all(self) -> int:
+        """Cancel every unfinished request; returns how many there were."""
+        return sum(self.cancel(rid) for rid in list(self._seqs))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, run one batched forward, choose tokens. Returns one output per
+        request that produced a token, finished, or failed this step."""
+        outputs: list[RequestOutput] = []
+        for seq in self.scheduler.admit(lambda s: self.state_bytes(s.capacity)):
+            self._start(seq, outputs)
+        batch = self.scheduler.plan()
+        if not batch:
+            return outputs
+        try:
+            logits = self.model.forward_batch([(ids, seq.state) for seq, ids in batch], last_only=True)
+        except Exception as exc:  # the whole batch is suspect: end its requests, keep serving the rest
+            for seq, _ in batch:
+                self._fail(seq, f"model forward failed: {exc!r}", outputs)
+            return outputs
+        n_tokens = sum(len(ids) for _, ids in batch)
+        self._c.update(steps=self._c["steps"] + 1, last_batch_seqs=len(batch), last_batch_tokens=n_tokens)
+        self._c["batch_seqs"] += len(batch)
+        self._c["batch_tokens"] += n_tokens
+        for (seq, ids), lg in zip(batch, logits):
+            if not seq.output:  # a prefill chunk
+                self._c["prefill_tokens"] += len(ids)
+                self._maybe_snapshot(seq)
+                if seq.prefilling:
+                    continue  # the prompt goes on next step; these logits are not read
+            p = seq.params
+            seq.append_token(sample_next(lg[-1], p.temperature, p.top_p, seq.generator))
+            self._c["generation_tokens"] += 1
+            outputs.append(seq.take_output())
+            if seq.finish_reason is not None:
+                self._finish(seq)
+        return outputs
+
+    def _start(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
+        """Give an admitted sequence its state, resumed from the longest cached prefix."""
+        n, blob = 0, None
+        if self.prefix_cache is not None:
+            seq.block_keys = self.prefix_cache.keys_for(seq.prompt)
+            n, blob = self.prefix_cache.lookup(seq.block_keys, len(seq.prompt))
+        try:
+            seq.state = self.model.new_state(capacity=seq.capacity)
+        except Exception as exc:
+            self._fail(seq, f"could not allocate the state: {exc!r}", outputs)
+            return
+        self._c["states_allocated"] += 1
+        if blob is not None:
+            try:
+                seq.state.restore(blob)
+                seq.cached_tokens = n
+            except SnapshotError:  # refused blobs leave the state untouched: run cold
+                self.prefix_cache.hits -= 1
+                self.prefix_cache.hit_tokens -= n
+
+    def _maybe_snapshot(self, seq: Sequence) -> None:
+        """After a prefill chunk that ended on a block boundary, cache the state there."""
+        pos = seq.state.pos
+        if self.prefix_cache is None or pos % self.prefill_chunk:
+            return
+        key = seq.block_keys[pos // self.prefill_chunk - 1]
+        if key in self.prefix_cache:
+            self.prefix_cache.touch(key)
+        else:
+            self.prefix_cache.insert(key, seq.state.snapshot())
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.state is not None:
+            self._c["states_freed"] += 1
+        seq.release()
+
+    def _finish(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        self._release(seq)
+        self._c[f"finished_{seq.finish_reason}"] += 1
+
+    def _fail(self, seq: Sequence, message: str, outputs: list[RequestOutput]) -> None:
+        seq.finish_reason, seq.error = "error", message
+        outputs.append(seq.take_output())
+        self._finish(seq)
+
+    # ---- convenience -------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run several prompts to completion together (batched), in prompt order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, Completion] = {r: Completion(r, [], "", None, 0) for r in rids}
+        while any(c.finish_reason is None for c in done.values()) and self.has_unfinished():
+            for out in self.step():
+                c = done.get(out.request_id)
+                if c is not None:
+                    c.token_ids += out.new_token_ids
+                    c.text += out.new_text
+                    c.finish_reason, c.cached_tokens = out.finish_reason, out.cached_tokens
+        return [done[r] for r in rids]
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        c = self._c
+        m: dict[str, float] = dict(c)
+        live = [s for s in self.scheduler.running if s.state is not None]
+        m.update(
+            queue_depth=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            live_states=c["states_allocated"] - c["states_freed"],
+            live_state_bytes=sum(s.state.nbytes for s in live),
+            reserved_state_bytes=self.scheduler.reserved_bytes,
+        )
+        pc = self.prefix_cache
+        if pc is None:  # disabled: report an empty cache
+            pc = PrefixCache(self.prefill_chunk, 0)
+        m.update(
+            prefix_cache_lookups=pc.lookups,
+            prefix_cache_hits=pc.hits,
+            prefix_cache_lookup_tokens=pc.lookup_tokens,
+            prefix_cache_hit_tokens=pc.hit_tokens,
+            prefix_cache_hit_rate=pc.hit_tokens / pc.lookup_tokens if pc.lookup_tokens else 0.0,
+            prefix_cache_request_hit_rate=pc.hits / pc.lookups if pc.lookups else 0.0,
+            prefix_cache_entries=pc.entries,
+            prefix_cache_bytes=pc.nbytes,
+            prefix_cache_evictions=pc.evictions,
+        )
+        return m
+
+
+def _state_layout(model: Any) -> tuple[int, list[tuple[int, int]]]:
+    """(bytes that do not grow with capacity, [(ratio, bytes per pool row)]) of the model's states,
+    read off a probe state so the formula follows the state's real buffers."""
+    probe = model.new_state(capacity=1)
+    try:
+        # capacity 1: every pool holds exactly one row, so its nbytes is the bytes per row
+        pools = [(c.ratio, int(c.pool.nbytes)) for ls in probe.layers
+                 for c in (ls.compressor, ls.indexer) if c is not None]
+        return probe.nbytes - sum(row for _, row in pools), pools
+    finally:
+        probe.free()

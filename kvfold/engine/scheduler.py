@@ -1,0 +1,77 @@
+"""Scheduling policy: which waiting requests start, and what each running sequence feeds this step.
+
+Admission is first-come first-served: the head of the queue starts when one more sequence fits
+under `max_running` and its state fits under `max_state_bytes`; otherwise it (and everything
+behind it) waits. Running sequences are never preempted, so nothing another request does can
+touch their state. Each step feeds every decoding sequence its last token, then prefill chunks
+in admission order while they fit the token budget.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from ..errors import QueueFullError
+from .sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, *, max_running: int, max_queue: int, max_state_bytes: int, max_batch_tokens: int,
+                 prefill_chunk: int):
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.max_state_bytes = max_state_bytes
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.reserved_bytes = 0  # state bytes of the running sequences
+
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests); retry later")
+        self.waiting.append(seq)
+
+    def admit(self, state_bytes: Callable[[Sequence], int]) -> list[Sequence]:
+        """Move waiting sequences to running while they fit; the caller allocates their states."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            need = state_bytes(self.waiting[0])
+            if self.reserved_bytes + need > self.max_state_bytes:
+                break  # wait for running sequences to finish and free theirs
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            seq.state_bytes = need
+            self.reserved_bytes += need
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, ids) pairs for one batched forward."""
+        batch = [(s, s.next_input(self.prefill_chunk)) for s in self.running if not s.prefilling]
+        budget = self.max_batch_tokens - len(batch)
+        prefilled = 0
+        for s in self.running:
+            if not s.prefilling:
+                continue
+            ids = s.next_input(self.prefill_chunk)
+            # A chunk is never shortened to fit (its boundaries must not depend on load), so one
+            # that does not fit waits, except the step's first: prefills always make progress.
+            if len(ids) > budget and prefilled:
+                break
+            batch.append((s, ids))
+            budget -= len(ids)
+            prefilled += 1
+        return batch
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or cancelled sequence (its state is freed by the caller)."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.reserved_bytes -= seq.state_bytes
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)

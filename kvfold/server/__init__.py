@@ -1,0 +1,79 @@
+"""`kvfold serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `kvfold.Engine`.
+
+This module only defines the command line; fastapi and uvicorn are imported when the server
+starts, so other commands never pay for them. The app itself is `kvfold.server.app.create_app`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` command to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="tiny", help='checkpoint directory, or "tiny" (default)')
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVFOLD_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help='model id clients send (default: "tiny" or the checkpoint directory name)')
+    p.add_argument("--max-seq-len", type=_int_at_least(1), default=4096,
+                   help="prompt + max_tokens limit per request (default 4096)")
+    p.add_argument("--max-running", type=_int_at_least(1), default=16,
+                   help="sequences decoding at once (default 16)")
+    p.add_argument("--max-queue", type=_int_at_least(0), default=256,
+                   help="requests waiting beyond those; more get 503 (default 256)")
+    p.add_argument("--max-batch-tokens", type=_int_at_least(1), default=512, help="tokens per step (default 512)")
+    p.add_argument("--max-state-bytes", type=_int_at_least(1), default=None,
+                   help="bound on the bytes of all live states; requests wait beyond it (default: none)")
+    p.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=256 << 20,
+                   help="prefix-cache snapshot budget in bytes, 0 disables (default 256 MiB)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
+    return p
+
+
+def build_app(args: argparse.Namespace):
+    """Load the model and build the app `kvfold serve` runs (separate from run_serve for tests)."""
+    import torch
+
+    import kvfold
+    from ..engine import Engine
+    from ..errors import KvfoldError
+    from .app import create_app
+    from .chat_template import ChatTemplate
+
+    model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    try:
+        engine = Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
+                        max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
+                        max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes)
+    except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
+        raise KvfoldError(f"serve: {exc}") from None
+    model_dir = None if args.model == "tiny" else args.model
+    name = args.served_model_name or ("tiny" if model_dir is None else os.path.basename(os.path.normpath(model_dir)))
+    template = ChatTemplate.for_model(model.tokenizer, model_dir) if model.tokenizer is not None else None
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVFOLD_API_KEY") or None
+    return create_app(engine, model_name=name, api_key=api_key, chat_template=template)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`kvfold serve`: run until interrupted. Returns the exit status."""
+    import uvicorn
+
+    app = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,70 @@
+"""Engine metrics in the Prometheus text exposition format (version 0.0.4)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (engine metric key, prometheus name, type, help); labels are written into the name
+_METRICS = [
+    ("requests_added", "kvfold_requests_total", "counter", "Requests accepted into the engine."),
+    ("requests_rejected", "kvfold_requests_rejected_total", "counter",
+     "Requests refused before any work (invalid, over capacity, queue full)."),
+    ("requests_cancelled", "kvfold_requests_cancelled_total", "counter",
+     "Requests cancelled (e.g. client disconnected)."),
+    ("finished_stop", 'kvfold_requests_finished_total{reason="stop"}', "counter", "Requests finished, by reason."),
+    ("finished_length", 'kvfold_requests_finished_total{reason="length"}', "counter", None),
+    ("finished_error", 'kvfold_requests_finished_total{reason="error"}', "counter", None),
+    ("prompt_tokens", "kvfold_prompt_tokens_total", "counter", "Prompt tokens of accepted requests (tokens in)."),
+    ("prefill_tokens", "kvfold_prefill_tokens_total", "counter",
+     "Prompt tokens actually computed (prefix-cache hits excluded)."),
+    ("generation_tokens", "kvfold_generation_tokens_total", "counter", "Generated tokens (tokens out)."),
+    ("steps", "kvfold_engine_steps_total", "counter", "Batched forward calls."),
+    ("batch_seqs", "kvfold_batch_sequences_total", "counter", "Sequences advanced, summed over steps."),
+    ("batch_tokens", "kvfold_batch_tokens_total", "counter", "Tokens fed, summed over steps."),
+    ("queue_depth", "kvfold_queue_depth", "gauge", "Requests waiting for admission."),
+    ("running", "kvfold_running_sequences", "gauge", "Sequences holding a state."),
+    ("last_batch_seqs", "kvfold_batch_size", "gauge", "Sequences in the last batched forward."),
+    ("last_batch_tokens", "kvfold_batch_tokens", "gauge", "Tokens in the last batched forward."),
+    ("live_states", "kvfold_live_states", "gauge", "Per-sequence states allocated and not yet freed."),
+    ("live_state_bytes", "kvfold_state_bytes", "gauge", "Bytes held by live per-sequence states."),
+    ("prefix_cache_lookups", "kvfold_prefix_cache_lookups_total", "counter", "Prefix-cache lookups."),
+    ("prefix_cache_hits", "kvfold_prefix_cache_hits_total", "counter", "Lookups that restored a snapshot."),
+    ("prefix_cache_lookup_tokens", "kvfold_prefix_cache_queried_tokens_total", "counter",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hit_tokens", "kvfold_prefix_cache_hit_tokens_total", "counter",
+     "Prompt tokens restored from the prefix cache."),
+    ("prefix_cache_hit_rate", "kvfold_prefix_cache_hit_rate", "gauge", "Hit tokens / looked-up prompt tokens."),
+    ("prefix_cache_request_hit_rate", "kvfold_prefix_cache_request_hit_rate", "gauge", "Hits / lookups."),
+    ("prefix_cache_entries", "kvfold_prefix_cache_entries", "gauge", "Snapshots held by the prefix cache."),
+    ("prefix_cache_bytes", "kvfold_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache."),
+    ("prefix_cache_evictions", "kvfold_prefix_cache_evictions_total", "counter", "Snapshots evicted (LRU)."),
+]
+
+
+def render(metrics: Mapping[str, float], http_errors: Mapping[int, int] | None = None) -> str:
+    lines = []
+    for key, name, kind, help_text in _METRICS:
+        base = name.split("{")[0]
+        if help_text is not None:
+            lines += [f"# HELP {base} {help_text}", f"# TYPE {base} {kind}"]
+        lines.append(f"{name} {_num(metrics.get(key, 0))}")
+    lines += ["# HELP kvfold_http_errors_total Error responses, by HTTP status.",
+              "# TYPE kvfold_http_errors_total counter"]
+    for status, n in sorted((http_errors or {}).items()):
+        lines.append(f'kvfold_http_errors_total{{status="{status}"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def parse(text: str) -> dict[str, float]:
+    """Samples of a text exposition as {name-with-labels: value} (for tests and quick checks)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
