@@ -15,11 +15,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _MIB = 1024 * 1024
 
 
-def _load_model(path: str, device: str, dtype: torch.dtype) -> Any:
+def _load_model(path: str, device: str, dtype: torch.dtype, numerics: str = "hf") -> Any:
     # Imported lazily so this module loads (and tests can patch this function) on its own.
     import kvfold
 
-    return kvfold.load_model(path, device=device, dtype=dtype)
+    if numerics == "hf":
+        return kvfold.load_model(path, device=device, dtype=dtype)
+    return kvfold.load_model(path, device=device, dtype=dtype, numerics=numerics)
+
+
+def _load_for(args: argparse.Namespace) -> Any:
+    if args.numerics == "hf":
+        return _load_model(args.model, args.device, _DTYPES[args.dtype])
+    return _load_model(args.model, args.device, _DTYPES[args.dtype], args.numerics)
 
 
 def _nonneg_int(text: str) -> int:
@@ -53,6 +61,10 @@ def _top_p(text: str) -> float:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weight dtype (default float32)")
+    p.add_argument("--numerics", choices=("hf", "reference"), default="hf",
+                   help="hf: transformers' math; reference: the official code's FP8/FP4 roundings")
+    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
+                   help="store window rows and compressed entries in FP8 (non-rope dims)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -104,7 +116,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     loaded = None
     if args.load_session:  # a damaged file is refused before the (possibly large) model loads
         loaded = sess.read_session(args.load_session)
-    model = _load_model(args.model, args.device, _DTYPES[args.dtype])
+    model = _load_for(args)
     tok = model.tokenizer
     spec, n_draft, n_new = args.speculative, args.num_draft, args.max_new_tokens
     state, history = None, None
@@ -122,7 +134,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
             if args.save_session:  # generate must leave the state alive for the snapshot
                 cap, max_rewind = generation_capacity(len(ids), n_new, spec, n_draft)
-                state = model.new_state(capacity=cap, max_rewind=max_rewind)
+                kw = {"kv_dtype": args.kv_dtype} if args.kv_dtype else {}
+                state = model.new_state(capacity=cap, max_rewind=max_rewind, **kw)
                 history = []
         decoder = tok.stream_decoder()
         out = sys.stdout
@@ -145,11 +158,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             num_draft=n_draft,
             state=state,
             history=history,
+            **({"kv_dtype": args.kv_dtype} if args.kv_dtype and state is None else {}),
         )
         out.write(decoder.flush() + "\n")
         summary = (f"[kvfold] prompt {result.prompt_tokens} tok | generated {len(result.tokens)} tok"
                    f" | prefill {result.prefill_tok_s:.1f} tok/s | decode {result.decode_tok_s:.1f} tok/s"
                    f" | state {result.state_bytes / _MIB:.2f} MiB")
+        per_token = getattr(model, "state_bytes_per_token", None)
+        if per_token is not None:
+            summary += f" ({per_token(**({'kv_dtype': args.kv_dtype} if args.kv_dtype else {})):.0f} B/token)"
         if spec is not None:
             summary += f" | accept {100.0 * result.acceptance_rate:.1f}%"
         out.write(summary + "\n")
@@ -173,7 +190,7 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    model = _load_model(args.model, args.device, _DTYPES[args.dtype])
+    model = _load_for(args)
     cfg = model.config
     attn, ratios, mlps = list(cfg.layer_types), list(cfg.compress_ratios), list(cfg.mlp_layer_types)
     out = sys.stdout
@@ -192,7 +209,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     per_tok = float(model.state_bytes_per_token())
     fixed = int(model.fixed_state_bytes())
-    out.write(f"state per token: {per_tok:.1f} B (compressed + indexer caches)\n")
+    out.write(f"state per token: {per_tok:.1f} B (compressed + indexer caches; "
+              f"{model.state_bytes_per_token(kv_dtype='fp8'):.1f} B with --kv-dtype fp8)\n")
     out.write(f"fixed state per sequence: {_fmt_bytes(fixed)} (window rings + compressor windows)\n")
     for n in (4096, 131072, 1048576):
         out.write(f"state at {n} tokens: {_fmt_bytes(fixed + per_tok * n)}\n")

@@ -106,6 +106,7 @@ def generate(
     num_draft: int = 4,
     state: Any = None,
     history: Sequence[int] | None = None,
+    kv_dtype: str | None = None,
 ) -> GenerationResult:
     """Run the prompt in one forward, then choose up to `max_new_tokens` ids.
 
@@ -178,8 +179,9 @@ def generate(
             drafter = make_drafter(speculative, model, capacity=cap, max_rewind=max_rewind, temperature=temperature,
                                    top_p=top_p, generator=generator)
         if owns_state:
-            state = model.new_state(capacity=cap, max_rewind=max_rewind) if speculative is not None \
-                else model.new_state(capacity=cap)
+            kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}  # `kv_dtype="fp8"`: FP8 window/compressed KV
+            state = model.new_state(capacity=cap, max_rewind=max_rewind, **kw) if speculative is not None \
+                else model.new_state(capacity=cap, **kw)
         with torch.no_grad():
             _sync(device)
             t0 = time.perf_counter()

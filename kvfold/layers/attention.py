@@ -17,7 +17,7 @@ from ..numerics import RopeTable, apply_rope, unweighted_rms_norm
 from ..state.dsv4_state import LayerState
 from ..state.kv_rows import fp8_roundtrip
 from .basic import Linear, Norm, _param
-from .compressor import Compressor
+from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
 
 _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
@@ -37,8 +37,11 @@ class GroupedLinear(nn.Module):
 
 
 class Attention(nn.Module):
+    simulate_kv = False  # reference numerics: FP8-simulate the window KV's non-rope dims
+
     def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
         super().__init__()
+        self.rope_dim = cfg.qk_rope_head_dim
         self.kind = cfg.layer_types[layer_idx]
         self.ratio = cfg.compress_ratios[layer_idx]
         self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
@@ -74,6 +77,8 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D], K = V
+        if self.simulate_kv:
+            kv = simulate_kv_fp8(kv, self.head_dim - self.rope_dim)
 
         selected = None
         if self.compressor is not None:

@@ -11,11 +11,15 @@ import torch
 from torch import nn
 
 from ..numerics import RopeTable, apply_rope, pool_windows
+from ..numerics.quant import fp4_e2m1_simulate, fp8_e4m3_simulate, hadamard
 from ..state.dsv4_state import CompressorState
 from .basic import Linear, Norm, _param
 
 
 class Compressor(nn.Module):
+    # reference numerics: how the official code rounds an emitted entry before storing it
+    entry_sim = None  # None | "fp8" (attention compressor: nope dims) | "hadamard_fp4" (indexer)
+
     def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, rope_dim: int, eps: float, device=None):
         super().__init__()
         m = 2 if overlap else 1
@@ -51,6 +55,18 @@ class Compressor(nn.Module):
             pooled = pool_windows(torch.cat(parts_kv), torch.cat(parts_sc), r, self.overlap)
             entries = self.kv_norm(pooled.to(st.pool.dtype))  # cast to the activation dtype, then norm
             cos, sin = rope.cos_sin(torch.arange(first_w, end_w, device=x.device) * r)
-            st.pool[first_w:end_w] = apply_rope(entries, cos, sin)
+            st.pool[first_w:end_w] = self._simulate(apply_rope(entries, cos, sin))
         st.kv.write(start, kv)
         st.score.write(start, score)
+
+    def _simulate(self, entries: torch.Tensor) -> torch.Tensor:
+        if self.entry_sim == "fp8":
+            return simulate_kv_fp8(entries, self.width - self.rope_dim)
+        if self.entry_sim == "hadamard_fp4":
+            return fp4_e2m1_simulate(hadamard(entries), 32)
+        return entries
+
+
+def simulate_kv_fp8(kv: torch.Tensor, nope: int) -> torch.Tensor:
+    """REF target: FP8-e4m3 simulation of the non-rope dims in blocks of 64, power-of-two scales."""
+    return torch.cat([fp8_e4m3_simulate(kv[..., :nope], 64), kv[..., nope:]], dim=-1)

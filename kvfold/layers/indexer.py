@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..numerics import RopeTable, apply_rope, topk_lower_index
+from ..numerics.quant import fp4_e2m1_simulate, hadamard
 from ..state.dsv4_state import CompressorState
 from .basic import Linear
 from .compressor import Compressor
@@ -46,6 +47,11 @@ class Indexer(Compressor):
         q = apply_rope(q, cos, sin)
         w = self.scorer.weights_proj(x).float() * (self.n_heads ** -0.5)  # [T, H]
         keys = st.pool[:n_entries].float()  # [E, d]
+        score_dtype = torch.float32
+        if self.entry_sim == "hadamard_fp4":  # reference numerics: rotated FP4 queries, bf16 scores
+            q = fp4_e2m1_simulate(hadamard(q), 32)
+            score_dtype = torch.bfloat16
+        q, keys, w = q.to(score_dtype), keys.to(score_dtype), w.to(score_dtype)
         visible = (torch.arange(start, start + t, device=x.device) + 1) // r  # entries < this are visible
         entry_ids = torch.arange(n_entries, device=x.device)
         out = torch.empty(t, k, dtype=torch.long, device=x.device)
@@ -57,5 +63,5 @@ class Indexer(Compressor):
             scores = torch.einsum("bhe,bh->be", s, w[b0:b1])
             if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
-            out[b0:b1] = topk_lower_index(scores, k)
+            out[b0:b1] = topk_lower_index(scores.float(), k)
         return out

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Dsv4Config
+from ..numerics.quant import act_quant_fp8
 from .basic import Linear, _param
 
 
@@ -51,6 +52,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Stacked routed experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
 
+    act_quant = False  # reference numerics: FP8 activations into the FP4 expert GEMMs
+
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
         super().__init__()
         e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -71,9 +74,14 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = tok[offset:offset + n]
-            xe = x[rows].to(self.gate_up_proj.dtype)
-            gate, up = (xe @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
-            ye = swiglu(gate, up, self.limit) @ self.down_proj[e].t()
+            xe = x[rows]
+            if self.act_quant:
+                xe = act_quant_fp8(xe, 128)
+            gate, up = (xe.to(self.gate_up_proj.dtype) @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            h = swiglu(gate, up, self.limit)
+            if self.act_quant:
+                h = act_quant_fp8(h, 128)
+            ye = h.to(self.down_proj.dtype) @ self.down_proj[e].t()
             out.index_add_(0, rows, ye.float() * wts[offset:offset + n, None])
             offset += n
         return out

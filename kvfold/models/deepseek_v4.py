@@ -82,6 +82,37 @@ class Dsv4Model(nn.Module):
         self.tokenizer = None
         self.fingerprint = cfg.fingerprint()
 
+    # ---- numerics ----------------------------------------------------------------------------
+    numerics = "hf"
+
+    def set_numerics(self, mode: str) -> None:
+        """"hf": plain fp32-style math (transformers' DeepseekV4ForCausalLM). "reference": the
+        official inference code's roundings: FP8 window/compressed KV (non-rope dims, blocks of 64),
+        Hadamard + FP4 indexer queries and keys (blocks of 32), bf16 index scores, and FP8
+        per-token activations into the release's FP8/FP4 GEMMs."""
+        from ..layers.attention import Attention
+        from ..layers.compressor import Compressor
+        from ..layers.indexer import Indexer
+        from ..layers.moe import Experts
+        from ..quantized import official_quant_kind
+        if mode not in ("hf", "reference"):
+            raise ConfigError(f"numerics must be 'hf' or 'reference', got {mode!r}")
+        ref = mode == "reference"
+        for name, mod in self.named_modules():
+            if isinstance(mod, Attention):
+                mod.simulate_kv = ref
+            elif isinstance(mod, Indexer):
+                mod.entry_sim = "hadamard_fp4" if ref else None
+            elif isinstance(mod, Compressor):
+                mod.entry_sim = "fp8" if ref else None
+            elif isinstance(mod, Experts):
+                mod.act_quant = ref
+            elif isinstance(mod, Linear):
+                mod.act_quant = ref and official_quant_kind(name + ".weight") is not None
+        self.numerics = mode
+        # states hold rows computed under one numerics mode; keep them apart
+        self.fingerprint = self.config.fingerprint() + ("" if mode == "hf" else "-ref")
+
     # ---- state -------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Dsv4State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later).

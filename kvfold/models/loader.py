@@ -22,14 +22,18 @@ def _tokenizer_for(directory: Path | None, cfg):
     return load_tokenizer(str(directory) if directory else None, cfg.bos_token_id, eos, cfg.vocab_size)
 
 
-def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Dsv4Model:
+def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+         numerics: str = "hf") -> Dsv4Model:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if numerics not in ("hf", "reference"):
+        raise ConfigError(f"numerics must be 'hf' or 'reference', got {numerics!r}")
     if str(path) == "tiny":
         model = Dsv4Model(tiny_config(), dtype=dtype, device=device)
         model.mtp = MtpModule(model.config, model.dtype, model.device)
         init_random_(model, TINY_SEED)
         model.tokenizer = _tokenizer_for(None, model.config)
+        model.set_numerics(numerics)
         return model.eval()
     directory = Path(path)
     if not directory.is_dir():
@@ -44,4 +48,5 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         model.tokenizer = _tokenizer_for(directory, cfg)
     except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing
         print(f"kvfold: note: {e}", file=sys.stderr)
+    model.set_numerics(numerics)
     return model.eval()
