@@ -242,7 +242,7 @@ def test_cli_inspect(monkeypatch, capsys):
         mlp_layer_types=["hash_moe", "moe", "moe"],
     )
     model.num_parameters = lambda: 1234567
-    model.state_bytes_per_token = lambda: 96.5
+    model.state_bytes_per_token = lambda kv_dtype=None: 48.0 if kv_dtype == "fp8" else 96.5
     model.fixed_state_bytes = lambda: 3 * 1024 * 1024
     patch_loader(monkeypatch, model)
     assert cli.main(["inspect", "tiny"]) == 0
