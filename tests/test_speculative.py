@@ -346,7 +346,7 @@ def test_cli_speculative_summary(tiny, monkeypatch, capsys):
                    "--num-draft", "3"])
     assert rc == 0
     summary = capsys.readouterr().out.splitlines()[-1]
-    assert re.match(r"^\[kvfold\] prompt 15 tok \| generated \d+ tok \| .* \| state [\d.]+ MiB \| accept \d+\.\d%$",
+    assert re.match(r"^\[kvfold\] prompt 15 tok \| generated \d+ tok \| .* \| state [\d.]+ MiB \(\d+ B/token\) \| accept \d+\.\d%$",
                     summary), summary
 
 
