@@ -93,6 +93,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from .server import add_serve_parser
     add_serve_parser(sub)
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
 
     c = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (hf) or official layout")
     c.add_argument("src", help="checkpoint directory to read")
@@ -242,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "convert":
             return _cmd_convert(args)
+        if args.command == "bench":
+            from .bench import run_bench
+            return run_bench(args)
         if args.command == "serve":
             from .server import run_serve
             return run_serve(args)

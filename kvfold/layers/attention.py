@@ -16,7 +16,7 @@ from ..config import CSA, HCA, SLIDING, Dsv4Config
 from ..numerics import RopeTable, apply_rope, unweighted_rms_norm
 from ..state.dsv4_state import LayerState
 from ..state.kv_rows import fp8_roundtrip
-from .basic import Linear, Norm, _param
+from .basic import Linear, Norm, _param, matmul_weight
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
 
@@ -24,7 +24,10 @@ _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
 
 
 class GroupedLinear(nn.Module):
-    """wo_a: [G*R, H*D/G] applied group-wise (group g of heads -> R outputs)."""
+    """wo_a: [G*R, H*D/G] applied group-wise (group g of heads -> R outputs). `weight` may be a
+    `QuantizedWeight`, decoded per matmul."""
+
+    quantizable = ("weight",)
 
     def __init__(self, in_per_group: int, out_total: int, groups: int, dtype: torch.dtype, device=None):
         super().__init__()
@@ -32,7 +35,8 @@ class GroupedLinear(nn.Module):
         self.weight = _param(out_total, in_per_group, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
-        w = self.weight.view(self.groups, -1, self.weight.shape[1])  # [G, R, in]
+        weight = matmul_weight(self.weight)
+        w = weight.view(self.groups, -1, weight.shape[1])  # [G, R, in]
         return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w).flatten(1)
 
 
@@ -114,7 +118,9 @@ class Attention(nn.Module):
         if self.kind == HCA:
             n_comp = (start + t) // self.ratio
         per_query = h * (2 * w + n_comp) + (n_comp * d if self.kind == CSA else 0)
-        block = max(1, min(t, _ATTN_BUDGET // max(1, per_query)))
+        # a block of B queries reads B + W - 1 window keys: B = W keeps the band at most 2x the
+        # W keys each query needs (B = T would make prefill O(T^2))
+        block = max(1, min(t, w, _ATTN_BUDGET // max(1, per_query)))
         out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)

@@ -1,0 +1,642 @@
+"""`kvfold bench`: prefill / decode throughput and prefill memory of kvfold, optionally against
+transformers, on a random checkpoint, over a list of context lengths.
+
+Every cell (engine x context) runs in a fresh `python -m kvfold.bench.cell` process, so its peak
+RSS is its own; a cell is killed at `--time-limit` seconds and its address space is capped at
+`--mem-limit-gib`. Engines alternate per context (kvfold, then transformers). An engine that ran
+out of time or memory at one context is not run at longer ones.
+
+Importing this module is cheap (no torch); `add_bench_parser` / `run_bench` are the CLI hooks.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from . import configs as C
+from .protocol import MARK
+
+ENGINES = ("kvfold", "transformers")
+SKIP_TIME = "skipped: > time limit"
+OOM = "out of memory"
+_MIB = 1024 * 1024
+_GIB = 1024 * _MIB
+
+
+# ---- argument parsing ------------------------------------------------------------------------------
+def _contexts(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"contexts must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"contexts must be >= 1, got {text!r}")
+    return vals
+
+
+def _config_name(text: str) -> str:
+    if text not in C.config_names(include_test=True):
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(C.PUBLIC_CONFIGS)}")
+    return text
+
+
+def _pos_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _pos_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return v
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium}",
+                   help="model configuration (random weights): bench = small, every layer kind; "
+                        "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison (default bench)")
+    p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
+                   help="comma-separated context lengths (default 512,4096,16384,32768)")
+    p.add_argument("--vs", choices=("transformers",), default=None,
+                   help="also run transformers' DeepseekV4ForCausalLM (eager) on the same checkpoint")
+    p.add_argument("--decode-tokens", type=_nonneg_int, default=64,
+                   help="greedy decode steps after each context (default 64)")
+    p.add_argument("--time-limit", type=_pos_float, default=300.0,
+                   help="seconds per cell (load + prefill + decode) before it is killed (default 300)")
+    p.add_argument("--mem-limit-gib", type=_pos_float, default=20.0,
+                   help="address-space cap per cell, GiB; lowered to 90%% of the memory available "
+                        "when a cell starts (default 20)")
+    p.add_argument("--threads", type=_pos_int, default=2, help="torch threads in every cell (default 2)")
+    p.add_argument("--out", default=None, help="JSON results file (default kvfold-bench-<config>.json)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the random checkpoint is written and reused (default ~/.cache/kvfold)")
+    p.add_argument("--seed", type=int, default=0, help="weights and input seed (default 0)")
+    p.add_argument("--warmup", type=_nonneg_int, default=64,
+                   help="tokens of an untimed warm-up prefill (+2 decode steps) in each cell (default 64; 0 = none)")
+    p.add_argument("--prefill-logits", choices=("all", "last"), default="all",
+                   help="all = the prefill returns logits for every prompt position (kvfold forward(ids, state), "
+                        "transformers default); last = only the last one (kvfold forward(..., last_only=True), "
+                        "transformers logits_to_keep=1), as generation needs (default all)")
+    p.add_argument("--bandwidth", choices=("auto", "on", "off"), default="auto",
+                   help="measure the copy bandwidth and decode's achieved bytes/s (auto = medium only)")
+    p.add_argument("--no-sanity", action="store_true",
+                   help="skip the kvfold-vs-transformers logits check (run once when --vs transformers)")
+    return p
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` on a `parser.add_subparsers()` object."""
+    p = subparsers.add_parser("bench", help="benchmark prefill/decode speed and memory (optionally vs transformers)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_bench_arguments(p)
+
+
+def build_parser(prog: str = "python -m kvfold.bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_bench_arguments(p)
+
+
+# ---- subprocess cells ------------------------------------------------------------------------------
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_pressure_us() -> int | None:
+    """Total microseconds some runnable task waited for a CPU (Linux PSI), or None."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some"):
+                    return int(line.split("total=")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parents[2])  # the directory holding `kvfold/`
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[k] = str(threads)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_subprocess_cell(mode: str, *, checkpoint: str | None = None, context: int = 0, decode_tokens: int = 0,
+                        threads: int = 2, seed: int = 0, warmup: int = 0, time_limit: float = 300.0,
+                        mem_limit_bytes: int = 0, prefill_logits: str = "all",
+                        extra: list[str] | None = None) -> dict[str, Any]:
+    """Run one cell in a fresh process. Returns {"status": "ok" | SKIP_TIME | OOM | "error: ...",
+    "phases": {phase: data}, "wall_s", ...}; never raises for a failing cell."""
+    cmd = [sys.executable, "-m", "kvfold.bench.cell", "--mode", mode, "--threads", str(threads),
+           "--seed", str(seed), "--warmup", str(warmup), "--context", str(context),
+           "--decode-tokens", str(decode_tokens), "--mem-limit-bytes", str(int(mem_limit_bytes)),
+           "--prefill-logits", prefill_logits]
+    if checkpoint is not None:
+        cmd += ["--checkpoint", str(checkpoint)]
+    cmd += list(extra or [])
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    psi0 = _cpu_pressure_us()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_child_env(threads), start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=time_limit)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the cell's own process group (start_new_session)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    psi1 = _cpu_pressure_us()
+    phases: dict[str, Any] = {}
+    for line in (out or "").splitlines():
+        if line.startswith(MARK):
+            try:
+                d = json.loads(line[len(MARK):])
+            except json.JSONDecodeError:
+                continue
+            phases[d.pop("phase", "?")] = d
+    res: dict[str, Any] = {"wall_s": wall, "returncode": proc.returncode, "phases": phases,
+                           "loadavg_1m_at_start": load0, "mem_limit_bytes": int(mem_limit_bytes),
+                           # share of the cell's wall time in which some task waited for a CPU: a
+                           # high value means other work competed for the cores during the cell
+                           "cpu_pressure_some": ((psi1 - psi0) / 1e6 / wall) if psi0 is not None and psi1 is not None
+                           and wall > 0 else None}
+    if timed_out:
+        res["status"] = SKIP_TIME
+    elif "done" in phases and proc.returncode == 0:
+        res["status"] = "ok"
+    elif "error" in phases:
+        e = phases["error"]
+        res["status"] = OOM if e.get("oom") else "error: " + e.get("error", "?").splitlines()[0][:300]
+    elif proc.returncode is not None and proc.returncode < 0 and -proc.returncode in (signal.SIGKILL, signal.SIGABRT):
+        # killed by the kernel's OOM killer, or a C++ bad_alloc abort under the address-space cap
+        res["status"] = OOM
+        res["signal"] = -proc.returncode
+    else:
+        tail = (err or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        res["status"] = "error: " + tail[0][:300]
+    if res["status"] != "ok":
+        res["stderr_tail"] = (err or "")[-3000:]
+    return res
+
+
+def _cell_record(engine: str, context: int, raw: dict[str, Any]) -> dict[str, Any]:
+    """Flatten a subprocess result into one cell record of the JSON output."""
+    ph = raw.get("phases", {})
+    loaded, pre, done = ph.get("loaded", {}), ph.get("prefill", {}), ph.get("done", {})
+    rec: dict[str, Any] = {"engine": engine, "context": context, "status": raw["status"], "wall_s": raw["wall_s"],
+                           "loadavg_1m_at_start": raw.get("loadavg_1m_at_start"),
+                           "cpu_pressure_some": raw.get("cpu_pressure_some"),
+                           "mem_limit_bytes": raw.get("mem_limit_bytes")}
+    rec["import_s"] = loaded.get("import_s")
+    rec["load_s"] = loaded.get("load_s")
+    rec["load_peak_rss_bytes"] = loaded.get("load_peak_rss")
+    rec["rss_after_load_bytes"] = loaded.get("rss_after_load")
+    if pre:
+        rec["prefill_status"] = "ok"
+        rec["prefill_s"] = pre["prefill_s"]
+        rec["prefill_tok_s"] = pre["prefill_tok_s"]
+        rec["rss_before_prefill_bytes"] = pre["rss_before_prefill"]
+        rec["prefill_peak_rss_bytes"] = pre["prefill_peak_rss"]
+        rec["prefill_peak_over_loaded_bytes"] = (pre["prefill_peak_rss"] - pre["rss_before_prefill"]
+                                                 if pre.get("rss_before_prefill") is not None else None)
+        rec["peak_rss_reset_ok"] = pre.get("peak_reset")
+        rec["state_bytes_after_prefill"] = pre.get("state_bytes_after_prefill")
+    else:
+        rec["prefill_status"] = raw["status"]
+    if done:
+        rec["decode_status"] = "ok"
+        for k in ("decode_tokens", "decode_s", "decode_tok_s", "decode_step_median_s", "decode_step_min_s",
+                  "decode_tok_s_median", "state_bytes_after_decode"):
+            rec[k] = done.get(k)
+        rec["decode_peak_rss_bytes"] = done.get("decode_peak_rss")
+        rec["ru_maxrss_bytes"] = done.get("ru_maxrss")
+        rec["tokens"] = done.get("tokens")
+    else:
+        rec["decode_status"] = raw["status"] if pre or raw["status"] != "ok" else "missing"
+    if raw["status"] != "ok":
+        if pre:  # the prefill finished before the cell failed: keep its numbers
+            rec["status"] = "partial: decode " + raw["status"]
+        rec["error_detail"] = (ph.get("error", {}).get("traceback") or raw.get("stderr_tail") or "")[-2000:]
+    return rec
+
+
+# ---- derived numbers ----------------------------------------------------------------------------------
+def _ratio(a, b):
+    return (a / b) if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and b) else None
+
+
+def _flatness(cells: list[dict], engine: str) -> dict[str, Any] | None:
+    """Decode tok/s at the longest decoded context / at the shortest (ideally 512), from the
+    total decode time, and the same from the fastest single step (less sensitive to other load)."""
+    ok = sorted((c["context"], c["decode_tok_s"], c.get("decode_step_min_s")) for c in cells
+                if c["engine"] == engine and c.get("decode_status") == "ok" and c.get("decode_tok_s"))
+    if len(ok) < 2:
+        return None
+    (c0, v0, m0), (c1, v1, m1) = ok[0], ok[-1]
+    return {"short_context": c0, "long_context": c1, "decode_tok_s_short": v0, "decode_tok_s_long": v1,
+            "flatness": v1 / v0, "flatness_best_step": (m0 / m1) if m0 and m1 else None}
+
+
+def summarize(result: dict[str, Any]) -> None:
+    """Fill result["rows"], ["flatness"] and the bandwidth fractions from result["cells"]."""
+    cells = result["cells"]
+    rows = []
+    for ctx in result["settings"]["contexts"]:
+        kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
+        hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
+        row: dict[str, Any] = {"context": ctx}
+        if hf is not None and kv is not None:
+            row["prefill_ratio"] = _ratio(kv.get("prefill_tok_s"), hf.get("prefill_tok_s"))
+            row["decode_ratio"] = _ratio(kv.get("decode_tok_s"), hf.get("decode_tok_s"))
+            row["prefill_peak_rss_ratio"] = _ratio(kv.get("prefill_peak_rss_bytes"), hf.get("prefill_peak_rss_bytes"))
+            kt, ht = kv.get("tokens"), hf.get("tokens")
+            if kt and ht:
+                same = 0
+                for a, b in zip(kt, ht):
+                    if a != b:
+                        break
+                    same += 1
+                row["greedy_tokens_agree"] = same
+                row["greedy_tokens_compared"] = min(len(kt), len(ht))
+        rows.append(row)
+    result["rows"] = rows
+    result["flatness"] = {e: _flatness(cells, e) for e in result["settings"]["engines"]}
+    bw = result.get("bandwidth")
+    if bw and bw.get("bytes_per_s"):
+        for c in cells:
+            per_tok = result["decode_bytes_per_token"].get(str(c["context"]), {}).get("total")
+            if c.get("decode_tok_s") and per_tok:
+                c["decode_achieved_bytes_per_s"] = per_tok * c["decode_tok_s"]
+                c["decode_fraction_of_copy_bandwidth"] = per_tok * c["decode_tok_s"] / bw["bytes_per_s"]
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+def _f(v, fmt="{:.1f}"):
+    return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+
+def _mib(v):
+    return f"{v / _MIB:.0f}" if isinstance(v, (int, float)) else "-"
+
+
+def _short_status(s: str | None) -> str:
+    if not s or s == "ok":
+        return "-"
+    if s.startswith(SKIP_TIME):
+        return "skipped (time)"
+    if s.startswith(OOM):
+        return "OOM"
+    if s.startswith("partial"):
+        return "partial"
+    return "error"
+
+
+def _prefill_cell(c: dict | None) -> str:
+    if c is None:
+        return "n/a"
+    if c.get("prefill_status") == "ok":
+        return _f(c["prefill_tok_s"])
+    return _short_status(c.get("prefill_status"))
+
+
+def _decode_cell(c: dict | None) -> str:
+    if c is None:
+        return "n/a"
+    if c.get("decode_status") == "ok":
+        return _f(c["decode_tok_s"])
+    return _short_status(c.get("decode_status"))
+
+
+def _rss_cell(c: dict | None) -> str:
+    if c is None:
+        return "n/a"
+    if c.get("prefill_status") != "ok":
+        return "-"
+    d = c.get("prefill_peak_over_loaded_bytes")
+    return f"{_mib(c['prefill_peak_rss_bytes'])} (+{_mib(d)})" if d is not None else _mib(c["prefill_peak_rss_bytes"])
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cells = result["cells"]
+    vs = "transformers" in result["settings"]["engines"]
+    head = ["context", "kvfold prefill tok/s"]
+    if vs:
+        head += ["hf prefill tok/s", "ratio"]
+    head += ["kvfold prefill peak RSS MiB"]
+    if vs:
+        head += ["hf prefill peak RSS MiB"]
+    head += ["kvfold decode tok/s"]
+    if vs:
+        head += ["hf decode tok/s", "ratio", "greedy agree"]
+    lines = []
+    for row in result["rows"]:
+        ctx = row["context"]
+        kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
+        hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
+        r = [str(ctx), _prefill_cell(kv)]
+        if vs:
+            r += [_prefill_cell(hf), _f(row.get("prefill_ratio"), "{:.2f}")]
+        r += [_rss_cell(kv)]
+        if vs:
+            r += [_rss_cell(hf)]
+        r += [_decode_cell(kv)]
+        if vs:
+            agree = (f"{row['greedy_tokens_agree']}/{row['greedy_tokens_compared']}"
+                     if "greedy_tokens_agree" in row else "-")
+            r += [_decode_cell(hf), _f(row.get("decode_ratio"), "{:.2f}"), agree]
+        lines.append(r)
+    widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in lines]
+    return "\n".join(out)
+
+
+def format_noise_table(result: dict[str, Any]) -> str:
+    """Per cell: how contended the CPUs were, and decode speed from the median / fastest step."""
+    head = ["context", "engine", "status", "cpu pressure", "load s", "prefill s", "decode median tok/s",
+            "decode best-step tok/s", "cell wall s"]
+    rows = []
+    for c in result["cells"]:
+        med, best = c.get("decode_step_median_s"), c.get("decode_step_min_s")
+        rows.append([str(c["context"]), c["engine"], _short_status(c["status"]) if c["status"] != "ok" else "ok",
+                     _f(c.get("cpu_pressure_some") * 100, "{:.0f}%") if c.get("cpu_pressure_some") is not None else "-",
+                     _f(c.get("load_s")), _f(c.get("prefill_s"), "{:.2f}"), _f(1 / med if med else None),
+                     _f(1 / best if best else None), _f(c.get("wall_s"))])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    m = result["machine"]
+    lines = [f"kvfold bench: config {s['config']} ({result['model']['parameters']:,} parameters, "
+             f"{result['model']['weight_bytes'] / _MIB:.1f} MiB fp32), decode {s['decode_tokens']} tokens, "
+             f"{s['threads']} threads, time limit {s['time_limit_s']:g} s/cell, "
+             f"memory cap {s['mem_limit_gib']:g} GiB/cell, "
+             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits",
+             f"command: {result['command']}",
+             f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
+             f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
+             f"load avg at start {m['loadavg_start']}",
+             f"checkpoint: {result['checkpoint']}"]
+    san = result.get("sanity")
+    if san:
+        if san.get("status") == "ok":
+            lines.append(
+                f"sanity (transformers vs kvfold, {san['tokens']} tokens + {san['decode_steps']} decode steps): "
+                f"max |logit diff| prefill {san['max_abs_diff_prefill']:.2e}, decode {san['max_abs_diff_decode']:.2e} "
+                f"(tolerance {san['tolerance']:g}: {'PASS' if san['passed'] else 'FAIL'}); "
+                f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
+        else:
+            lines.append(f"sanity: {san.get('status')}")
+    lines += ["", format_table(result), ""]
+    lines.append("peak RSS = max resident set of the cell process during the prefill (model loaded, state/cache "
+                 "and logits included); (+N) = growth over the loaded model."
+                 + (" ratio = kvfold / transformers." if "transformers" in s["engines"] else ""))
+    for e, fl in result["flatness"].items():
+        if fl:
+            best = fl.get("flatness_best_step")
+            lines.append(f"decode flatness {e}: {fl['flatness']:.2f} (decode tok/s at {fl['long_context']} / at "
+                         f"{fl['short_context']}: {fl['decode_tok_s_long']:.1f} / {fl['decode_tok_s_short']:.1f}); "
+                         f"from the fastest step: {_f(best, '{:.2f}')}")
+        else:
+            lines.append(f"decode flatness {e}: - (fewer than two contexts decoded)")
+    bw = result.get("bandwidth")
+    if bw:
+        if bw.get("bytes_per_s"):
+            lines.append(f"copy bandwidth: {bw['bytes_per_s'] / 1e9:.2f} GB/s read+write (dst.copy_(src), "
+                         f"{bw['tensor_mib']} MiB fp32, best of {bw['repeats']}, {bw['threads']} threads)")
+            for c in result["cells"]:
+                if c.get("decode_achieved_bytes_per_s"):
+                    per = result["decode_bytes_per_token"][str(c["context"])]
+                    lines.append(
+                        f"  decode {c['engine']} @ {c['context']}: {per['total'] / 1e6:.1f} MB/token "
+                        f"(weights {per['weights_total'] / 1e6:.1f} MB incl. "
+                        f"{per['routed_experts_active'] / 1e6:.1f} MB "
+                        f"active experts, state {per['state'] / 1e6:.2f} MB) x {c['decode_tok_s']:.1f} tok/s = "
+                        f"{c['decode_achieved_bytes_per_s'] / 1e9:.2f} GB/s = "
+                        f"{100 * c['decode_fraction_of_copy_bandwidth']:.1f}% of copy bandwidth")
+        else:
+            lines.append(f"copy bandwidth: {bw.get('status')}")
+    lines += ["", "per cell (cpu pressure = share of the cell's wall time in which some task waited for a CPU, "
+                  "from /proc/pressure/cpu; high = other work competed):", format_noise_table(result)]
+    notes = [c for c in result["cells"] if c["status"] != "ok"]
+    for c in notes:
+        lines.append(f"note: {c['engine']} @ {c['context']}: {c['status']}"
+                     + (f" (after {c['wall_s']:.0f} s)" if c.get("wall_s") else ""))
+    return "\n".join(lines)
+
+
+# ---- main --------------------------------------------------------------------------------------------
+def _machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": None,
+                            "platform": platform.platform(), "python": platform.python_version(),
+                            "loadavg_start": None, "mem_total_gib": 0.0}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["processor"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    info["mem_total_gib"] = int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    if hasattr(os, "getloadavg"):
+        info["loadavg_start"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    import torch
+    info["torch"] = torch.__version__
+    try:
+        from importlib.metadata import version
+        info["transformers"] = version("transformers")
+    except Exception:  # noqa: BLE001
+        info["transformers"] = None
+    return info
+
+
+def _command_line(argv: list[str] | None = None) -> str:
+    argv = list(sys.argv if argv is None else argv)
+    p = Path(argv[0]) if argv else Path("kvfold")
+    if p.name == "__main__.py":
+        prog = "python -m " + (".".join(p.parent.parts[-2:]) if p.parent.name == "bench" else p.parent.name)
+    else:
+        prog = p.name
+    return " ".join([prog] + [shlex.quote(a) for a in argv[1:]])
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log) -> int:
+    """Run the benchmark described by parsed `args`; print the report; write the JSON. Returns 0,
+    or 1 when a kvfold cell failed or the logits check did not pass."""
+    log = log or (lambda m: None)
+    engines = ["kvfold"] + (["transformers"] if args.vs == "transformers" else [])
+    contexts = list(args.contexts)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    ckpt = C.ensure_checkpoint(args.config, args.cache_dir, args.seed, log=log)
+    cfg = C.build_config(args.config)
+    tensors = C.checkpoint_tensor_sizes(ckpt)
+    mem_limit = int(args.mem_limit_gib * _GIB)
+    result: dict[str, Any] = {
+        "command": getattr(args, "command_line", None) or _command_line(),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "machine": _machine_info(),
+        "settings": {"config": args.config, "contexts": contexts, "engines": engines,
+                     "decode_tokens": args.decode_tokens, "time_limit_s": args.time_limit,
+                     "mem_limit_gib": args.mem_limit_gib, "threads": args.threads, "seed": args.seed,
+                     "warmup_tokens": args.warmup,
+                     "prefill_logits": args.prefill_logits,
+                     "prefill_call": {
+                         "kvfold": "model.forward(ids, state" + (", last_only=True)" if args.prefill_logits == "last"
+                                                                 else ")  # all T rows of logits"),
+                         "transformers": "model(input_ids, past_key_values=DynamicCache, use_cache=True"
+                                         + (", logits_to_keep=1)" if args.prefill_logits == "last" else ")")}},
+        "checkpoint": str(ckpt),
+        "model": {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_hf_dict().items()},
+                  "parameters": sum(_numel(s) for s, _ in tensors.values()),
+                  "weight_bytes": sum(n for _, n in tensors.values())},
+        "decode_bytes_per_token": {str(c): C.decode_bytes_per_token(cfg, tensors, c) for c in contexts},
+        "cells": [],
+    }
+
+    def cell_mem_limit() -> int:
+        avail = _mem_available()
+        return min(mem_limit, int(0.9 * avail)) if avail else mem_limit
+
+    if "transformers" in engines and not args.no_sanity:
+        n = C.SANITY_TOKENS.get(args.config, 256)
+        log(f"sanity check: transformers vs kvfold logits on {n} tokens + 4 decode steps")
+        raw = run_subprocess_cell("sanity", checkpoint=str(ckpt), context=n, decode_tokens=4, threads=args.threads,
+                                  seed=args.seed, time_limit=max(args.time_limit, 120.0),
+                                  mem_limit_bytes=cell_mem_limit())
+        san: dict[str, Any] = {"status": raw["status"], "tolerance": 1e-3}
+        d = raw["phases"].get("done")
+        if raw["status"] == "ok" and d:
+            li = d["loading_info"]
+            san.update(tokens=d["tokens"], decode_steps=d["decode_steps"],
+                       max_abs_diff_prefill=d["max_abs_diff_prefill"], max_abs_diff_decode=d["max_abs_diff_decode"],
+                       logits_scale=d["logits_scale"], same_argmax=d["same_argmax"],
+                       compared_argmax=d["compared_argmax"],
+                       missing=len(li.get("missing_keys", [])), unexpected=len(li.get("unexpected_keys", [])),
+                       mismatched=len(li.get("mismatched_keys", [])), loading_info=li)
+            worst = max(d["max_abs_diff_prefill"], d["max_abs_diff_decode"] or 0.0)
+            san["max_abs_diff"] = worst
+            san["passed"] = worst <= san["tolerance"] and not (san["missing"] or san["unexpected"] or san["mismatched"])
+        else:
+            san["passed"] = False
+            san["detail"] = raw.get("stderr_tail", "")[-2000:]
+        result["sanity"] = san
+        log(f"sanity: {san['status']}" + (f", max diff {san['max_abs_diff']:.2e}" if "max_abs_diff" in san else ""))
+
+    want_bw = args.bandwidth == "on" or (args.bandwidth == "auto" and args.config == "medium")
+    if want_bw:
+        log("measuring copy bandwidth (512 MiB fp32)")
+        raw = run_subprocess_cell("bandwidth", threads=args.threads, time_limit=120.0,
+                                  mem_limit_bytes=cell_mem_limit(),
+                                  extra=getattr(args, "bandwidth_extra", None))
+        result["bandwidth"] = dict(raw["phases"].get("done") or {}, status=raw["status"])
+
+    failed_at: dict[str, str] = {}
+    for ctx in contexts:
+        for eng in engines:
+            if eng in failed_at:
+                rec = {"engine": eng, "context": ctx, "status": failed_at[eng], "prefill_status": failed_at[eng],
+                       "decode_status": failed_at[eng], "not_run": True}
+                result["cells"].append(rec)
+                log(f"{eng} @ {ctx}: {failed_at[eng]}")
+                continue
+            log(f"{eng} @ {ctx}: running (limit {args.time_limit:g} s)")
+            raw = run_subprocess_cell(eng, checkpoint=str(ckpt), context=ctx, decode_tokens=args.decode_tokens,
+                                      threads=args.threads, seed=args.seed, warmup=args.warmup,
+                                      time_limit=args.time_limit, mem_limit_bytes=cell_mem_limit(),
+                                      prefill_logits=args.prefill_logits)
+            rec = _cell_record(eng, ctx, raw)
+            result["cells"].append(rec)
+            msg = f"{eng} @ {ctx}: {rec['status']} in {rec['wall_s']:.1f} s"
+            if rec.get("prefill_tok_s"):
+                msg += f", prefill {rec['prefill_tok_s']:.1f} tok/s"
+            if rec.get("decode_tok_s"):
+                msg += f", decode {rec['decode_tok_s']:.1f} tok/s"
+            log(msg)
+            if raw["status"] in (SKIP_TIME, OOM):  # longer contexts only get worse
+                failed_at[eng] = f"{raw['status']} (not run: hit at context {ctx})"
+    result["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    if hasattr(os, "getloadavg"):
+        result["machine"]["loadavg_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    summarize(result)
+    report = format_report(result)
+    result["report"] = report
+    print(report, flush=True)
+    out = Path(args.out) if args.out else Path(f"kvfold-bench-{args.config}.json")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(tmp, out)
+    print(f"results written to {out}", flush=True)
+    bad = [c for c in result["cells"] if c["engine"] == "kvfold" and "error" in c["status"]]
+    if bad or (result.get("sanity") and not result["sanity"].get("passed")):
+        return 1
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_bench(args)
+    except KeyboardInterrupt:
+        return 130
