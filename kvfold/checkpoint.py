@@ -6,6 +6,10 @@ official release (see `checkpoint_names`). Weights stored as FP8 e4m3 with 128x1
 scales, or as packed FP4 e2m1 with 1x32 scales (the official release), are dequantized at load
 time into the model's dtype (see `quantized`).
 
+With `weights="quantized"` the FP8 / FP4 weights are not decoded: the parameter they fill is
+replaced by a `QuantizedWeight` (the stored bytes and scales, decoded per matmul); every other
+tensor loads as before. A checkpoint without quantized weights then loads exactly as with "dequant".
+
 Tensors are read one at a time from memory-mapped safetensors files straight into the model's
 parameters (a quantized one is decoded in place into its parameter), so a checkpoint is never held
 in memory twice. Every missing, unexpected or mis-shaped tensor is collected and reported in one error.
@@ -24,10 +28,13 @@ from safetensors import safe_open
 
 from .checkpoint_names import Target, is_mtp_key, mtp_target, to_kvfold_name
 from .errors import CheckpointError
-from .quantized import (FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape, read_config_dict,
-                        scale_keys, stored_format)
+from .layers.basic import QuantizedWeight
+from .quantized import (FP4, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
+                        read_config_dict, scale_keys, stored_format)
 
 _PREFIX = "model."
+WEIGHT_RESIDENCIES = ("dequant", "quantized")
+_E8M0_STORED = {"F8_E8M0", "U8"}  # scale dtypes kept as exponent bytes; float scales are kept as float32
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -142,12 +149,79 @@ def _resolve(key: str) -> Target | None:
     return to_kvfold_name(key)
 
 
+def _stored_block(fmt: str, settings: QuantSettings) -> tuple[int, int]:
+    return settings.fp8_block if fmt == FP8 else (1, settings.fp4_block)
+
+
+def _expert_rows(target: Target, inter: int) -> slice | None:
+    """The rows of one expert's slice that a per-expert tensor fills (w1: gate half, w3: up half)."""
+    if target.expert is None or target.part == "w2":
+        return None
+    return slice(0, inter) if target.part == "w1" else slice(inter, 2 * inter)
+
+
+def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings) -> None:
+    """Replace every parameter whose checkpoint tensors are all FP8 (or all packed FP4) with scales,
+    and whose module lists it in `quantizable`, by an empty `QuantizedWeight` of the stored format.
+    Only the file headers are read; the float parameters given up were never written to."""
+    parts: dict[str, list[tuple[str | None, Target, str | None]]] = {}
+    for key in reader.weight_keys:
+        target = _resolve(key)
+        if target is None:
+            continue
+        scale_key = reader.scales.get(key)
+        fmt = stored_format(reader.entries[key].dtype) if scale_key is not None else None
+        parts.setdefault(target.name, []).append(
+            (fmt, target, reader.entries[scale_key].dtype if scale_key is not None else None))
+    inter = model.config.moe_intermediate_size
+    for name, found in parts.items():
+        fmts = {fmt for fmt, _, _ in found}
+        if len(fmts) != 1 or None in fmts:
+            continue  # unquantized, or a mix of formats: loaded as floats
+        fmt = fmts.pop()
+        mod_name, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(mod_name)
+        except AttributeError:
+            continue  # not a parameter of this model: reported by the loader
+        if attr not in getattr(module, "quantizable", ()):
+            continue
+        current = getattr(module, attr)
+        block = _stored_block(fmt, settings)
+        if fmt == FP8 and block[0] > 1:
+            # per-expert halves of gate_up_proj share the stored row blocks only if I is a multiple of br
+            for _, target, _ in found:
+                rows = _expert_rows(target, inter)
+                if rows is not None and (rows.start % block[0] or (rows.stop - rows.start) % block[0]):
+                    block = (1, block[1])
+        if fmt == FP4 and current.shape[-1] % 2:
+            continue  # mis-shaped: reported by the loader
+        scale_dtype = torch.uint8 if all(sd in _E8M0_STORED for _, _, sd in found) else torch.float32
+        holder = QuantizedWeight(fmt, tuple(current.shape), current.dtype, block, scale_dtype, current.device)
+        delattr(module, attr)
+        setattr(module, attr, holder)
+
+
+def _weight_slots(model: torch.nn.Module) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every loadable tensor by name: parameters, buffers and `QuantizedWeight`s (not their q / scale)."""
+    holders = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    slots: dict = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                   if n.rpartition(".")[0] not in holders}
+    slots.update(holders)
+    return slots
+
+
 @torch.no_grad()
-def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None = None) -> None:
+def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None = None,
+                 weights: str = "dequant") -> None:
     """Fill `model` (and, when the checkpoint carries `mtp.0.*`, a new `model.mtp`) from a checkpoint
     directory: any of the three name layouts, unquantized or with FP8 / FP4 block-quantized weights
     (decoded straight into the parameters, one tensor at a time, from memory-mapped files).
+    `weights="quantized"` keeps FP8 / FP4 weights as stored instead (see `QuantizedWeight`); float
+    checkpoint tensors load as floats either way (nothing is quantized at load).
     `progress`: a stderr progress line (default: only when stderr is a terminal)."""
+    if weights not in WEIGHT_RESIDENCIES:
+        raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     directory = Path(directory)
     reader = CheckpointReader(directory)
     try:
@@ -158,8 +232,11 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
                                                     for k in reader.weight_keys):
         from .models.mtp import MtpModule
         model.mtp = MtpModule(model.config, model.dtype, model.device)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
+    if weights == "quantized":
+        _keep_quantized_(model, reader, settings)
+    elif any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise CheckpointError("this model keeps weights quantized; load weights='dequant' into a new model")
+    params = _weight_slots(model)
     has_mtp = getattr(model, "mtp", None) is not None
     expected = {n for n in params if has_mtp or not n.startswith("mtp.")}
     seen: set[str] = set()
@@ -178,35 +255,46 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
             if target.name not in params:
                 unexpected.append(key)
                 continue
-            dest = params[target.name].data
+            slot = params[target.name]
+            resident = isinstance(slot, QuantizedWeight)
+            want = tuple(slot.shape)
+            rows = _expert_rows(target, inter)
             if target.expert is not None:
-                if dest.dim() != 3 or target.expert >= dest.shape[0]:
+                if len(want) != 3 or target.expert >= want[0]:
                     unexpected.append(key)
                     continue
-                dest = dest[target.expert]
-                if target.part != "w2":
-                    dest = dest[:inter] if target.part == "w1" else dest[inter:]
+                want = want[1:]
+                if rows is not None:
+                    want = (len(range(want[0])[rows]),) + want[1:]
+            floating = resident or slot.is_floating_point()
             quantized_dtype = stored_format(entry.dtype) is not None
-            if scale_key is None and quantized_dtype and (entry.dtype == "F8_E4M3" or dest.is_floating_point()):
+            if scale_key is None and quantized_dtype and (entry.dtype == "F8_E4M3" or floating):
                 raise CheckpointError(f"{key} is stored quantized ({entry.dtype}) but has no block scale "
                                       f"(`.scale` or `.weight_scale_inv`) next to it")
             fmt = stored_format(entry.dtype) if scale_key is not None else None
             shape = logical_shape(entry.shape, entry.dtype, fmt)
-            if shape != tuple(dest.shape):
-                misshaped.append(f"{key}: file {shape} vs expected {tuple(dest.shape)}")
+            if shape != want:
+                misshaped.append(f"{key}: file {shape} vs expected {want}")
                 seen.add(target.name)  # reported as mis-shaped, not also as missing
                 continue
             if scale_key is not None:
                 sshape = reader.entries[scale_key].shape
-                want = expected_scale_shape(shape, fmt or FP8, settings)
-                if sshape != want:
-                    misshaped.append(f"{scale_key}: scale {sshape} vs expected {want} for {fmt or 'block'} "
+                want_scale = expected_scale_shape(shape, fmt or FP8, settings)
+                if sshape != want_scale:
+                    misshaped.append(f"{scale_key}: scale {sshape} vs expected {want_scale} for {fmt or 'block'} "
                                      f"weight {shape}")
                     seen.add(target.name)
                     continue
-                dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
+            if resident:  # the stored bytes and scale, as they are
+                slot.load_(read(), read_scale(), _stored_block(fmt, settings), target.expert, rows)
             else:
-                dest.copy_(read())  # one tensor at a time, converted into place
+                dest = slot.data
+                if target.expert is not None:
+                    dest = dest[target.expert] if rows is None else dest[target.expert][rows]
+                if scale_key is not None:
+                    dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
+                else:
+                    dest.copy_(read())  # one tensor at a time, converted into place
             bar.update(reader.nbytes(key))
             if target.expert is None:
                 seen.add(target.name)
@@ -236,9 +324,14 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
 
 def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
     """Write `config.json` + `model.safetensors` in the transformers layout (MTP under the
-    official `mtp.0.*` names, which is where checkpoints carry it)."""
+    official `mtp.0.*` names, which is where checkpoints carry it). Float weights only: a model
+    loaded with weights="quantized" is refused (its checkpoint files can be rewritten with `convert`)."""
     from safetensors.torch import save_file
     from .models.mtp import official_mtp_weights
+    if any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise CheckpointError("save_checkpoint writes float weights, but this model keeps its FP8 / FP4 weights "
+                              "quantized (loaded with weights='quantized'); load it with weights='dequant' to save "
+                              "it, or use `kvfold convert` to rewrite its checkpoint files without decoding them")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith("mtp.")}

@@ -15,19 +15,19 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _MIB = 1024 * 1024
 
 
-def _load_model(path: str, device: str, dtype: torch.dtype, numerics: str = "hf") -> Any:
+def _load_model(path: str, device: str, dtype: torch.dtype, numerics: str = "hf", weights: str = "dequant") -> Any:
     # Imported lazily so this module loads (and tests can patch this function) on its own.
     import kvfold
 
-    if numerics == "hf":
-        return kvfold.load_model(path, device=device, dtype=dtype)
-    return kvfold.load_model(path, device=device, dtype=dtype, numerics=numerics)
+    extra = {k: v for k, v in (("numerics", numerics), ("weights", weights))
+             if v != {"numerics": "hf", "weights": "dequant"}[k]}
+    return kvfold.load_model(path, device=device, dtype=dtype, **extra)
 
 
 def _load_for(args: argparse.Namespace) -> Any:
-    if args.numerics == "hf":
+    if args.numerics == "hf" and args.weights == "dequant":  # (tests patch a 3-argument _load_model)
         return _load_model(args.model, args.device, _DTYPES[args.dtype])
-    return _load_model(args.model, args.device, _DTYPES[args.dtype], args.numerics)
+    return _load_model(args.model, args.device, _DTYPES[args.dtype], args.numerics, args.weights)
 
 
 def _nonneg_int(text: str) -> int:
@@ -63,6 +63,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weight dtype (default float32)")
     p.add_argument("--numerics", choices=("hf", "reference"), default="hf",
                    help="hf: transformers' math; reference: the official code's FP8/FP4 roundings")
+    p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
+                   help="dequant: decode FP8/FP4 weights at load; quantized: keep them, decode per matmul")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None,
                    help="store window rows and compressed entries in FP8 (non-rope dims)")
 
@@ -198,6 +200,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"model: {args.model}\n")
     out.write(f"parameters: {model.num_parameters():,}\n")
+    if hasattr(model, "weight_bytes"):
+        out.write(f"weights in memory: {_fmt_bytes(model.weight_bytes())}"
+                  f"{' (FP8/FP4 kept quantized)' if model.quantized_weights() else ''}\n")
     out.write(f"layers: {len(attn)}\n")
     out.write(f"  {'idx':>3}  {'attention':<32} {'ratio':>5}  mlp\n")
     for idx, (a, r, m) in enumerate(zip(attn, ratios, mlps, strict=True)):

@@ -1,24 +1,113 @@
-"""Weight holders named like the checkpoint: `Linear.weight`, `Norm.weight`."""
+"""Weight holders named like the checkpoint: `Linear.weight`, `Norm.weight`, and `QuantizedWeight`,
+which a weight becomes when it is kept in memory in its checkpoint format (FP8 / packed FP4)."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from ..numerics import rms_norm
-from ..numerics.quant import act_quant_fp8
+from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
+from ..quantized import FP4, FP8
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+class QuantizedWeight(nn.Module):
+    """A weight kept as the checkpoint stores it and decoded only for the matmul that reads it.
+
+    * "fp8": `q` float8_e4m3fn [..., R, C] with `scale` [..., ceil(R/br), ceil(C/bc)], `block` = (br, bc)
+      (128 x 128 in the release; (1, 128) for stacked expert halves whose rows do not fall on 128-row
+      blocks, each row then carrying its own copy of its block's scale);
+    * "fp4": `q` uint8 [..., R, C/2] (two e2m1 codes a byte, the low nibble the even column) with
+      `scale` [..., R, ceil(C/32)], `block` = (1, 32).
+    `scale` holds e8m0 exponent bytes (uint8), or float32 multipliers for checkpoints with float scales.
+
+    `shape` is the logical (dequantized) shape and `dtype` the dtype `dequant` returns: the dtype of the
+    float parameter it replaces, so both residencies run the same matmuls on bit-identical values.
+    """
+
+    def __init__(self, fmt: str, shape, dtype: torch.dtype, block: tuple[int, int],
+                 scale_dtype: torch.dtype = torch.uint8, device=None):
+        super().__init__()
+        if fmt not in (FP8, FP4):
+            raise ValueError(f"format must be {FP8!r} or {FP4!r}, got {fmt!r}")
+        *lead, r, c = shape
+        br, bc = block
+        if fmt == FP4 and (br != 1 or c % 2):
+            raise ValueError(f"FP4 needs 1 x n blocks and an even number of columns; got {block}, {tuple(shape)}")
+        self.fmt, self.shape, self.dtype, self.block = fmt, torch.Size(shape), dtype, (br, bc)
+        q_shape, q_dtype = (shape, torch.float8_e4m3fn) if fmt == FP8 else ((*lead, r, c // 2), torch.uint8)
+        self.register_buffer("q", torch.empty(q_shape, dtype=q_dtype, device=device))
+        self.register_buffer("scale", torch.empty(*lead, math.ceil(r / br), math.ceil(c / bc),
+                                                  dtype=scale_dtype, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def numel(self) -> int:
+        """Logical parameters (as the float weight would count them)."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def dequant(self, dtype: torch.dtype | None = None, index: int | None = None) -> torch.Tensor:
+        """The float weight (or, with `index`, its slice `[index]`, e.g. one expert) in `dtype`
+        (default `self.dtype`), in a new tensor: the same values a load-time dequantization writes."""
+        q, s = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
+        shape = q.shape if self.fmt == FP8 else (*q.shape[:-1], 2 * q.shape[-1])
+        out = torch.empty(shape, dtype=dtype or self.dtype, device=q.device)
+        if self.fmt == FP8:
+            return dequant_fp8_into(out, q, s, self.block)
+        return dequant_fp4_into(out, q, s, self.block[1])
+
+    @torch.no_grad()
+    def load_(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+              index: int | None = None, rows: slice | None = None) -> None:
+        """Copy a stored tensor and its scale in as they are: all of the weight, or `[index]` (one expert)
+        and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
+        block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc)."""
+        dq, ds = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
+        start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
+        dq[..., start:stop, :].copy_(q if self.fmt == FP8 else q.view(torch.uint8))
+        if self.scale.dtype == torch.uint8:
+            scale = scale.view(torch.uint8)  # e8m0 exponent bytes stay bytes
+        br = self.block[0]
+        if br == block[0]:
+            ds[..., start // br:math.ceil(stop / br), :].copy_(scale)
+        elif br == 1:
+            ds[..., start:stop, :].copy_(scale.repeat_interleave(block[0], dim=-2)[..., :stop - start, :])
+        else:
+            raise ValueError(f"cannot place {block} scale blocks into {self.block} blocks")
+
+    def extra_repr(self) -> str:
+        return (f"{self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block}, "
+                f"scale={self.scale.dtype}")
+
+
+def matmul_weight(w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:
+    """The float weight one matmul reads: a parameter as it is, a `QuantizedWeight` dequantized for
+    just this matmul; `index` selects one slice (an expert of a stacked weight), the only one decoded."""
+    if isinstance(w, QuantizedWeight):
+        return w.dequant(index=index)
+    return w if index is None else w[index]
+
+
 class Linear(nn.Module):
     """y = x W^T with no bias. The input is cast to the weight dtype (fp32 weights compute in fp32).
+    `weight` is a float parameter or a `QuantizedWeight` (decoded per matmul, see `matmul_weight`).
 
     `act_quant` (reference numerics, on the release's FP8 GEMMs) rounds the input per token to
     FP8 in 1x128 blocks first, as the official kernels quantize activations."""
 
     act_quant = False
+    quantizable = ("weight",)  # attributes the loader may keep quantized
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device=None):
         super().__init__()
@@ -27,7 +116,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
             x = act_quant_fp8(x, 128)
-        return x.to(self.weight.dtype) @ self.weight.t()
+        w = matmul_weight(self.weight)
+        return x.to(w.dtype) @ w.t()
 
 
 class Norm(nn.Module):

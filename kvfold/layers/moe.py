@@ -8,7 +8,7 @@ from torch import nn
 
 from ..config import Dsv4Config
 from ..numerics.quant import act_quant_fp8
-from .basic import Linear, _param
+from .basic import Linear, _param, matmul_weight
 
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -50,9 +50,12 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked routed experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+    """Stacked routed experts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+    Either may be a `QuantizedWeight`: then only the experts a batch routes to are decoded, one
+    expert and one matmul at a time."""
 
     act_quant = False  # reference numerics: FP8 activations into the FP4 expert GEMMs
+    quantizable = ("gate_up_proj", "down_proj")
 
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
         super().__init__()
@@ -77,11 +80,13 @@ class Experts(nn.Module):
             xe = x[rows]
             if self.act_quant:
                 xe = act_quant_fp8(xe, 128)
-            gate, up = (xe.to(self.gate_up_proj.dtype) @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            w13 = matmul_weight(self.gate_up_proj, e)
+            gate, up = (xe.to(w13.dtype) @ w13.t()).chunk(2, dim=-1)
             h = swiglu(gate, up, self.limit)
             if self.act_quant:
                 h = act_quant_fp8(h, 128)
-            ye = h.to(self.down_proj.dtype) @ self.down_proj[e].t()
+            w2 = matmul_weight(self.down_proj, e)
+            ye = h.to(w2.dtype) @ w2.t()
             out.index_add_(0, rows, ye.float() * wts[offset:offset + n, None])
             offset += n
         return out

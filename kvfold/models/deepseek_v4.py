@@ -11,7 +11,7 @@ from torch import nn
 from ..config import CSA, HCA, SLIDING, Dsv4Config
 from ..errors import CapacityError, ConfigError, KvfoldError
 from ..layers.attention import Attention
-from ..layers.basic import Linear, Norm, _param
+from ..layers.basic import Linear, Norm, QuantizedWeight, _param
 from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MoE
 from ..numerics import RopeTable
@@ -212,8 +212,19 @@ class Dsv4Model(nn.Module):
         return self.lm_head(h).float(), streams
 
     # ---- accounting --------------------------------------------------------------------------
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        """The weights kept in their checkpoint format (loaded with weights="quantized"), by name."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, QuantizedWeight)}
+
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """Logical parameters: a quantized weight counts its dequantized elements."""
+        return (sum(p.numel() for p in self.parameters())
+                + sum(w.numel() for w in self.quantized_weights().values()))
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy in memory: float parameters, quantized weights' bytes and scales,
+        and the router's buffers (tid2eid, score bias). MTP included when loaded."""
+        return sum(t.nbytes for t in self.parameters()) + sum(t.nbytes for t in self.buffers())
 
     def state_bytes_per_token(self, kv_dtype: str | None = None) -> float:
         """Bytes each further token adds to a state's compressed and indexer pools."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_weights
+from ..checkpoint import WEIGHT_RESIDENCIES, load_weights
 from ..config import load_config
 from ..errors import ConfigError
 from .deepseek_v4 import Dsv4Model
@@ -23,11 +23,22 @@ def _tokenizer_for(directory: Path | None, cfg):
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         numerics: str = "hf") -> Dsv4Model:
+         numerics: str = "hf", weights: str = "dequant") -> Dsv4Model:
+    """`weights`: "dequant" decodes FP8 / FP4 checkpoint weights into `dtype` at load; "quantized" keeps
+    them in memory as stored (float8_e4m3fn / packed FP4 bytes + e8m0 scales) and decodes each one for
+    the matmul that reads it (routed experts: only the experts a batch uses). Logits are bit-identical
+    either way. Float checkpoint tensors (and "tiny") load as floats either way: nothing is quantized."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if numerics not in ("hf", "reference"):
         raise ConfigError(f"numerics must be 'hf' or 'reference', got {numerics!r}")
+    if weights not in WEIGHT_RESIDENCIES:
+        raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
+    if str(path) != "tiny" and (Path(path) / "config.json").is_file():
+        from ..glm5_config import is_glm5_config, read_config_json
+        if is_glm5_config(read_config_json(path)):  # GLM-5.3 (`glm5_next*`): its own model and loader
+            from .glm5_next import load_glm5
+            return load_glm5(path, device=device, dtype=dtype, numerics=numerics, weights=weights)
     if str(path) == "tiny":
         model = Dsv4Model(tiny_config(), dtype=dtype, device=device)
         model.mtp = MtpModule(model.config, model.dtype, model.device)
@@ -40,7 +51,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         raise ConfigError(f"{directory} is not a directory; pass a checkpoint directory or 'tiny'")
     cfg = load_config(directory)
     model = Dsv4Model(cfg, dtype=dtype, device=device)
-    load_weights(model, directory)
+    load_weights(model, directory, weights=weights)
     if model.mtp_weights:
         model.mtp = load_mtp(model, model.mtp_weights)
         model.mtp_weights = {}  # now held by model.mtp

@@ -120,6 +120,43 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 # ---- weight dequantization --------------------------------------------------------------------
 
+_LOOKUP_CHUNK = 1 << 20  # bytes decoded per table lookup: bounds the int32 index temporary (4 MiB)
+_BYTE_TABLES: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _byte_table(fmt: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """byte -> what it decodes to in `dtype`, for one lookup per byte: "fp8" one e4m3fn value [256];
+    "fp4" the (low, high) nibble values, as one integer twice the dtype's width [256] when there is one,
+    else [256, 2]. Built from `.to(dtype)` of each code, so a lookup equals a conversion bit for bit."""
+    key = (fmt, dtype, device)
+    table = _BYTE_TABLES.get(key)
+    if table is None:
+        if fmt == "fp8":
+            table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(dtype)
+        else:
+            table = _FP4_BYTE_TABLE.to(dtype)
+            wide = _INT_OF_SIZE.get(2 * table.element_size())
+            if wide is not None:
+                table = table.view(wide).squeeze(-1)
+        table = _BYTE_TABLES[key] = table.to(device)
+    return table
+
+
+def _decode_bytes_(out: torch.Tensor, b: torch.Tensor, fmt: str) -> None:
+    """Fill the contiguous float tensor `out` with the values of the uint8 codes `b` (FP8: one value a
+    byte; FP4: two, low nibble first) by table lookup, much faster on CPU than a float8 conversion."""
+    table = _byte_table(fmt, out.dtype, out.device)
+    flat = out.view(-1)
+    if table.dtype != out.dtype:  # FP4 pairs as one wider integer
+        flat = flat.view(table.dtype)
+    elif fmt == "fp4":
+        flat = flat.view(-1, 2)
+    codes = b.reshape(-1)
+    for i in range(0, codes.numel(), _LOOKUP_CHUNK):
+        torch.index_select(table, 0, codes[i:i + _LOOKUP_CHUNK].to(torch.int32), out=flat[i:i + _LOOKUP_CHUNK])
+
+
 def _check_fp8_scale(shape, scale_shape, block) -> None:
     *lead, r, c = shape
     want = (*lead, math.ceil(r / block[0]), math.ceil(c / block[1]))
@@ -136,26 +173,34 @@ def _check_fp4_scale(shape, scale_shape, block) -> None:
                          f"got {tuple(scale_shape)}")
 
 
+def _mul_block_scales_(out: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> None:
+    """out[..., i, j] *= s[..., i // br, j // bc] in place, without materialising the expanded scale:
+    the full blocks and the partial last row / column blocks are each one broadcast multiply."""
+    br, bc = block
+    r, c = out.shape[-2], out.shape[-1]
+    fr, fc = r - r % br, c - c % bc
+    for r0, r1, h in ((0, fr, br), (fr, r, r - fr)):
+        for c0, c1, w in ((0, fc, bc), (fc, c, c - fc)):
+            if r1 > r0 and c1 > c0:
+                nr, nc = (r1 - r0) // h, (c1 - c0) // w
+                part = out[..., r0:r1, c0:c1].unflatten(-1, (nc, w)).unflatten(-3, (nr, h))
+                part.mul_(s[..., r0 // br:r0 // br + nr, c0 // bc:c0 // bc + nc].unsqueeze(-1).unsqueeze(-3))
+
+
 @torch.no_grad()
 def dequant_fp8_into(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
     """Write q * scale (FP8 block dequantization) into the float tensor `out` of q's shape, in place:
     q is converted into `out`, then multiplied by its block's scale (one rounding to out's dtype,
-    the same result as dequantizing in float32 and casting). Temporaries stay one row-block wide."""
+    the same result as dequantizing in float32 and casting). No temporary beyond the float32 scales."""
     if tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"output {tuple(out.shape)} and FP8 weight {tuple(q.shape)} differ in shape")
     _check_fp8_scale(q.shape, scale.shape, block)
-    s = e8m0_to_float(scale).to(out.device)
-    br, bc = block
-    r, c = q.shape[-2], q.shape[-1]
-    out.copy_(q)
-    if r % br == 0 and c % bc == 0:
-        blocks = out.unflatten(-1, (c // bc, bc)).unflatten(-3, (r // br, br))  # [..., R/br, br, C/bc, bc]
-        blocks.mul_(s.unsqueeze(-1).unsqueeze(-3))
-        return out
-    for i in range(s.shape[-2]):
-        cols = s[..., i, :].repeat_interleave(bc, dim=-1)[..., :c]  # [..., C]
-        out[..., i * br:(i + 1) * br, :].mul_(cols.unsqueeze(-2))
+    if q.dtype == torch.float8_e4m3fn and out.is_contiguous():
+        _decode_bytes_(out, q.view(torch.uint8), "fp8")
+    else:  # a float weight with block scales, or a strided destination
+        out.copy_(q)
+    _mul_block_scales_(out, e8m0_to_float(scale).to(out.device), block)
     return out
 
 
@@ -166,14 +211,11 @@ def dequant_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     return dequant_fp8_into(torch.empty(q.shape, dtype=torch.float32, device=q.device), q, scale, block)
 
 
-_FP4_ROWS_PER_CHUNK = 1 << 20  # packed bytes per chunk: bounds the int64 index temporary (8 MiB)
-
-
 @torch.no_grad()
 def dequant_fp4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                      block: int = FP4_BLOCK) -> torch.Tensor:
-    """Write the FP4 dequantization of `packed` [..., R, C/2] into `out` [..., R, C], in place, a few
-    rows at a time."""
+    """Write the FP4 dequantization of `packed` [..., R, C/2] into the contiguous `out` [..., R, C],
+    in place, a few rows at a time."""
     *lead, r, half = packed.shape
     c = 2 * half
     if tuple(out.shape) != (*lead, r, c):
@@ -184,15 +226,11 @@ def dequant_fp4_into(out: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     p2 = packed.view(torch.uint8).reshape(-1, half)
     o2 = out.view(-1, c)
     s2 = s.reshape(-1, s.shape[-1])
-    step = max(1, _FP4_ROWS_PER_CHUNK // max(half, 1))
+    step = max(1, _LOOKUP_CHUNK // max(half, 1))
     for i in range(0, p2.shape[0], step):
         o = o2[i:i + step]
-        o.copy_(unpack_fp4(p2[i:i + step]))
-        si = s2[i:i + step]
-        if c % block == 0:
-            o.view(o.shape[0], c // block, block).mul_(si.unsqueeze(-1))
-        else:
-            o.mul_(si.repeat_interleave(block, dim=-1)[:, :c])
+        _decode_bytes_(o, p2[i:i + step], "fp4")
+        _mul_block_scales_(o, s2[i:i + step], (1, block))
     return out
 
 

@@ -1,0 +1,192 @@
+"""weights="quantized": FP8 / FP4 checkpoint weights stay in memory as stored and are decoded per matmul
+(routed experts: only the ones a batch uses). The decoded values are the ones a load-time decode writes,
+so logits, generations and snapshots are bit-identical to weights="dequant", in a fraction of the bytes."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kvfold
+from kvfold.checkpoint import save_checkpoint
+from kvfold.checkpoint_names import to_official_names
+from kvfold.errors import CheckpointError, ConfigError
+from kvfold.layers.basic import QuantizedWeight
+from kvfold.layers.moe import Experts
+from kvfold.numerics.quant import dequant_fp4_into, dequant_fp8_into, quantize_fp8_blocks, unpack_fp4
+from test_official_checkpoint import E8M0, IDS, logits, official_tensors, slice_of, tiny_v4, write_official
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_decoding_by_table_lookup_equals_conversion_for_every_byte(dtype):
+    codes = torch.arange(256, dtype=torch.uint8)
+    unit = torch.full((1, 1), 127, dtype=torch.uint8)  # e8m0 2^0
+    got = dequant_fp8_into(torch.empty(2, 128, dtype=dtype), codes.view(torch.float8_e4m3fn).view(2, 128), unit)
+    want = codes.view(torch.float8_e4m3fn).to(dtype).view(2, 128)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])
+    got = dequant_fp4_into(torch.empty(256, 2, dtype=dtype), codes.view(256, 1), unit.expand(256, 1), 32)
+    assert torch.equal(got, unpack_fp4(codes.view(256, 1)).to(dtype)) and not got.signbit()[got == 0].any()
+
+
+@pytest.fixture(scope="module")
+def original():
+    return tiny_v4()  # moe_intermediate_size 80: partial FP4 scale blocks; hidden 256, q_lora 192
+
+
+@pytest.fixture(scope="module")
+def official_dir(original, tmp_path_factory):
+    return write_official(tmp_path_factory.mktemp("official"), official_tensors(original), original.config)
+
+
+@pytest.fixture(scope="module")
+def both(official_dir):
+    """{dtype: (dequant model, quantized model)}"""
+    return {dt: (kvfold.load_model(official_dir, dtype=dt),
+                 kvfold.load_model(official_dir, dtype=dt, weights="quantized"))
+            for dt in (torch.float32, torch.bfloat16)}
+
+
+def test_fp8_and_fp4_weights_stay_as_stored(both):
+    deq, q = both[torch.float32]
+    held = q.quantized_weights()
+    assert not deq.quantized_weights()
+    fp8 = {n for n, w in held.items() if w.fmt == "fp8"}
+    fp4 = {n for n, w in held.items() if w.fmt == "fp4"}
+    n_blocks = q.config.num_hidden_layers + 1  # + MTP block
+    assert len(fp4) == 2 * n_blocks  # gate_up_proj and down_proj of every block
+    assert len(fp8) == 8 * n_blocks + 2 + 2  # wq_a wq_b wkv wo_a wo_b + 3 shared; 2 indexer wq_b; MTP e/h_proj
+    wq_b = q.model.layers[1].self_attn.q_b_proj.weight
+    assert isinstance(wq_b, QuantizedWeight) and wq_b.q.dtype == torch.float8_e4m3fn
+    assert wq_b.scale.shape == (2, 2) and wq_b.scale.dtype == torch.uint8 and wq_b.block == (128, 128)
+    experts = q.model.layers[2].mlp.experts
+    assert experts.gate_up_proj.q.dtype == torch.uint8 and experts.gate_up_proj.q.shape == (8, 160, 128)
+    assert experts.down_proj.scale.shape == (8, 256, 3)  # 80 columns: blocks of 32, 32, 16
+    # unquantized in the release: embed, head, norms, router, compressor projections stay float
+    assert isinstance(q.lm_head.weight, torch.nn.Parameter) and isinstance(q.model.layers[1].mlp.gate.weight,
+                                                                             torch.nn.Parameter)
+    # every held weight decodes to exactly the dequant model's parameter
+    params = dict(deq.named_parameters())
+    for name, w in held.items():
+        assert w.dtype == params[name].dtype and torch.equal(w.dequant(), params[name]), name
+    assert q.num_parameters() == deq.num_parameters()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_bit_identical(both, dtype):
+    deq, q = both[dtype]
+    assert torch.equal(logits(q), logits(deq))
+    assert q.fingerprint == deq.fingerprint
+
+
+def test_resident_bytes_are_a_quarter_for_fp8_and_under_a_seventh_for_fp4(both):
+    for dtype, (deq, q) in both.items():
+        esz = torch.finfo(dtype).bits // 8
+        held = q.quantized_weights().values()
+        for fmt, low in (("fp8", 3.99 * esz / 4), ("fp4", 7.4 * esz / 4)):
+            ws = [w for w in held if w.fmt == fmt]
+            float_bytes = sum(w.numel() * esz for w in ws)
+            resident = sum(w.q.nbytes + w.scale.nbytes for w in ws)
+            ratio = float_bytes / resident
+            # fp32: FP8 4 / (1 + 1/16384 per full block); FP4 4 / (1/2 + 1/32), a little less with partial blocks
+            assert low < ratio <= (4 if fmt == "fp8" else 32 / 4.25) * esz / 4, (dtype, fmt, ratio)
+        saved = sum(w.numel() * esz - w.nbytes for w in held)
+        assert deq.weight_bytes() - q.weight_bytes() == saved
+    deq, q = both[torch.float32]
+    assert deq.weight_bytes() / q.weight_bytes() > 3  # embed / head stay float in this tiny model
+
+
+def test_experts_decode_only_the_experts_a_batch_uses(both, monkeypatch):
+    _, q = both[torch.float32]
+    routed, decoded = {}, []
+    real = QuantizedWeight.dequant
+
+    def spy(self, dtype=None, index=None):
+        decoded.append((self, index))
+        return real(self, dtype, index)
+
+    def record(module, args):  # Experts.forward(x, weights, ids)
+        routed.setdefault(module, []).append(set(args[2].flatten().tolist()))
+
+    hooks = [m.register_forward_pre_hook(record) for m in q.modules() if isinstance(m, Experts)]
+    monkeypatch.setattr(QuantizedWeight, "dequant", spy)
+    try:
+        for ids in ([5, 77], [200]):  # two steps: a 2-token chunk, then one decode token
+            st = q.new_state(capacity=4)
+            q.forward(ids, st)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert routed and all(len(calls) == 2 for calls in routed.values())
+    experts = [m for m in q.modules() if isinstance(m, Experts)]
+    for m in experts:
+        for w in (m.gate_up_proj, m.down_proj):
+            got = [i for holder, i in decoded if holder is w]
+            used = routed.get(m, [])
+            # once per used expert per forward, never the whole stack
+            assert sorted(got) == sorted(e for step in used for e in step), m
+            assert None not in got
+    k = q.config.num_experts_per_tok
+    assert all(len(step) <= 2 * k for calls in routed.values() for step in calls)
+    assert all(len(step) < q.config.n_routed_experts for calls in routed.values() for step in calls)
+
+
+def test_generation_and_snapshots_are_unaffected(both):
+    deq, q = both[torch.float32]
+    prompt = IDS[:20]
+    a = kvfold.generate(deq, prompt, 12, stop_ids=[])
+    b = kvfold.generate(q, prompt, 12, stop_ids=[])
+    assert a.tokens == b.tokens
+    # the MTP drafter's e_proj / h_proj / block are held quantized too: same drafts, same acceptances
+    ma = kvfold.generate(deq, prompt, 12, stop_ids=[], speculative="mtp")
+    mb = kvfold.generate(q, prompt, 12, stop_ids=[], speculative="mtp")
+    assert (ma.tokens, ma.drafted, ma.accepted) == (mb.tokens, mb.drafted, mb.accepted)
+    # a snapshot taken on one residency continues bit-identically on the other
+    st = deq.new_state(capacity=64)
+    deq.forward(IDS[:30], st)
+    blob = st.snapshot()
+    want = deq.forward(IDS[30:40], st)
+    other = q.new_state(capacity=64)
+    other.restore(blob)
+    assert torch.equal(q.forward(IDS[30:40], other), want)
+
+
+def test_fp8_experts_whose_halves_split_row_blocks(original, tmp_path):
+    # FP8 experts (not the release's FP4): w1 / w3 of 80 rows each, so gate_up_proj's 160 rows cannot share
+    # 128-row blocks; each row keeps its block's scale instead. Stacked FP8 in the module layout keeps 128x128.
+    t = official_tensors(original)
+    deq = kvfold.load_model(write_official(tmp_path / "fp4", t, original.config))
+    cfg = original.config
+    for name, v in deq.state_dict().items():
+        for key, e, part in to_official_names(name, cfg.n_routed_experts):
+            if e is not None:  # re-quantize the decoded FP4 expert as FP8
+                t[key], s = quantize_fp8_blocks(slice_of(v, e, part, cfg.moe_intermediate_size).contiguous())
+                t[key.removesuffix(".weight") + ".scale"] = s.view(E8M0)
+    d = write_official(tmp_path / "fp8", t, original.config)
+    a = kvfold.load_model(d)
+    b = kvfold.load_model(d, weights="quantized")
+    gu = b.model.layers[1].mlp.experts.gate_up_proj
+    assert gu.fmt == "fp8" and gu.block == (1, 128) and gu.scale.shape == (8, 160, 2)
+    assert b.model.layers[1].mlp.experts.down_proj.block == (128, 128)
+    assert torch.equal(gu.dequant(), a.model.layers[1].mlp.experts.gate_up_proj)
+    assert torch.equal(logits(b), logits(a))
+    # module layout, stacked: gate_up_proj [E, 160, 256] FP8 with [E, 2, 2] scales: kept with 128x128 blocks
+    hf = save_checkpoint(a, tmp_path / "hf")
+    ht = load_file(str(hf / "model.safetensors"))
+    for name in [k for k in ht if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        ht[name], s = quantize_fp8_blocks(ht[name])
+        ht[name + "_scale_inv"] = s.view(E8M0)
+    save_file(ht, str(hf / "model.safetensors"))
+    c, cq = kvfold.load_model(hf), kvfold.load_model(hf, weights="quantized")
+    assert cq.model.layers[2].mlp.experts.gate_up_proj.block == (128, 128)
+    assert torch.equal(logits(cq), logits(c))
+
+
+def test_float_checkpoints_stay_float_and_quantized_models_are_not_saved(both, original, tmp_path):
+    plain = save_checkpoint(original, tmp_path / "plain")  # unquantized: nothing to keep quantized
+    m = kvfold.load_model(plain, weights="quantized")
+    assert not m.quantized_weights() and m.weight_bytes() == original.weight_bytes()
+    assert not kvfold.load_model("tiny", weights="quantized").quantized_weights()
+    deq, q = both[torch.float32]
+    save_checkpoint(deq, tmp_path / "deq")  # dequant models save as before
+    with pytest.raises(CheckpointError, match="weights='dequant'"):
+        save_checkpoint(q, tmp_path / "q")
+    with pytest.raises(ConfigError, match="weights must be one of"):
+        kvfold.load_model(plain, weights="fp16")
