@@ -77,7 +77,6 @@ class Dsv4Model(nn.Module):
         rd = cfg.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, self.device)
-        self.mtp_weights: dict[str, torch.Tensor] = {}  # `mtp.*` tensors as read from the checkpoint
         self.mtp = None  # MtpModule, built from `mtp.0.*` when the checkpoint has them
         self.tokenizer = None
         self.fingerprint = cfg.fingerprint()

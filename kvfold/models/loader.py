@@ -10,7 +10,7 @@ from ..checkpoint import WEIGHT_RESIDENCIES, load_weights
 from ..config import load_config
 from ..errors import ConfigError
 from .deepseek_v4 import Dsv4Model
-from .mtp import MtpModule, load_mtp
+from .mtp import MtpModule
 from .tiny import init_random_, tiny_config
 
 TINY_SEED = 1234
@@ -52,9 +52,6 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     cfg = load_config(directory)
     model = Dsv4Model(cfg, dtype=dtype, device=device)
     load_weights(model, directory, weights=weights)
-    if model.mtp_weights:
-        model.mtp = load_mtp(model, model.mtp_weights)
-        model.mtp_weights = {}  # now held by model.mtp
     try:
         model.tokenizer = _tokenizer_for(directory, cfg)
     except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing
