@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvfold.bench import configs as C
+from kvfold.bench import report
 from kvfold.bench import runner as R
 
 
@@ -116,7 +117,7 @@ def test_cell_status_mapping():
                                                                  "rss_after_load": 1}, "error": {"oom": True}}}
     rec = R._cell_record("transformers", 4096, raw)
     assert rec["prefill_status"] == R.OOM and rec["decode_status"] == R.OOM
-    assert R._prefill_cell(rec) == "OOM"
+    assert report._prefill_cell(rec) == "OOM"
 
 
 def test_cli_hooks_register_bench():

@@ -1,0 +1,219 @@
+"""`kvfold bench` results: the derived numbers (ratios, flatness, bandwidth share) and the text report."""
+from __future__ import annotations
+
+from typing import Any
+
+ENGINES = ("kvfold", "transformers")
+SKIP_TIME = "skipped: > time limit"
+OOM = "out of memory"
+_MIB = 1024 * 1024
+_GIB = 1024 * _MIB
+
+
+# ---- derived numbers ----------------------------------------------------------------------------------
+def _ratio(a, b):
+    return (a / b) if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and b) else None
+
+
+def _flatness(cells: list[dict], engine: str) -> dict[str, Any] | None:
+    """Decode tok/s at the longest decoded context / at the shortest (ideally 512), from the
+    total decode time, and the same from the fastest single step (less sensitive to other load)."""
+    ok = sorted((c["context"], c["decode_tok_s"], c.get("decode_step_min_s")) for c in cells
+                if c["engine"] == engine and c.get("decode_status") == "ok" and c.get("decode_tok_s"))
+    if len(ok) < 2:
+        return None
+    (c0, v0, m0), (c1, v1, m1) = ok[0], ok[-1]
+    return {"short_context": c0, "long_context": c1, "decode_tok_s_short": v0, "decode_tok_s_long": v1,
+            "flatness": v1 / v0, "flatness_best_step": (m0 / m1) if m0 and m1 else None}
+
+
+def summarize(result: dict[str, Any]) -> None:
+    """Fill result["rows"], ["flatness"] and the bandwidth fractions from result["cells"]."""
+    cells = result["cells"]
+    rows = []
+    for ctx in result["settings"]["contexts"]:
+        kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
+        hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
+        row: dict[str, Any] = {"context": ctx}
+        if hf is not None and kv is not None:
+            row["prefill_ratio"] = _ratio(kv.get("prefill_tok_s"), hf.get("prefill_tok_s"))
+            row["decode_ratio"] = _ratio(kv.get("decode_tok_s"), hf.get("decode_tok_s"))
+            row["prefill_peak_rss_ratio"] = _ratio(kv.get("prefill_peak_rss_bytes"), hf.get("prefill_peak_rss_bytes"))
+            kt, ht = kv.get("tokens"), hf.get("tokens")
+            if kt and ht:
+                same = 0
+                for a, b in zip(kt, ht):
+                    if a != b:
+                        break
+                    same += 1
+                row["greedy_tokens_agree"] = same
+                row["greedy_tokens_compared"] = min(len(kt), len(ht))
+        rows.append(row)
+    result["rows"] = rows
+    result["flatness"] = {e: _flatness(cells, e) for e in result["settings"]["engines"]}
+    bw = result.get("bandwidth")
+    if bw and bw.get("bytes_per_s"):
+        for c in cells:
+            per_tok = result["decode_bytes_per_token"].get(str(c["context"]), {}).get("total")
+            if c.get("decode_tok_s") and per_tok:
+                c["decode_achieved_bytes_per_s"] = per_tok * c["decode_tok_s"]
+                c["decode_fraction_of_copy_bandwidth"] = per_tok * c["decode_tok_s"] / bw["bytes_per_s"]
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+def _f(v, fmt="{:.1f}"):
+    return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+
+def _mib(v):
+    return f"{v / _MIB:.0f}" if isinstance(v, (int, float)) else "-"
+
+
+def _short_status(s: str | None) -> str:
+    if not s or s == "ok":
+        return "-"
+    if s.startswith(SKIP_TIME):
+        return "skipped (time)"
+    if s.startswith(OOM):
+        return "OOM"
+    if s.startswith("partial"):
+        return "partial"
+    return "error"
+
+
+def _prefill_cell(c: dict | None) -> str:
+    if c is None:
+        return "n/a"
+    if c.get("prefill_status") == "ok":
+        return _f(c["prefill_tok_s"])
+    return _short_status(c.get("prefill_status"))
+
+
+def _decode_cell(c: dict | None) -> str:
+    if c is None:
+        return "n/a"
+    if c.get("decode_status") == "ok":
+        return _f(c["decode_tok_s"])
+    return _short_status(c.get("decode_status"))
+
+
+def _rss_cell(c: dict | None) -> str:
+    if c is None:
+        return "n/a"
+    if c.get("prefill_status") != "ok":
+        return "-"
+    d = c.get("prefill_peak_over_loaded_bytes")
+    return f"{_mib(c['prefill_peak_rss_bytes'])} (+{_mib(d)})" if d is not None else _mib(c["prefill_peak_rss_bytes"])
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cells = result["cells"]
+    vs = "transformers" in result["settings"]["engines"]
+    head = ["context", "kvfold prefill tok/s"]
+    if vs:
+        head += ["hf prefill tok/s", "ratio"]
+    head += ["kvfold prefill peak RSS MiB"]
+    if vs:
+        head += ["hf prefill peak RSS MiB"]
+    head += ["kvfold decode tok/s"]
+    if vs:
+        head += ["hf decode tok/s", "ratio", "greedy agree"]
+    lines = []
+    for row in result["rows"]:
+        ctx = row["context"]
+        kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
+        hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
+        r = [str(ctx), _prefill_cell(kv)]
+        if vs:
+            r += [_prefill_cell(hf), _f(row.get("prefill_ratio"), "{:.2f}")]
+        r += [_rss_cell(kv)]
+        if vs:
+            r += [_rss_cell(hf)]
+        r += [_decode_cell(kv)]
+        if vs:
+            agree = (f"{row['greedy_tokens_agree']}/{row['greedy_tokens_compared']}"
+                     if "greedy_tokens_agree" in row else "-")
+            r += [_decode_cell(hf), _f(row.get("decode_ratio"), "{:.2f}"), agree]
+        lines.append(r)
+    widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(head)]
+    out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in lines]
+    return "\n".join(out)
+
+
+def format_noise_table(result: dict[str, Any]) -> str:
+    """Per cell: how contended the CPUs were, and decode speed from the median / fastest step."""
+    head = ["context", "engine", "status", "cpu pressure", "load s", "prefill s", "decode median tok/s",
+            "decode best-step tok/s", "cell wall s"]
+    rows = []
+    for c in result["cells"]:
+        med, best = c.get("decode_step_median_s"), c.get("decode_step_min_s")
+        rows.append([str(c["context"]), c["engine"], _short_status(c["status"]) if c["status"] != "ok" else "ok",
+                     _f(c.get("cpu_pressure_some") * 100, "{:.0f}%") if c.get("cpu_pressure_some") is not None else "-",
+                     _f(c.get("load_s")), _f(c.get("prefill_s"), "{:.2f}"), _f(1 / med if med else None),
+                     _f(1 / best if best else None), _f(c.get("wall_s"))])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    m = result["machine"]
+    lines = [f"kvfold bench: config {s['config']} ({result['model']['parameters']:,} parameters, "
+             f"{result['model']['weight_bytes'] / _MIB:.1f} MiB fp32), decode {s['decode_tokens']} tokens, "
+             f"{s['threads']} threads, time limit {s['time_limit_s']:g} s/cell, "
+             f"memory cap {s['mem_limit_gib']:g} GiB/cell, "
+             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits",
+             f"command: {result['command']}",
+             f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
+             f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
+             f"load avg at start {m['loadavg_start']}",
+             f"checkpoint: {result['checkpoint']}"]
+    san = result.get("sanity")
+    if san:
+        if san.get("status") == "ok":
+            lines.append(
+                f"sanity (transformers vs kvfold, {san['tokens']} tokens + {san['decode_steps']} decode steps): "
+                f"max |logit diff| prefill {san['max_abs_diff_prefill']:.2e}, decode {san['max_abs_diff_decode']:.2e} "
+                f"(tolerance {san['tolerance']:g}: {'PASS' if san['passed'] else 'FAIL'}); "
+                f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
+        else:
+            lines.append(f"sanity: {san.get('status')}")
+    lines += ["", format_table(result), ""]
+    lines.append("peak RSS = max resident set of the cell process during the prefill (model loaded, state/cache "
+                 "and logits included); (+N) = growth over the loaded model."
+                 + (" ratio = kvfold / transformers." if "transformers" in s["engines"] else ""))
+    for e, fl in result["flatness"].items():
+        if fl:
+            best = fl.get("flatness_best_step")
+            lines.append(f"decode flatness {e}: {fl['flatness']:.2f} (decode tok/s at {fl['long_context']} / at "
+                         f"{fl['short_context']}: {fl['decode_tok_s_long']:.1f} / {fl['decode_tok_s_short']:.1f}); "
+                         f"from the fastest step: {_f(best, '{:.2f}')}")
+        else:
+            lines.append(f"decode flatness {e}: - (fewer than two contexts decoded)")
+    bw = result.get("bandwidth")
+    if bw:
+        if bw.get("bytes_per_s"):
+            lines.append(f"copy bandwidth: {bw['bytes_per_s'] / 1e9:.2f} GB/s read+write (dst.copy_(src), "
+                         f"{bw['tensor_mib']} MiB fp32, best of {bw['repeats']}, {bw['threads']} threads)")
+            for c in result["cells"]:
+                if c.get("decode_achieved_bytes_per_s"):
+                    per = result["decode_bytes_per_token"][str(c["context"])]
+                    lines.append(
+                        f"  decode {c['engine']} @ {c['context']}: {per['total'] / 1e6:.1f} MB/token "
+                        f"(weights {per['weights_total'] / 1e6:.1f} MB incl. "
+                        f"{per['routed_experts_active'] / 1e6:.1f} MB "
+                        f"active experts, state {per['state'] / 1e6:.2f} MB) x {c['decode_tok_s']:.1f} tok/s = "
+                        f"{c['decode_achieved_bytes_per_s'] / 1e9:.2f} GB/s = "
+                        f"{100 * c['decode_fraction_of_copy_bandwidth']:.1f}% of copy bandwidth")
+        else:
+            lines.append(f"copy bandwidth: {bw.get('status')}")
+    lines += ["", "per cell (cpu pressure = share of the cell's wall time in which some task waited for a CPU, "
+                  "from /proc/pressure/cpu; high = other work competed):", format_noise_table(result)]
+    notes = [c for c in result["cells"] if c["status"] != "ok"]
+    for c in notes:
+        lines.append(f"note: {c['engine']} @ {c['context']}: {c['status']}"
+                     + (f" (after {c['wall_s']:.0f} s)" if c.get("wall_s") else ""))
+    return "\n".join(lines)
