@@ -276,6 +276,8 @@ class Engine:
 def _state_layout(model: Any) -> tuple[int, list[tuple[int, int]]]:
     """(bytes that do not grow with capacity, [(ratio, bytes per pool row)]) of the model's states,
     read off a probe state so the formula follows the state's real buffers."""
+    if hasattr(model, "state_layout"):  # models whose states are not DeepSeek-V4 pools (glm5_next)
+        return model.state_layout()
     probe = model.new_state(capacity=1)
     try:
         # capacity 1: every pool holds exactly one row, so its nbytes is the bytes per row

@@ -1,0 +1,122 @@
+"""Indexed MLA of GLM-5.3 DSA layers: NoPE attention over the DSA-selected tokens (glm5-dsa.md §3-4).
+
+  q_resid = RMSNorm(q_a_proj x)                       (also feeds the indexer)
+  q_h     = (q_b_proj q_resid)[h]                     [qk_nope] per head
+  c_t     = RMSNorm(kv_a_proj_with_mqa x_t)           [kv_lora] latent, the only per-token MLA cache
+  o_h     = sum_{t in S(q)} softmax_t(q_h . K_h,t * qk_head_dim^-0.5) V_h,t,  y = o_proj(concat o_h)
+
+computed in the absorbed form: q~_h = W_UK,h^T q_h scores against the latent c_t directly, and W_UV,h
+is applied to the attention-pooled latent (same math; a cache of kv_lora values per token).
+S(q) is the indexer's selection read as a set (-1, out-of-range and duplicate entries ignored). A
+"full" layer runs its own indexer over a `Glm5NextDsaState`; a "shared" layer reuses the selection of
+the most recent full layer (raw positions, valid in every DSA layer).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..numerics.dsa_select import dsa_select, selection_mask
+from .basic import Linear, _param
+
+
+class GlmRMSNorm(nn.Module):
+    """GLM RMSNorm: normalise in fp32, cast to the input dtype, then multiply by the weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LayerNormWB(nn.Module):
+    """LayerNorm with weight and bias (the indexer's k_norm, eps 1e-6)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.bias = _param(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class DsaIndexer(nn.Module):
+    def __init__(self, cfg, dtype: torch.dtype, device=None):
+        super().__init__()
+        d, nh = cfg.index_head_dim, cfg.index_n_heads
+        self.d, self.nh = d, nh
+        self.topk, self.kpool, self.tail = cfg.index_topk, cfg.index_kpool, cfg.index_kpool_always_select_tail
+        self.wq_b = Linear(cfg.q_lora_rank, nh * d, dtype, device)
+        self.wk = Linear(cfg.hidden_size, d, dtype, device)
+        self.k_norm = LayerNormWB(d, 1e-6, dtype, device)
+        self.weights_proj = Linear(cfg.hidden_size, nh, dtype, device)
+        self.index_kpool_compress_ape = _param(self.kpool, d, dtype=dtype, device=device)
+        self.index_kpool_compress_gate = _param(d, cfg.hidden_size, dtype=dtype, device=device)
+
+    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token rows the state stores: (k_normed [T, d], gate [T, d])."""
+        k = self.k_norm(self.wk(x))
+        gate = x.to(self.index_kpool_compress_gate.dtype) @ self.index_kpool_compress_gate.t()
+        return k, gate
+
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, dsa) -> torch.Tensor:
+        """Selection [T, width] for the last T rows of `dsa` (already written and advanced)."""
+        t = x.shape[0]
+        q = self.wq_b(q_resid).view(t, self.nh, self.d)
+        w = self.weights_proj(x).float() * self.nh ** -0.5
+        return dsa_select(q, w, *dsa.reachable(), self.index_kpool_compress_ape, topk=self.topk,
+                          kpool=self.kpool, select_tail=self.tail)
+
+
+class IndexedMLA(nn.Module):
+    def __init__(self, cfg, full: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.nh, self.dn, self.dv, self.lat = nh, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.q_a_proj = Linear(h, cfg.q_lora_rank, dtype, device)
+        self.q_a_layernorm = GlmRMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, device)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * self.dn, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(h, self.lat, dtype, device)
+        self.kv_a_layernorm = GlmRMSNorm(self.lat, cfg.rms_norm_eps, dtype, device)
+        self.kv_b_proj = Linear(self.lat, nh * (self.dn + self.dv), dtype, device)
+        self.o_proj = Linear(nh * self.dv, h, dtype, device)
+        self.indexer = DsaIndexer(cfg, dtype, device) if full else None
+
+    def forward(self, x: torch.Tensor, start: int, latent, dsa, prev_sel: torch.Tensor | None):
+        """x [T, hidden] at positions start..start+T-1; `latent` [capacity, kv_lora] rows (written
+        here at [start, start+T)); `dsa` this full layer's Glm5NextDsaState (len == start on entry,
+        advanced by T here) or None for a shared layer, which reads `prev_sel`.
+        Returns (y [T, hidden], selection [T, width])."""
+        t = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(t, self.nh, self.dn)
+        c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        latent[start:start + t] = c
+        if self.indexer is not None:
+            k, gate = self.indexer.rows(x)
+            dsa.write_rows(start, k, gate)
+            dsa.advance(t)
+            sel = self.indexer.select(x, q_resid, dsa)
+        else:
+            sel = prev_sel
+        seq = start + t
+        cache = latent[:seq]
+        wkv = self.kv_b_proj.weight.view(self.nh, self.dn + self.dv, self.lat)
+        w_uk, w_uv = wkv[:, :self.dn], wkv[:, self.dn:]
+        q_lat = torch.einsum("thd,hdl->htl", q, w_uk.to(q.dtype))  # [H, T, lat]
+        scores = (q_lat @ cache.t().to(q_lat.dtype)) * self.scale  # [H, T, S]
+        mask = selection_mask(sel, seq)  # [T, S]
+        scores = scores.masked_fill(~mask[None], torch.finfo(scores.dtype).min)
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        pooled = p @ cache.to(p.dtype)  # [H, T, lat]
+        o = torch.einsum("htl,hvl->thv", pooled, w_uv.to(pooled.dtype))
+        return self.o_proj(o.reshape(t, self.nh * self.dv)), sel

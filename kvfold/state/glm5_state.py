@@ -1,0 +1,329 @@
+"""Per-sequence state of a GLM-5.3 (`glm5_next`) model: preallocated, addressed by position.
+
+Per layer:
+* KDA layer: the conv state (pre-conv inputs of the last K-1 tokens, [K-1, 3C], model dtype) and
+  the recurrent state S ([H, dk, dv], fp32). These are overwritten by every token and cannot be
+  rewound by truncation (glm5-dsa.md §5), so they live in a **ring of max_rewind + 1 slots
+  addressed by position**: slot p % (max_rewind + 1) holds the state after p tokens. A forward at
+  pos P over T tokens writes the slots of positions max(P+1, P+T-max_rewind) .. P+T (the trailing
+  tokens run token by token so each per-step state exists); `rewind_to(n)` then only moves `pos`,
+  for any n >= pos - max_rewind. Memory: (max_rewind + 1) x (H*dk*dv*4 + (K-1)*3*H*dk*itemsize)
+  bytes per KDA layer, e.g. GLM-5.3-Flash (34 KDA layers, 64 x 128 x 128, K 4, bf16):
+  4,341,760 B per layer and slot, 147.6 MB (140.8 MiB) per slot for the model, so max_rewind 4
+  costs 5 x 140.8 MiB = 704 MiB per sequence. The alternative (replaying the accepted tokens from
+  a snapshot at the verify start) would cost no memory but a second forward per rejection.
+* DSA layer: the MLA latent rows [capacity, kv_lora] (model dtype), prefix-shaped, row p = token p.
+* Full DSA layer: additionally one `Glm5NextDsaState` (indexer keys, gates, validity; §6), whose
+  `len` tracks `pos`. It is allocated with capacity rounded *up* to whole k-pools so it never
+  refuses a position below the state's capacity.
+
+MLA latent and DSA rows rewind by cursor: rows past `pos` are unreachable and overwritten later.
+
+Snapshots (`snapshot()` / `restore()`): magic b"KVFGLM5S", version 1; 64-byte header (magic, version,
+flags, fingerprint, dtype, n_sections, pos, body_len, reserved), a 32-byte entry per section
+(layer, kind, first, rows, width, dtype), the body (each section's rows, row-major) and a SHA-256
+trailer. Sections at pos: per KDA layer its conv and recurrent state at pos; per DSA layer the
+latent rows [0, pos); per full DSA layer the indexer k / gate / valid rows [0, pos). Refusals, in
+this order, before any write: truncated, magic, version (and unknown flags), model fingerprint,
+dtype, section table vs pos, body size, checksum, capacity. A refused restore changes nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import (FreedStateError, RewindError, SnapshotCapacityError, SnapshotChecksumError,
+                      SnapshotCountsError, SnapshotDtypeError, SnapshotMagicError, SnapshotModelError,
+                      SnapshotSizeError, SnapshotTruncatedError, SnapshotVersionError, StateMismatchError)
+from .glm5_dsa_state import Glm5NextDsaState
+
+_kv_ids = itertools.count(1)
+
+
+@dataclass
+class KdaLayerState:
+    conv: torch.Tensor  # [max_rewind + 1, K-1, 3C], model dtype
+    rec: torch.Tensor  # [max_rewind + 1, H, dk, dv], fp32
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.rec.nbytes
+
+
+@dataclass
+class MlaLayerState:
+    latent: torch.Tensor  # [capacity, kv_lora], model dtype
+    dsa: Glm5NextDsaState | None  # full layers only
+
+    @property
+    def nbytes(self) -> int:
+        return self.latent.nbytes + (self.dsa.nbytes if self.dsa is not None else 0)
+
+
+class Glm5State:
+    """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly."""
+
+    def __init__(self, layers: list, *, capacity: int, max_rewind: int, fingerprint: str,
+                 device: torch.device, dtype: torch.dtype):
+        self.layers: list | None = layers
+        self.capacity = capacity
+        self.max_rewind = max_rewind
+        self.fingerprint = fingerprint
+        self.device = device
+        self.dtype = dtype
+        self.pos = 0
+        self.kv_id = next(_kv_ids)
+        self.written_until = 0  # slots/rows of positions (pos, written_until] are still intact
+        self.rewind_floor = 0  # set by restore: earlier KDA slots were never held
+
+    @property
+    def slots(self) -> int:
+        return self.max_rewind + 1
+
+    def slot(self, p: int) -> int:
+        return p % self.slots
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def freed(self) -> bool:
+        return self.layers is None
+
+    def free(self) -> None:
+        """Release every buffer. A second call does nothing; later use raises FreedStateError."""
+        if self.layers is None:
+            return
+        for ls in self.layers:
+            if isinstance(ls, MlaLayerState) and ls.dsa is not None:
+                ls.dsa.free()
+        self.layers = None
+
+    def _check_alive(self) -> None:
+        if self.layers is None:
+            raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
+
+    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype) -> None:
+        self._check_alive()
+        if fingerprint != self.fingerprint:
+            raise StateMismatchError(
+                f"state kv_id={self.kv_id} was made by a model with config fingerprint {self.fingerprint}, "
+                f"not this one ({fingerprint}); create the state with this model's new_state()")
+        if torch.device(device) != torch.device(self.device) or dtype != self.dtype:
+            raise StateMismatchError(
+                f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
+                f"{device}/{dtype}; create the state with this model's new_state()")
+
+    # ---- cursors ------------------------------------------------------------------------------
+    def _sync_dsa(self) -> None:
+        for ls in self.layers:
+            if isinstance(ls, MlaLayerState) and ls.dsa is not None and ls.dsa.len != self.pos:
+                if ls.dsa.len > self.pos:
+                    ls.dsa.rewind_to(self.pos)
+                else:
+                    ls.dsa.advance(self.pos - ls.dsa.len)
+
+    def rewind_to(self, n: int) -> None:
+        """Undo the tokens after position n (a rejected draft): only shrinks, by at most max_rewind."""
+        self._check_alive()
+        if n > self.pos:
+            raise RewindError(f"rewind_to({n}) would grow the sequence (pos is {self.pos}); rewind only shrinks")
+        # the KDA ring holds the states of positions [written_until - max_rewind, written_until]
+        if n < 0 or n < self.written_until - self.max_rewind:
+            raise RewindError(
+                f"rewind_to({n}) undoes {self.written_until - n} written tokens but this state keeps only "
+                f"max_rewind={self.max_rewind} KDA states; create it with model.new_state(..., max_rewind="
+                f"{max(self.written_until - n, 0)}) or restore an earlier snapshot")
+        if n < self.rewind_floor:
+            raise RewindError(f"rewind_to({n}) goes below position {self.rewind_floor}, where this state was "
+                              f"restored from a snapshot; restore an earlier snapshot instead")
+        self.pos = n
+        self._sync_dsa()
+
+    def advance(self, k: int) -> None:
+        """Re-expose k positions already written past pos (by a verify pass that was rewound)."""
+        self._check_alive()
+        if k < 0 or self.pos + k > self.written_until:
+            raise RewindError(f"advance({k}) from pos {self.pos} passes the rows written so far "
+                              f"(up to {self.written_until}) or their kept KDA states; run forward() instead")
+        self.pos += k
+        self._sync_dsa()
+
+    def sync_to(self, seq_len: int, k: int) -> None:
+        """Rewind to seq_len if ahead, refuse if behind, then advance by k. Refusals change nothing."""
+        self._check_alive()
+        if self.pos < seq_len:
+            raise RewindError(f"sync_to({seq_len}, {k}): state is behind (pos {self.pos}); "
+                              f"feed the missing tokens with forward() first")
+        end = seq_len + k
+        if k < 0 or end > self.written_until or end < self.written_until - self.max_rewind \
+                or seq_len < self.rewind_floor:
+            raise RewindError(f"sync_to({seq_len}, {k}) needs the state at {end} but only positions "
+                              f"[{max(self.written_until - self.max_rewind, self.rewind_floor)}, "
+                              f"{self.written_until}] are held")
+        self.pos = end
+        self._sync_dsa()
+
+    # ---- snapshots ----------------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        self._check_alive()
+        return encode(self)
+
+    def restore(self, blob: bytes) -> None:
+        """Continue exactly where the snapshotted state was. Every check runs before any write;
+        a refused blob raises a `SnapshotError` subclass and leaves this state unchanged."""
+        self._check_alive()
+        decode_and_apply(self, blob)
+
+    # ---- accounting ---------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.layers is None else sum(ls.nbytes for ls in self.layers)
+
+    def __repr__(self) -> str:
+        status = "freed" if self.freed else f"pos={self.pos}/{self.capacity}"
+        return f"Glm5State(kv_id={self.kv_id}, {status}, max_rewind={self.max_rewind})"
+
+
+# ---- snapshot format ------------------------------------------------------------------------------
+MAGIC = b"KVFGLM5S"
+VERSION = 1
+KNOWN_FLAGS = 0
+_HEADER = struct.Struct("<8sII16sIIQQQ")  # 64 bytes
+_SECTION = struct.Struct("<IIQQII")  # 32 bytes
+_DIGEST = 32
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 6}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+KDA_CONV, KDA_REC, MLA_LATENT, DSA_K, DSA_GATE, DSA_VALID = range(6)
+KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA keys", "DSA gates", "DSA valid"]
+
+
+@dataclass(frozen=True)
+class Section:
+    layer: int
+    kind: int
+    first: int
+    rows: int
+    width: int
+    dtype: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width * CODE_DTYPES[self.dtype].itemsize
+
+
+def expected_sections(state: Glm5State, pos: int) -> list[Section]:
+    sd, f32, u8 = DTYPE_CODES[state.dtype], DTYPE_CODES[torch.float32], DTYPE_CODES[torch.uint8]
+    secs = []
+    for i, ls in enumerate(state.layers):
+        if isinstance(ls, KdaLayerState):
+            _, km1, w = ls.conv.shape
+            _, h, dk, dv = ls.rec.shape
+            secs.append(Section(i, KDA_CONV, 0, km1, w, sd))
+            secs.append(Section(i, KDA_REC, 0, h * dk, dv, f32))
+        else:
+            secs.append(Section(i, MLA_LATENT, 0, pos, ls.latent.shape[1], sd))
+            if ls.dsa is not None:
+                d = ls.dsa.index_head_dim
+                dd = DTYPE_CODES[ls.dsa.dtype]
+                secs += [Section(i, DSA_K, 0, pos, d, dd), Section(i, DSA_GATE, 0, pos, d, dd),
+                         Section(i, DSA_VALID, 0, pos, 1, u8)]
+    return secs
+
+
+def _rows_of(state: Glm5State, s: Section) -> torch.Tensor:
+    ls = state.layers[s.layer]
+    if s.kind == KDA_CONV:
+        return ls.conv[state.slot(state.pos)]
+    if s.kind == KDA_REC:
+        r = ls.rec[state.slot(state.pos)]
+        return r.reshape(-1, r.shape[-1])
+    if s.kind == MLA_LATENT:
+        return ls.latent[:s.rows]
+    k, g, v = ls.dsa.reachable()
+    return {DSA_K: k, DSA_GATE: g, DSA_VALID: v[:, None]}[s.kind][:s.rows]
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def encode(state: Glm5State) -> bytes:
+    secs = expected_sections(state, state.pos)
+    body = b"".join(_to_bytes(_rows_of(state, s)) for s in secs)
+    header = _HEADER.pack(MAGIC, VERSION, 0, state.fingerprint.encode().ljust(16, b"\0")[:16],
+                          DTYPE_CODES[state.dtype], len(secs), state.pos, len(body), 0)
+    table = b"".join(_SECTION.pack(s.layer, s.kind, s.first, s.rows, s.width, s.dtype) for s in secs)
+    payload = header + table + body
+    return payload + hashlib.sha256(payload).digest()
+
+
+def decode_and_apply(state: Glm5State, blob: bytes) -> None:
+    blob = bytes(blob)
+    if len(blob) < _HEADER.size:
+        raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes, shorter than its {_HEADER.size}-byte header")
+    magic, version, flags, fp, dtype_code, n_sec, pos, body_len, reserved = _HEADER.unpack_from(blob, 0)
+    table_end = _HEADER.size + n_sec * _SECTION.size
+    if magic == MAGIC and len(blob) < table_end:
+        raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes but its section table ends at {table_end}")
+    if magic != MAGIC:
+        raise SnapshotMagicError(f"not a kvfold GLM-5 state snapshot (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise SnapshotVersionError(f"snapshot format version {version} is not supported (this kvfold reads "
+                                   f"version {VERSION}); re-save it with a matching kvfold")
+    if flags & ~KNOWN_FLAGS or reserved:
+        raise SnapshotVersionError(f"snapshot uses header flags {flags:#x} / reserved {reserved:#x} that "
+                                   f"format version {VERSION} does not define")
+    fp_str = fp.rstrip(b"\0").decode(errors="replace")
+    if fp_str != state.fingerprint:
+        raise SnapshotModelError(f"snapshot was taken from a model with config fingerprint {fp_str}; this state "
+                                 f"belongs to {state.fingerprint}; restore it into a state of the same model")
+    if CODE_DTYPES.get(dtype_code) != state.dtype:
+        raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(dtype_code, dtype_code)} differs from the "
+                                 f"state's {state.dtype}; load the model with the snapshot's dtype")
+    got = [Section(*_SECTION.unpack_from(blob, _HEADER.size + i * _SECTION.size)) for i in range(n_sec)]
+    want = expected_sections(state, pos)
+    if got != want:
+        if len(got) != len(want):
+            detail = f"{len(got)} sections, expected {len(want)}"
+        else:
+            g, w = next((g, w) for g, w in zip(got, want) if g != w)
+            detail = (f"layer {w.layer} {KIND_NAMES[w.kind]}: first={g.first} rows={g.rows} width={g.width}, "
+                      f"expected first={w.first} rows={w.rows} width={w.width}")
+        raise SnapshotCountsError(f"snapshot section table is inconsistent with pos={pos} ({detail})")
+    need = sum(s.nbytes for s in want)
+    if body_len != need or len(blob) != table_end + body_len + _DIGEST:
+        raise SnapshotSizeError(f"snapshot body size mismatch: table needs {need} body bytes, header says "
+                                f"{body_len}, blob has {len(blob) - table_end - _DIGEST} (missing or trailing bytes)")
+    if hashlib.sha256(blob[:-_DIGEST]).digest() != blob[-_DIGEST:]:
+        raise SnapshotChecksumError("snapshot checksum mismatch: the blob is corrupted")
+    if pos > state.capacity:
+        raise SnapshotCapacityError(f"snapshot is at pos {pos}, beyond this state's capacity {state.capacity}; "
+                                    f"restore into model.new_state(capacity>={pos})")
+    rows, off = [], table_end
+    for s in want:
+        raw = torch.frombuffer(bytearray(blob[off:off + s.nbytes]), dtype=torch.uint8) if s.nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        rows.append(raw.view(CODE_DTYPES[s.dtype]).reshape(s.rows, s.width).to(state.device))
+        off += s.nbytes
+    # all checks passed: write
+    slot = state.slot(pos)
+    dsa_rows: dict[int, dict[int, torch.Tensor]] = {}
+    for s, r in zip(want, rows):
+        ls = state.layers[s.layer]
+        if s.kind == KDA_CONV:
+            ls.conv[slot] = r
+        elif s.kind == KDA_REC:
+            ls.rec[slot] = r.view(ls.rec.shape[1:])
+        elif s.kind == MLA_LATENT:
+            ls.latent[:pos] = r
+        else:
+            dsa_rows.setdefault(s.layer, {})[s.kind] = r
+    for i, parts in dsa_rows.items():
+        dsa = state.layers[i].dsa
+        dsa.rewind_to(0)
+        dsa.write_rows(0, parts[DSA_K], parts[DSA_GATE], parts[DSA_VALID][:, 0])
+        dsa.advance(pos)
+    state.pos = state.written_until = state.rewind_floor = pos
