@@ -362,3 +362,26 @@ def test_engine_matches_plain_greedy(pair, seq):
     for p, o in zip(prompts, outs):
         assert o.token_ids == chunked_reference(model, p, 6, stop_ids=[])
     assert outs[2].cached_tokens == 128
+
+
+def test_server_serves_glm5_with_greedy_equal_to_generate(pair, seq):
+    """`kvfold serve` on a GLM-5.3 checkpoint: a token-id completion over HTTP (real openai client)
+    equals kvfold.generate."""
+    import openai
+    from kvfold.server.app import create_app
+    from test_server import serving
+
+    _, model, _ = pair
+    prompt = [int(t) for t in seq[:40]]
+    want = kvfold.generate(model, prompt, 8, stop_ids=[]).tokens
+    engine = kvfold.Engine(model, max_seq_len=256, max_running=4, max_queue=8)
+    with serving(create_app(engine, model_name="glm5", api_key="k")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+        r = c.completions.create(model="glm5", prompt=prompt, max_tokens=8, temperature=0,
+                                 extra_body={"return_token_ids": True, "stop_token_ids": []})
+        got = r.choices[0].token_ids
+    eos = set(model.config.eos_ids) if hasattr(model.config, "eos_ids") else set()
+    # the server stops at EOS (generate was told not to): equal up to there, and the full 8 otherwise
+    assert got == want[:len(got)]
+    assert len(got) == 8 or got[-1] in eos
+    assert engine.metrics()["live_states"] == 0
