@@ -160,7 +160,7 @@ def test_bad_snapshots_are_refused_in_order_and_change_nothing(pair, seq):
     tgt = model.new_state(capacity=100)
     model.forward(seq[:10], tgt)
     before = _buffers(tgt)
-    hdr = g5s._HEADER.size
+    hdr = g5s.blob.HEADER.size
     flipped = bytearray(blob)
     flipped[len(blob) - 100] ^= 1
     cases = [(blob[:20], errors.SnapshotTruncatedError), (blob[:hdr + 10], errors.SnapshotTruncatedError),

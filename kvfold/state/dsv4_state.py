@@ -17,7 +17,11 @@ from ..errors import FreedStateError, RewindError, StateMismatchError
 from .kv_rows import KvRows
 from .rings import PositionRing
 
-_kv_ids = itertools.count(1)  # never reused within a process
+_kv_ids = itertools.count(1)  # one counter for every kind of state: an id is never reused in a process
+
+
+def next_kv_id() -> int:
+    return next(_kv_ids)
 
 
 @dataclass
@@ -75,7 +79,7 @@ class Dsv4State:
         self.device = device
         self.dtype = dtype
         self.pos = 0
-        self.kv_id = next(_kv_ids)
+        self.kv_id = next_kv_id()
         # rows of positions [pos, written_until) were computed and are still intact: a rewound
         # verify pass can re-advance over them (sync_to) without recomputing
         self.written_until = 0

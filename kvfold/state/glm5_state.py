@@ -29,19 +29,15 @@ dtype, section table vs pos, body size, checksum, capacity. A refused restore ch
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
-import struct
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import (FreedStateError, RewindError, SnapshotCapacityError, SnapshotChecksumError,
-                      SnapshotCountsError, SnapshotDtypeError, SnapshotMagicError, SnapshotModelError,
-                      SnapshotSizeError, SnapshotTruncatedError, SnapshotVersionError, StateMismatchError)
+from ..errors import FreedStateError, RewindError, StateMismatchError
+from . import blob
+from .blob import DTYPE_CODES, Section
+from .dsv4_state import next_kv_id
 from .glm5_dsa_state import Glm5NextDsaState
-
-_kv_ids = itertools.count(1)
 
 
 @dataclass
@@ -76,7 +72,7 @@ class Glm5State:
         self.device = device
         self.dtype = dtype
         self.pos = 0
-        self.kv_id = next(_kv_ids)
+        self.kv_id = next_kv_id()
         self.written_until = 0  # slots/rows of positions (pos, written_until] are still intact
         self.rewind_floor = 0  # set by restore: earlier KDA slots were never held
 
@@ -188,30 +184,10 @@ class Glm5State:
 
 
 # ---- snapshot format ------------------------------------------------------------------------------
-MAGIC = b"KVFGLM5S"
-VERSION = 1
-KNOWN_FLAGS = 0
-_HEADER = struct.Struct("<8sII16sIIQQQ")  # 64 bytes
-_SECTION = struct.Struct("<IIQQII")  # 32 bytes
-_DIGEST = 32
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.uint8: 6}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 KDA_CONV, KDA_REC, MLA_LATENT, DSA_K, DSA_GATE, DSA_VALID = range(6)
 KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA keys", "DSA gates", "DSA valid"]
-
-
-@dataclass(frozen=True)
-class Section:
-    layer: int
-    kind: int
-    first: int
-    rows: int
-    width: int
-    dtype: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.width * CODE_DTYPES[self.dtype].itemsize
+FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES)
+MAGIC = FORMAT.magic
 
 
 def expected_sections(state: Glm5State, pos: int) -> list[Section]:
@@ -246,72 +222,17 @@ def _rows_of(state: Glm5State, s: Section) -> torch.Tensor:
     return {DSA_K: k, DSA_GATE: g, DSA_VALID: v[:, None]}[s.kind][:s.rows]
 
 
-def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
 def encode(state: Glm5State) -> bytes:
-    secs = expected_sections(state, state.pos)
-    body = b"".join(_to_bytes(_rows_of(state, s)) for s in secs)
-    header = _HEADER.pack(MAGIC, VERSION, 0, state.fingerprint.encode().ljust(16, b"\0")[:16],
-                          DTYPE_CODES[state.dtype], len(secs), state.pos, len(body), 0)
-    table = b"".join(_SECTION.pack(s.layer, s.kind, s.first, s.rows, s.width, s.dtype) for s in secs)
-    payload = header + table + body
-    return payload + hashlib.sha256(payload).digest()
+    return blob.encode(FORMAT, state, 0, expected_sections(state, state.pos), lambda s: _rows_of(state, s))
 
 
-def decode_and_apply(state: Glm5State, blob: bytes) -> None:
-    blob = bytes(blob)
-    if len(blob) < _HEADER.size:
-        raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes, shorter than its {_HEADER.size}-byte header")
-    magic, version, flags, fp, dtype_code, n_sec, pos, body_len, reserved = _HEADER.unpack_from(blob, 0)
-    table_end = _HEADER.size + n_sec * _SECTION.size
-    if magic == MAGIC and len(blob) < table_end:
-        raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes but its section table ends at {table_end}")
-    if magic != MAGIC:
-        raise SnapshotMagicError(f"not a kvfold GLM-5 state snapshot (magic {magic!r}, expected {MAGIC!r})")
-    if version != VERSION:
-        raise SnapshotVersionError(f"snapshot format version {version} is not supported (this kvfold reads "
-                                   f"version {VERSION}); re-save it with a matching kvfold")
-    if flags & ~KNOWN_FLAGS or reserved:
-        raise SnapshotVersionError(f"snapshot uses header flags {flags:#x} / reserved {reserved:#x} that "
-                                   f"format version {VERSION} does not define")
-    fp_str = fp.rstrip(b"\0").decode(errors="replace")
-    if fp_str != state.fingerprint:
-        raise SnapshotModelError(f"snapshot was taken from a model with config fingerprint {fp_str}; this state "
-                                 f"belongs to {state.fingerprint}; restore it into a state of the same model")
-    if CODE_DTYPES.get(dtype_code) != state.dtype:
-        raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(dtype_code, dtype_code)} differs from the "
-                                 f"state's {state.dtype}; load the model with the snapshot's dtype")
-    got = [Section(*_SECTION.unpack_from(blob, _HEADER.size + i * _SECTION.size)) for i in range(n_sec)]
-    want = expected_sections(state, pos)
-    if got != want:
-        if len(got) != len(want):
-            detail = f"{len(got)} sections, expected {len(want)}"
-        else:
-            g, w = next((g, w) for g, w in zip(got, want) if g != w)
-            detail = (f"layer {w.layer} {KIND_NAMES[w.kind]}: first={g.first} rows={g.rows} width={g.width}, "
-                      f"expected first={w.first} rows={w.rows} width={w.width}")
-        raise SnapshotCountsError(f"snapshot section table is inconsistent with pos={pos} ({detail})")
-    need = sum(s.nbytes for s in want)
-    if body_len != need or len(blob) != table_end + body_len + _DIGEST:
-        raise SnapshotSizeError(f"snapshot body size mismatch: table needs {need} body bytes, header says "
-                                f"{body_len}, blob has {len(blob) - table_end - _DIGEST} (missing or trailing bytes)")
-    if hashlib.sha256(blob[:-_DIGEST]).digest() != blob[-_DIGEST:]:
-        raise SnapshotChecksumError("snapshot checksum mismatch: the blob is corrupted")
-    if pos > state.capacity:
-        raise SnapshotCapacityError(f"snapshot is at pos {pos}, beyond this state's capacity {state.capacity}; "
-                                    f"restore into model.new_state(capacity>={pos})")
-    rows, off = [], table_end
-    for s in want:
-        raw = torch.frombuffer(bytearray(blob[off:off + s.nbytes]), dtype=torch.uint8) if s.nbytes else \
-            torch.empty(0, dtype=torch.uint8)
-        rows.append(raw.view(CODE_DTYPES[s.dtype]).reshape(s.rows, s.width).to(state.device))
-        off += s.nbytes
+def decode_and_apply(state: Glm5State, data: bytes) -> None:
+    pos, sections = blob.decode(FORMAT, state, data, flags_of_state=0,
+                                expected_sections=lambda p: expected_sections(state, p))
     # all checks passed: write
     slot = state.slot(pos)
     dsa_rows: dict[int, dict[int, torch.Tensor]] = {}
-    for s, r in zip(want, rows):
+    for s, r in sections:
         ls = state.layers[s.layer]
         if s.kind == KDA_CONV:
             ls.conv[slot] = r
