@@ -103,12 +103,22 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` on a `parser.add_subparsers()` object."""
     p = subparsers.add_parser("bench", help="benchmark prefill/decode speed and memory (optionally vs transformers)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return add_bench_arguments(p)
+    return _add_modes(add_bench_arguments(p))
+
+
+def _add_modes(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The optional mode after `bench`: none = the model benchmark above; `serve` = load the HTTP server."""
+    from .serve import __doc__ as serve_doc, add_serve_bench_arguments
+    modes = p.add_subparsers(dest="mode", metavar="{serve}", title="modes (optional)")
+    s = modes.add_parser("serve", help="load-test the OpenAI-compatible server (kvfold serve), loopback only",
+                         description=serve_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_bench_arguments(s)
+    return p
 
 
 def build_parser(prog: str = "python -m kvfold.bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return add_bench_arguments(p)
+    return _add_modes(add_bench_arguments(p))
 
 
 # ---- subprocess cells ------------------------------------------------------------------------------
@@ -303,8 +313,12 @@ def _log(msg: str) -> None:
 
 def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log) -> int:
     """Run the benchmark described by parsed `args`; print the report; write the JSON. Returns 0,
-    or 1 when a kvfold cell failed or the logits check did not pass."""
+    or 1 when a kvfold cell failed or the logits check did not pass. `bench serve` goes to
+    `kvfold.bench.serve.run_bench_serve`."""
     log = log or (lambda m: None)
+    if getattr(args, "mode", None) == "serve":
+        from .serve import run_bench_serve
+        return run_bench_serve(args, log=log)
     engines = ["kvfold"] + (["transformers"] if args.vs == "transformers" else [])
     contexts = list(args.contexts)
     started = _dt.datetime.now(_dt.timezone.utc)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import CSA, HCA, SLIDING, Dsv4Config
+from ..config import CSA, SLIDING, Dsv4Config
 from ..errors import CapacityError, ConfigError, KvfoldError
 from ..layers.attention import Attention
 from ..layers.basic import Linear, Norm, QuantizedWeight, _param

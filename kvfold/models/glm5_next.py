@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, CheckpointError, ConfigError, KvfoldError
-from ..glm5_config import DSA, KDA, Glm5Config, load_glm5_config
+from ..glm5_config import KDA, Glm5Config, load_glm5_config
 from ..layers.basic import Linear, _param
 from ..layers.kda import KdaAttention
 from ..layers.mhc import HyperConnection

@@ -8,20 +8,15 @@ the next fold still needs.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import FreedStateError, RewindError, StateMismatchError
+from ..errors import RewindError
+from .base import SequenceState
 from .kv_rows import KvRows
 from .rings import PositionRing
 
-_kv_ids = itertools.count(1)  # one counter for every kind of state: an id is never reused in a process
-
-
-def next_kv_id() -> int:
-    return next(_kv_ids)
 
 
 @dataclass
@@ -65,53 +60,17 @@ def compressor_state(ratio: int, overlap: bool, width: int, capacity: int, max_r
     )
 
 
-class Dsv4State:
+class Dsv4State(SequenceState):
     """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly."""
 
     def __init__(self, layers: list[LayerState], *, window: int, capacity: int, max_rewind: int,
                  fingerprint: str, device: torch.device, dtype: torch.dtype, kv_fp8: bool = False):
-        self.layers: list[LayerState] | None = layers
+        super().__init__(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=fingerprint,
+                         device=device, dtype=dtype)
         self.window = window
         self.kv_fp8 = kv_fp8  # window rows and compressed entries stored as FP8 (non-rope dims)
-        self.capacity = capacity
-        self.max_rewind = max_rewind
-        self.fingerprint = fingerprint
-        self.device = device
-        self.dtype = dtype
-        self.pos = 0
-        self.kv_id = next_kv_id()
-        # rows of positions [pos, written_until) were computed and are still intact: a rewound
-        # verify pass can re-advance over them (sync_to) without recomputing
-        self.written_until = 0
-        # positions below this cannot be rewound to (their rows were never held: set by restore)
-        self.rewind_floor = 0
-
-    # ---- lifecycle --------------------------------------------------------------------------
-    @property
-    def freed(self) -> bool:
-        return self.layers is None
-
-    def free(self) -> None:
-        """Release every buffer. A second call does nothing; any later use raises FreedStateError."""
-        self.layers = None
-
-    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype) -> None:
-        if self.layers is None:
-            raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
-        if fingerprint != self.fingerprint:
-            raise StateMismatchError(
-                f"state kv_id={self.kv_id} was made by a model with config fingerprint {self.fingerprint}, "
-                f"not this one ({fingerprint}); create the state with this model's new_state()")
-        if torch.device(device) != torch.device(self.device) or dtype != self.dtype:
-            raise StateMismatchError(
-                f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
-                f"{device}/{dtype}; create the state with this model's new_state()")
 
     # ---- cursors ----------------------------------------------------------------------------
-    def _check_alive(self) -> None:
-        if self.layers is None:
-            raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
-
     def rewind_to(self, n: int) -> None:
         """Undo the tokens after position n (a rejected draft). Only shrinks, by at most
         `max_rewind` tokens; rows past n become unreachable and are overwritten later."""
@@ -150,26 +109,10 @@ class Dsv4State:
             self.rewind_to(seq_len)
         self.pos = seq_len + k
 
-    # ---- snapshots ----------------------------------------------------------------------------
-    def snapshot(self) -> bytes:
-        """The rows still in use at `pos`, in kvfold's versioned format (docs/state-format.md)."""
+    def _encode(self) -> bytes:
         from .snapshot import encode
-        self._check_alive()
         return encode(self)
 
-    def restore(self, blob: bytes) -> None:
-        """Continue exactly where the snapshotted state was. Every check runs before any write;
-        a refused blob raises a `SnapshotError` subclass and leaves this state unchanged."""
+    def _decode_and_apply(self, blob: bytes) -> None:
         from .snapshot import decode_and_apply
-        self._check_alive()
         decode_and_apply(self, blob)
-
-    # ---- accounting -------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        """Bytes of buffers held (0 once freed)."""
-        return 0 if self.layers is None else sum(layer.nbytes for layer in self.layers)
-
-    def __repr__(self) -> str:
-        status = "freed" if self.freed else f"pos={self.pos}/{self.capacity}"
-        return f"Dsv4State(kv_id={self.kv_id}, {status}, max_rewind={self.max_rewind})"

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import FreedStateError, RewindError, StateMismatchError
+from ..errors import RewindError
 from . import blob
 from .blob import DTYPE_CODES, Section
-from .dsv4_state import next_kv_id
+from .base import SequenceState
 from .glm5_dsa_state import Glm5NextDsaState
 
 
@@ -60,21 +60,10 @@ class MlaLayerState:
         return self.latent.nbytes + (self.dsa.nbytes if self.dsa is not None else 0)
 
 
-class Glm5State:
-    """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly."""
-
-    def __init__(self, layers: list, *, capacity: int, max_rewind: int, fingerprint: str,
-                 device: torch.device, dtype: torch.dtype):
-        self.layers: list | None = layers
-        self.capacity = capacity
-        self.max_rewind = max_rewind
-        self.fingerprint = fingerprint
-        self.device = device
-        self.dtype = dtype
-        self.pos = 0
-        self.kv_id = next_kv_id()
-        self.written_until = 0  # slots/rows of positions (pos, written_until] are still intact
-        self.rewind_floor = 0  # set by restore: earlier KDA slots were never held
+class Glm5State(SequenceState):
+    """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly.
+    `written_until` here also bounds rewinds: the KDA ring holds the states of positions
+    [written_until - max_rewind, written_until]."""
 
     @property
     def slots(self) -> int:
@@ -84,10 +73,6 @@ class Glm5State:
         return p % self.slots
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    @property
-    def freed(self) -> bool:
-        return self.layers is None
-
     def free(self) -> None:
         """Release every buffer. A second call does nothing; later use raises FreedStateError."""
         if self.layers is None:
@@ -96,21 +81,6 @@ class Glm5State:
             if isinstance(ls, MlaLayerState) and ls.dsa is not None:
                 ls.dsa.free()
         self.layers = None
-
-    def _check_alive(self) -> None:
-        if self.layers is None:
-            raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
-
-    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype) -> None:
-        self._check_alive()
-        if fingerprint != self.fingerprint:
-            raise StateMismatchError(
-                f"state kv_id={self.kv_id} was made by a model with config fingerprint {self.fingerprint}, "
-                f"not this one ({fingerprint}); create the state with this model's new_state()")
-        if torch.device(device) != torch.device(self.device) or dtype != self.dtype:
-            raise StateMismatchError(
-                f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
-                f"{device}/{dtype}; create the state with this model's new_state()")
 
     # ---- cursors ------------------------------------------------------------------------------
     def _sync_dsa(self) -> None:
@@ -162,25 +132,11 @@ class Glm5State:
         self.pos = end
         self._sync_dsa()
 
-    # ---- snapshots ----------------------------------------------------------------------------
-    def snapshot(self) -> bytes:
-        self._check_alive()
+    def _encode(self) -> bytes:
         return encode(self)
 
-    def restore(self, blob: bytes) -> None:
-        """Continue exactly where the snapshotted state was. Every check runs before any write;
-        a refused blob raises a `SnapshotError` subclass and leaves this state unchanged."""
-        self._check_alive()
+    def _decode_and_apply(self, blob: bytes) -> None:
         decode_and_apply(self, blob)
-
-    # ---- accounting ---------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.layers is None else sum(ls.nbytes for ls in self.layers)
-
-    def __repr__(self) -> str:
-        status = "freed" if self.freed else f"pos={self.pos}/{self.capacity}"
-        return f"Glm5State(kv_id={self.kv_id}, {status}, max_rewind={self.max_rewind})"
 
 
 # ---- snapshot format ------------------------------------------------------------------------------
