@@ -21,7 +21,7 @@ from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, S
 from ..sampling import sample_next
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
-from .sequence import RequestOutput, SamplingParams, Sequence, Status
+from .sequence import RequestOutput, SamplingParams, Sequence
 
 BLOCK = 128  # design rule 2: snapshot and prefix boundaries at multiples of 128
 
