@@ -65,6 +65,7 @@ class Dsv4Body(nn.Module):
 class Dsv4Model(nn.Module):
     """Weights named as in a transformers `DeepseekV4ForCausalLM` checkpoint."""
 
+    supports_fp8_kv = True  # new_state(kv_dtype="fp8")
     max_chunk = 2048  # longer inputs run as consecutive chunks (exact by construction), bounding memory
 
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
