@@ -5,8 +5,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import (CapacityError, CheckpointError, ConfigError, EngineError, FreedStateError, InvalidRequestError,
-                     KvfoldError, QueueFullError, RequestTooLongError, RewindError, StateError, StateMismatchError)
+from .errors import (CapacityError, CheckpointError, ConfigError, EngineError, FreedStateError, InvalidInputError,
+                     InvalidRequestError, KvfoldError, QueueFullError, RequestTooLongError, RewindError, SnapshotError,
+                     StateError, StateMismatchError)
 
 from .generate import GenerationResult, generate
 from .engine import AsyncEngine, Engine, RequestOutput, SamplingParams
@@ -26,4 +27,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
 __all__ = ["load_model", "generate", "GenerationResult", "KvfoldError", "StateError", "CapacityError", "StateMismatchError",
            "FreedStateError", "RewindError", "ConfigError", "CheckpointError", "Engine", "AsyncEngine", "SamplingParams",
-           "RequestOutput", "EngineError", "InvalidRequestError", "RequestTooLongError", "QueueFullError"]
+           "RequestOutput", "EngineError", "InvalidRequestError", "RequestTooLongError", "QueueFullError",
+           "InvalidInputError", "SnapshotError"]

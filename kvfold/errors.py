@@ -5,6 +5,10 @@ class KvfoldError(Exception):
     """Base class of every error kvfold raises on purpose."""
 
 
+class InvalidInputError(KvfoldError, ValueError):
+    """Token ids that are not a non-empty 1-D sequence of ids inside the vocabulary."""
+
+
 class ConfigError(KvfoldError):
     """A config.json is missing a field, or a field has a value kvfold cannot run."""
 

@@ -1,3 +1,5 @@
+from contextlib import contextmanager
+
 import torch
 
 
@@ -27,3 +29,26 @@ def chunked_reference(model, ids: list[int], max_new: int, chunk: int = 128, tem
             logits = model.forward([tok], state)
     finally:
         state.free()
+
+
+@contextmanager
+def serving(app):
+    """Run an ASGI app on 127.0.0.1 (a free port the OS picks) in a background thread; yield its URL."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

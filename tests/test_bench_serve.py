@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-import time
-from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 import kvfold
+from helpers import serving
 from kvfold.bench import runner as R
 from kvfold.bench import serve as S
 from kvfold.server.app import create_app
@@ -31,21 +28,6 @@ def _run(tmp_path, *extra: str) -> tuple[int, dict]:
     return rc, json.loads((tmp_path / "out.json").read_text())
 
 
-@contextmanager
-def serving(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -369,7 +369,7 @@ def test_server_serves_glm5_with_greedy_equal_to_generate(pair, seq):
     equals kvfold.generate."""
     import openai
     from kvfold.server.app import create_app
-    from test_server import serving
+    from helpers import serving
 
     _, model, _ = pair
     prompt = [int(t) for t in seq[:40]]

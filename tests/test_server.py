@@ -6,11 +6,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 
 import openai
 import pytest
-import uvicorn
 
 import kvfold
 from kvfold.server import add_serve_parser, build_app
@@ -18,26 +16,11 @@ from kvfold.server.app import create_app
 from kvfold.server.chat_template import ChatTemplate
 from kvfold.server.metrics import parse as parse_metrics
 
-from helpers import chunked_reference
+from helpers import chunked_reference, serving
 
 KEY = "test-key"
 
 
-@contextmanager
-def serving(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

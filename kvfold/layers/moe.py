@@ -92,17 +92,24 @@ class Experts(nn.Module):
         return out
 
 
-class SharedExpert(nn.Module):
-    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
+class SwiGluMLP(nn.Module):
+    """down(silu(min(gate x, L)) * clamp(up x, -L, L)): the shared expert, and dense MLP layers."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype, device=None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.limit = cfg.swiglu_limit
-        self.gate_proj = Linear(h, i, dtype, device)
-        self.up_proj = Linear(h, i, dtype, device)
-        self.down_proj = Linear(i, h, dtype, device)
+        self.limit = limit
+        self.gate_proj = Linear(hidden, inter, dtype, device)
+        self.up_proj = Linear(hidden, inter, dtype, device)
+        self.down_proj = Linear(inter, hidden, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+def SharedExpert(cfg, dtype: torch.dtype, device=None) -> SwiGluMLP:
+    """The always-on shared expert (n_shared_experts of them fused into one MLP)."""
+    return SwiGluMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit,
+                     dtype, device)
 
 
 class MoE(nn.Module):

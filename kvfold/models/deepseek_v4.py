@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..config import CSA, SLIDING, Dsv4Config
-from ..errors import CapacityError, ConfigError, KvfoldError
+from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError  # noqa: F401
 from ..layers.attention import Attention
 from ..layers.basic import Linear, Norm, QuantizedWeight, _param
 from ..layers.mhc import HyperConnection, HyperHead
@@ -19,8 +19,16 @@ from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
 from ..state.rings import PositionRing
 
 
-class InvalidInputError(KvfoldError, ValueError):
-    """Token ids that are not a non-empty 1-D sequence of ids inside the vocabulary."""
+def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A non-empty 1-D LongTensor of ids in [0, vocab_size) on `device`, or InvalidInputError."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
+        else token_ids.long()
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidInputError(f"token ids must lie in [0, {vocab_size}); got range [{lo}, {hi}]")
+    return ids.to(device)
 
 
 class Block(nn.Module):
@@ -142,14 +150,7 @@ class Dsv4Model(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
     def _as_ids(self, token_ids) -> torch.Tensor:
-        ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
-            else token_ids.long()
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise InvalidInputError(f"token ids must lie in [0, {self.config.vocab_size}); got range [{lo}, {hi}]")
-        return ids.to(self.device)
+        return as_token_ids(token_ids, self.config.vocab_size, self.device)
 
     @torch.no_grad()
     def forward(self, token_ids, state: Dsv4State, return_hidden: bool = False, last_only: bool = False):

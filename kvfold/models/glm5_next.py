@@ -25,10 +25,10 @@ from ..layers.basic import Linear, _param
 from ..layers.kda import KdaAttention
 from ..layers.mhc import HyperConnection
 from ..layers.mla import GlmRMSNorm, IndexedMLA
-from ..layers.moe import Experts, SharedExpert, swiglu
+from ..layers.moe import Experts, SharedExpert, SwiGluMLP
 from ..state.glm5_dsa_state import Glm5NextDsaState
 from ..state.glm5_state import Glm5State, KdaLayerState, MlaLayerState
-from .deepseek_v4 import Embedding, InvalidInputError
+from .deepseek_v4 import Embedding, as_token_ids
 
 
 class Glm5Router(nn.Module):
@@ -74,19 +74,6 @@ class Glm5MoE(nn.Module):
         return y.to(x.dtype)
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.limit = cfg.swiglu_limit
-        self.gate_proj = Linear(h, i, dtype, device)
-        self.up_proj = Linear(h, i, dtype, device)
-        self.down_proj = Linear(i, h, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
-
-
 class Glm5Block(nn.Module):
     def __init__(self, cfg: Glm5Config, i: int, dtype: torch.dtype, device=None):
         super().__init__()
@@ -100,7 +87,7 @@ class Glm5Block(nn.Module):
             self.self_attn = KdaAttention(cfg, dtype, device)
         else:
             self.self_attn = IndexedMLA(cfg, cfg.indexer_types[i] == "full", dtype, device)
-        self.mlp = Glm5MoE(cfg, dtype, device) if cfg.mlp_layer_types[i] == "sparse" else DenseMLP(cfg, dtype, device)
+        self.mlp = Glm5MoE(cfg, dtype, device) if cfg.mlp_layer_types[i] == "sparse" else SwiGluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, dtype, device)
 
 
 class Glm5Body(nn.Module):
@@ -161,14 +148,7 @@ class Glm5Model(nn.Module):
 
     # ---- forward ------------------------------------------------------------------------------
     def _as_ids(self, token_ids) -> torch.Tensor:
-        ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
-            else token_ids.long()
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise InvalidInputError(f"token ids must lie in [0, {self.config.vocab_size}); got range [{lo}, {hi}]")
-        return ids.to(self.device)
+        return as_token_ids(token_ids, self.config.vocab_size, self.device)
 
     def _check(self, ids: torch.Tensor, state: Glm5State) -> None:
         state.check_usable(self.fingerprint, self.device, self.dtype)
