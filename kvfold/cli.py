@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .argtypes import nonneg_float as _nonneg_float, nonneg_int as _nonneg_int, pos_int as _pos_int, top_p as _top_p
 from .errors import KvfoldError
 from .generate import generate, generation_capacity
 
@@ -28,34 +29,6 @@ def _load_for(args: argparse.Namespace) -> Any:
     if args.numerics == "hf" and args.weights == "dequant":  # (tests patch a 3-argument _load_model)
         return _load_model(args.model, args.device, _DTYPES[args.dtype])
     return _load_model(args.model, args.device, _DTYPES[args.dtype], args.numerics, args.weights)
-
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _pos_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -36,7 +36,6 @@ def test_rows_store_fp8_nope_and_exact_rope():
 def test_fp8_state_is_smaller_per_token(tiny):
     plain = tiny.state_bytes_per_token()
     fp8 = tiny.state_bytes_per_token(kv_dtype="fp8")
-    cfg = tiny.config
     assert fp8 < plain
     big = tiny.new_state(capacity=4096, kv_dtype="fp8").nbytes
     assert big < tiny.new_state(capacity=4096).nbytes

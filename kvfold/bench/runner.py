@@ -26,6 +26,7 @@ from typing import Any, Callable
 from . import configs as C
 from .protocol import MARK
 from .report import OOM, SKIP_TIME, _GIB, format_report, summarize
+from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
 
 
 # ---- argument parsing ------------------------------------------------------------------------------
@@ -43,27 +44,6 @@ def _config_name(text: str) -> str:
     if text not in C.config_names(include_test=True):
         raise argparse.ArgumentTypeError(f"choose one of {', '.join(C.PUBLIC_CONFIGS)}")
     return text
-
-
-def _pos_float(text: str) -> float:
-    v = float(text)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    v = int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _pos_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
