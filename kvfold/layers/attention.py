@@ -37,7 +37,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
         weight = matmul_weight(self.weight)
         w = weight.view(self.groups, -1, weight.shape[1])  # [G, R, in]
-        return torch.einsum("tgi,gri->tgr", x.to(w.dtype), w).flatten(1)
+        return torch.bmm(x.to(w.dtype).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
 
 class Attention(nn.Module):
@@ -130,7 +130,7 @@ class Attention(nn.Module):
             k0 = max(0, start + b0 - w + 1 - local_start)
             k1 = start + b1 - local_start
             keys_w = local[k0:k1].float()
-            logits_w = torch.einsum("bhd,kd->bhk", qb, keys_w) * scale
+            logits_w = (qb @ keys_w.t()) * scale
             if b1 - b0 > 1:  # a lone query's band is exactly its window: nothing to mask
                 kpos = torch.arange(k0, k1, device=q.device) + local_start
                 band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
@@ -139,7 +139,7 @@ class Attention(nn.Module):
             if self.kind == HCA:
                 n_vis = (start + b1) // self.ratio
                 keys_c = pool[:n_vis].float()
-                logits_c = torch.einsum("bhd,kd->bhk", qb, keys_c) * scale
+                logits_c = (qb @ keys_c.t()) * scale
                 if b1 - b0 > 1:  # the last query of a block sees all n_vis entries
                     vis = torch.arange(n_vis, device=q.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
                     logits_c = logits_c.masked_fill(~vis[:, None, :], float("-inf"))
@@ -147,18 +147,18 @@ class Attention(nn.Module):
             elif self.kind == CSA and n_comp > 0:
                 sel = selected[b0:b1]
                 keys_c = pool[sel.clamp(min=0)].float()  # [b, k, d]
-                logits_c = torch.einsum("bhd,bkd->bhk", qb, keys_c) * scale
+                logits_c = torch.bmm(qb, keys_c.transpose(1, 2)) * scale
                 parts.append(logits_c.masked_fill((sel < 0)[:, None, :], float("-inf")))
             logits = torch.cat(parts, dim=-1)
             m = torch.maximum(logits.amax(dim=-1), sinks[None, :])  # [b, h]
             p = torch.exp(logits - m[..., None])
             denom = p.sum(dim=-1) + torch.exp(sinks[None, :] - m)
             nw = keys_w.shape[0]
-            acc = torch.einsum("bhk,kd->bhd", p[..., :nw], keys_w)
+            acc = p[..., :nw] @ keys_w
             if len(parts) > 1:
                 if self.kind == HCA:
-                    acc = acc + torch.einsum("bhk,kd->bhd", p[..., nw:], keys_c)
+                    acc = acc + p[..., nw:] @ keys_c
                 else:
-                    acc = acc + torch.einsum("bhk,bkd->bhd", p[..., nw:], keys_c)
+                    acc = acc + torch.bmm(p[..., nw:], keys_c)
             out[b0:b1] = acc / denom[..., None]
         return out

@@ -59,8 +59,8 @@ class Indexer(Compressor):
         scale = self.head_dim ** -0.5
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
-            s = torch.relu(torch.einsum("bhd,ed->bhe", q[b0:b1], keys)) * scale
-            scores = torch.einsum("bhe,bh->be", s, w[b0:b1])
+            s = torch.relu(q[b0:b1] @ keys.t()) * scale
+            scores = torch.bmm(w[b0:b1, None, :], s)[:, 0]  # sum over heads of w_h * s_h
             if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores.float(), k)

@@ -27,7 +27,7 @@ class HyperConnection(nn.Module):
     def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X'_k = post_k * out + sum_j comb[j, k] X_j."""
         dt = streams.dtype
-        return post.to(dt)[..., None] * out[:, None, :] + torch.einsum("tjk,tjd->tkd", comb.to(dt), streams)
+        return post.to(dt)[..., None] * out[:, None, :] + torch.bmm(comb.to(dt).transpose(1, 2), streams)
 
 
 class HyperHead(nn.Module):
