@@ -17,8 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..numerics.dsa_select import dsa_select, selection_mask
+from ..numerics.dsa_select import dsa_select
 from .basic import Linear, _param
+
+_GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
+
+
+def _selected_rows(sel: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection [T, W] read as a set per query: (row ids safe to gather, valid mask). -1 and
+    out-of-range entries and repeats of a row are invalid (the selection is a set, §3)."""
+    s = torch.where((sel >= 0) & (sel < kv_len), sel.long(), torch.full_like(sel, -1, dtype=torch.long))
+    s, _ = torch.sort(s, dim=-1)
+    valid = s >= 0
+    valid[:, 1:] &= s[:, 1:] != s[:, :-1]
+    return s.clamp(min=0), valid
 
 
 class GlmRMSNorm(nn.Module):
@@ -109,14 +121,19 @@ class IndexedMLA(nn.Module):
         else:
             sel = prev_sel
         seq = start + t
-        cache = latent[:seq]
         wkv = self.kv_b_proj.weight.view(self.nh, self.dn + self.dv, self.lat)
         w_uk, w_uv = wkv[:, :self.dn], wkv[:, self.dn:]
-        q_lat = torch.einsum("thd,hdl->htl", q, w_uk.to(q.dtype))  # [H, T, lat]
-        scores = (q_lat @ cache.t().to(q_lat.dtype)) * self.scale  # [H, T, S]
-        mask = selection_mask(sel, seq)  # [T, S]
-        scores = scores.masked_fill(~mask[None], torch.finfo(scores.dtype).min)
-        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        pooled = p @ cache.to(p.dtype)  # [H, T, lat]
-        o = torch.einsum("htl,hvl->thv", pooled, w_uv.to(pooled.dtype))
+        q_lat = torch.einsum("thd,hdl->thl", q, w_uk.to(q.dtype))  # [T, H, lat]
+        rows, valid = _selected_rows(sel, seq)  # [T, W] each query's distinct selected rows
+        pooled = torch.empty_like(q_lat)
+        # gather only the selected latent rows (sparse for real), a block of queries at a time
+        block = max(1, _GATHER_BUDGET // max(1, rows.shape[1] * self.lat))
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            keys = latent[rows[b0:b1]].to(q_lat.dtype)  # [b, W, lat]
+            scores = torch.bmm(q_lat[b0:b1], keys.transpose(1, 2)) * self.scale  # [b, H, W]
+            scores = scores.masked_fill(~valid[b0:b1, None, :], torch.finfo(scores.dtype).min)
+            p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            pooled[b0:b1] = torch.bmm(p, keys.to(p.dtype))  # [b, H, lat]
+        o = torch.einsum("thl,hvl->thv", pooled, w_uv.to(pooled.dtype))
         return self.o_proj(o.reshape(t, self.nh * self.dv)), sel
