@@ -28,6 +28,7 @@ from ..layers.mla import GlmRMSNorm, IndexedMLA
 from ..layers.moe import Experts, SharedExpert, SwiGluMLP
 from ..state.glm5_dsa_state import Glm5NextDsaState
 from ..state.glm5_state import Glm5State, KdaLayerState, MlaLayerState
+from .chunks import run_in_chunks
 from .deepseek_v4 import Embedding, as_token_ids
 
 
@@ -164,19 +165,7 @@ class Glm5Model(nn.Module):
         just the last row's logits [1, vocab]. Every check runs before any buffer is written."""
         ids = self._as_ids(token_ids)
         self._check(ids, state)
-        t = ids.numel()
-        logits, hidden = [], []
-        for c0 in range(0, t, self.max_chunk):
-            chunk = ids[c0:c0 + self.max_chunk]
-            lg, h = self._forward_chunk(chunk, state, last_only)
-            if not last_only or c0 + len(chunk) == t:
-                logits.append(lg)
-            if return_hidden:
-                hidden.append(h)
-        out = logits[0] if len(logits) == 1 else torch.cat(logits)
-        if return_hidden:
-            return out, (hidden[0] if len(hidden) == 1 else torch.cat(hidden))
-        return out
+        return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
 
     def forward_batch(self, batch, last_only: bool = True) -> list[torch.Tensor]:
         """Advance several sequences: each (token_ids, state) as `forward` would. Every pair is
