@@ -1,4 +1,6 @@
-"""V4 attention for a chunk of T tokens at positions n..n+T-1 (T=1 is decode; one code path).
+"""V4 attention over a batch of rows: for each sequence, a chunk of T tokens at positions
+n..n+T-1 (T=1 is decode; prefill, decode and several sequences at once are one code path).
+Projections run on all rows together; compressors, indexer and attention run per sequence.
 
 Each query q reads, by gathering, only:
   * its window: positions [max(0, q - W + 1), q] (128 in V4), from the ring plus this chunk;
@@ -13,12 +15,14 @@ import torch
 from torch import nn
 
 from ..config import CSA, HCA, SLIDING, Dsv4Config
-from ..numerics import RopeTable, apply_rope, unweighted_rms_norm
+from ..numerics import apply_rope, unweighted_rms_norm
+from ..numerics.rows import ROW_TILE
 from ..state.dsv4_state import LayerState
 from ..state.kv_rows import fp8_roundtrip
 from .basic import Linear, Norm, _param, matmul_weight
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
+from .rows import RowBatch
 
 _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
 
@@ -36,8 +40,13 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
         weight = matmul_weight(self.weight)
-        w = weight.view(self.groups, -1, weight.shape[1])  # [G, R, in]
-        return torch.bmm(x.to(w.dtype).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).flatten(1)
+        w = weight.view(self.groups, -1, weight.shape[1]).transpose(1, 2)  # [G, in, R]
+        x = x.to(w.dtype).transpose(0, 1)  # [G, T, in]
+        if x.shape[1] <= ROW_TILE:
+            y = torch.bmm(x, w)
+        else:  # batch-invariant row tiles (numerics/rows.py)
+            y = torch.cat([torch.bmm(x[:, i:i + ROW_TILE], w) for i in range(0, x.shape[1], ROW_TILE)], dim=1)
+        return y.transpose(0, 1).flatten(1)
 
 
 class Attention(nn.Module):
@@ -45,6 +54,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
         super().__init__()
+        self.layer_idx = layer_idx  # which of a state's LayerStates this layer reads
         self.rope_dim = cfg.qk_rope_head_dim
         self.kind = cfg.layer_types[layer_idx]
         self.ratio = cfg.compress_ratios[layer_idx]
@@ -72,34 +82,51 @@ class Attention(nn.Module):
             self.compressor = Compressor(hid, self.head_dim, self.ratio, False, cfg.qk_rope_head_dim,
                                          cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor, start: int, ls: LayerState, rope: RopeTable,
-                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] at `positions` (= start .. start+T-1) with this layer's rope cos/sin."""
+    def forward(self, x: torch.Tensor, batch: RowBatch) -> torch.Tensor:
+        """x [R, hidden]: the batch's rows (each segment one sequence at its positions)."""
         t = x.shape[0]
+        rope, cos, sin = batch.rope[SLIDING if self.kind == SLIDING else "compressed"]
 
+        # token-parallel: every projection of every row at once
         q_lora = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
         q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D], K = V
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [R, D], K = V
         if self.simulate_kv:
             kv = simulate_kv_fp8(kv, self.head_dim - self.rope_dim)
-
-        selected = None
+        comp = idx_kv = idx_q = None
         if self.compressor is not None:
-            self.compressor.step(x, start, ls.compressor, rope)
+            comp = self.compressor.project(x, batch.positions)
             if self.kind == CSA:
                 idx = self.compressor.indexer
-                idx.step(x, start, ls.indexer, rope)
-                selected = idx.select(x, q_lora, start, ls.indexer, rope, cos, sin)
+                idx_kv = idx.project(x, batch.positions)
+                idx_q = idx.queries(x, q_lora, cos, sin)
 
-        # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
-        fp8_nope = ls.window.store.fp8_nope
-        if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
-            kv = fp8_roundtrip(kv, fp8_nope)
-        prev_start = max(0, start - self.window + 1)
-        local = torch.cat([ls.window.read(prev_start, start), kv.to(ls.window.store.dtype)])
-        out = self._attend(q, local, prev_start, start, ls, selected, positions)
-        ls.window.write(start, kv)
+        # per sequence: fold its compressors, select, attend to its own state, write its window
+        out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if t > batch.n_real \
+            or len(batch.segments) > 1 else None
+        for seg in batch.segments:
+            ls: LayerState = seg.state.layers[self.layer_idx]
+            rows, start = seg.rows, seg.start
+            selected = None
+            if comp is not None:
+                self.compressor.fold(comp[0][rows], comp[1][rows], start, ls.compressor, rope)
+                if self.kind == CSA:
+                    idx.fold(idx_kv[0][rows], idx_kv[1][rows], start, ls.indexer, rope)
+                    selected = idx.select(idx_q[0][rows], idx_q[1][rows], start, ls.indexer)
+            kv_seg = kv[rows]
+            fp8_nope = ls.window.store.fp8_nope
+            if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
+                kv_seg = fp8_roundtrip(kv_seg, fp8_nope)
+            # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
+            prev_start = max(0, start - self.window + 1)
+            local = torch.cat([ls.window.read(prev_start, start), kv_seg.to(ls.window.store.dtype)])
+            o = self._attend(q[rows], local, prev_start, start, ls, selected, batch.positions[rows])
+            ls.window.write(start, kv_seg)
+            if out is None:
+                out = o
+            else:
+                out[rows] = o
 
         out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)
         grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..numerics import rms_norm
+from ..numerics.rows import row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
 from ..quantized import FP4, FP8
 
@@ -117,7 +118,7 @@ class Linear(nn.Module):
         if self.act_quant:
             x = act_quant_fp8(x, 128)
         w = matmul_weight(self.weight)
-        return x.to(w.dtype) @ w.t()
+        return row_mm(x.to(w.dtype), w)
 
 
 class Norm(nn.Module):

@@ -31,14 +31,22 @@ class Compressor(nn.Module):
         self.kv_norm = Norm(width, eps, device)
 
     def step(self, x: torch.Tensor, start: int, st: CompressorState, rope: RopeTable) -> None:
-        """Consume the rows of positions [start, start + T) (x: [T, hidden]); emit every entry
-        whose window completes inside them into `st.pool`; leave the open rows in the ring."""
-        t = x.shape[0]
-        r = self.ratio
-        positions = torch.arange(start, start + t, device=x.device)
-        kv = self.kv_proj(x).float()
-        score = self.gate_proj(x).float() + self.position_bias[positions % r]
+        """Consume the rows of positions [start, start + T) (x: [T, hidden])."""
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
+        self.fold(*self.project(x, positions), start, st, rope)
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-parallel half: (kv, score) rows [T, m * width] fp32 for x [T, hidden] at `positions`."""
+        kv = self.kv_proj(x).float()
+        score = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
+        return kv, score
+
+    def fold(self, kv: torch.Tensor, score: torch.Tensor, start: int, st: CompressorState,
+             rope: RopeTable) -> None:
+        """One sequence's half: take the (kv, score) rows of positions [start, start + T); emit every
+        entry whose window completes inside them into `st.pool`; leave the open rows in the ring."""
+        t = kv.shape[0]
+        r = self.ratio
         first_w, end_w = start // r, (start + t) // r
         if end_w > first_w:
             base = first_w * r - (r if self.overlap else 0)  # first position the fold reads
@@ -54,7 +62,7 @@ class Compressor(nn.Module):
             parts_sc.append(score[: need_end - start])
             pooled = pool_windows(torch.cat(parts_kv), torch.cat(parts_sc), r, self.overlap)
             entries = self.kv_norm(pooled.to(st.pool.dtype))  # cast to the activation dtype, then norm
-            cos, sin = rope.cos_sin(torch.arange(first_w, end_w, device=x.device) * r)
+            cos, sin = rope.cos_sin(torch.arange(first_w, end_w, device=kv.device) * r)
             st.pool[first_w:end_w] = self._simulate(apply_rope(entries, cos, sin))
         st.kv.write(start, kv)
         st.score.write(start, score)

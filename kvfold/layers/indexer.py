@@ -33,28 +33,33 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(q_lora_rank, n_heads * head_dim, dtype, device)
         self.scorer = Scorer(hidden, n_heads, dtype, device)
 
-    def select(self, x: torch.Tensor, q_lora: torch.Tensor, start: int, st: CompressorState,
-               rope: RopeTable, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Entries chosen for each of the T queries at positions start..start+T-1: [T, k] long,
-        ascending, -1 padded. Call after `step` so entries completed by these tokens exist."""
+    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-parallel half of selection: index queries [T, H, d] and head weights [T, H], in
+        the scoring dtype."""
         t = x.shape[0]
+        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim).float()
+        q = apply_rope(q, cos, sin)
+        w = self.scorer.weights_proj(x).float() * (self.n_heads ** -0.5)  # [T, H]
+        if self.entry_sim == "hadamard_fp4":  # reference numerics: rotated FP4 queries, bf16 scores
+            q = fp4_e2m1_simulate(hadamard(q), 32)
+            return q.to(torch.bfloat16), w.to(torch.bfloat16)
+        return q, w
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, start: int, st: CompressorState) -> torch.Tensor:
+        """One sequence's half: entries chosen for each of its T queries (from `queries`) at
+        positions start..start+T-1: [T, k] long, ascending, -1 padded. Call after `step`/`fold`
+        so entries completed by these tokens exist."""
+        t = q.shape[0]
         r = self.ratio
         n_entries = (start + t) // r
         k = min(self.topk, n_entries)
         if k == 0:
-            return torch.empty(t, 0, dtype=torch.long, device=x.device)
-        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim).float()
-        q = apply_rope(q, cos, sin)
-        w = self.scorer.weights_proj(x).float() * (self.n_heads ** -0.5)  # [T, H]
-        keys = st.pool[:n_entries].float()  # [E, d]
-        score_dtype = torch.float32
-        if self.entry_sim == "hadamard_fp4":  # reference numerics: rotated FP4 queries, bf16 scores
-            q = fp4_e2m1_simulate(hadamard(q), 32)
-            score_dtype = torch.bfloat16
-        q, keys, w = q.to(score_dtype), keys.to(score_dtype), w.to(score_dtype)
-        visible = (torch.arange(start, start + t, device=x.device) + 1) // r  # entries < this are visible
-        entry_ids = torch.arange(n_entries, device=x.device)
-        out = torch.empty(t, k, dtype=torch.long, device=x.device)
+            return torch.empty(t, 0, dtype=torch.long, device=q.device)
+        keys = st.pool[:n_entries].to(q.dtype)  # [E, d]
+        visible = (torch.arange(start, start + t, device=q.device) + 1) // r  # entries < this are visible
+        entry_ids = torch.arange(n_entries, device=q.device)
+        out = torch.empty(t, k, dtype=torch.long, device=q.device)
         block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
         scale = self.head_dim ** -0.5
         for b0 in range(0, t, block):

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import Dsv4Config
 from ..numerics.quant import act_quant_fp8
+from ..numerics.rows import pad_index, row_mm
 from .basic import Linear, _param, matmul_weight
 
 
@@ -37,7 +38,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] fp32, expert ids [T, k])."""
-        scores = _score(x.float() @ self.weight.t(), self.scoring)
+        scores = _score(row_mm(x.float(), self.weight), self.scoring)
         if self.is_hash:
             ids = self.tid2eid[token_ids].long()
         else:
@@ -65,8 +66,8 @@ class Experts(nn.Module):
         self.down_proj = _param(e, h, i, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        t, k = ids.shape
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        k = ids.shape[1]  # ids may cover only the first rows of x (the rest are pad rows)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
@@ -77,16 +78,16 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = tok[offset:offset + n]
-            xe = x[rows]
+            xe = x[pad_index(rows)]  # an invariant row count: a row's bits never depend on its batch
             if self.act_quant:
                 xe = act_quant_fp8(xe, 128)
             w13 = matmul_weight(self.gate_up_proj, e)
-            gate, up = (xe.to(w13.dtype) @ w13.t()).chunk(2, dim=-1)
+            gate, up = row_mm(xe.to(w13.dtype), w13).chunk(2, dim=-1)
             h = swiglu(gate, up, self.limit)
             if self.act_quant:
                 h = act_quant_fp8(h, 128)
             w2 = matmul_weight(self.down_proj, e)
-            ye = h.to(w2.dtype) @ w2.t()
+            ye = row_mm(h.to(w2.dtype), w2)[:n]
             out.index_add_(0, rows, ye.float() * wts[offset:offset + n, None])
             offset += n
         return out
@@ -119,8 +120,12 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
+        """x [T, hidden]; only the first `n_routed` rows (default all) go to the routed experts:
+        the rest are a batch's pad rows."""
         weights, ids = self.gate(x, token_ids)
+        if n_routed is not None and n_routed < x.shape[0]:
+            weights, ids = weights[:n_routed], ids[:n_routed]
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()

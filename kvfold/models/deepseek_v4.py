@@ -14,6 +14,7 @@ from ..layers.attention import Attention
 from ..layers.basic import Linear, Norm, QuantizedWeight, _param
 from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MoE
+from ..layers.rows import RowBatch
 from ..numerics import RopeTable
 from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
 from ..state.rings import PositionRing
@@ -43,13 +44,13 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, i, dtype, device)
         self.mlp = MoE(cfg, i, dtype, device)
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, start: int, ls: LayerState,
-                rope: RopeTable, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: RowBatch) -> torch.Tensor:
+        """streams [R, hc, hidden] of the batch's rows -> the same after this layer."""
         x, post, comb = self.attn_hc.collapse(streams)
-        y = self.self_attn(self.input_layernorm(x), start, ls, rope, positions, *cos_sin)
+        y = self.self_attn(self.input_layernorm(x), batch)
         streams = HyperConnection.expand(streams, y, post, comb)
         x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.mlp(self.post_attention_layernorm(x), token_ids)
+        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids, batch.n_real)
         return HyperConnection.expand(streams, y, post, comb)
 
 
@@ -173,9 +174,11 @@ class Dsv4Model(nn.Module):
 
     def forward_batch(self, batch: list[tuple[list[int] | torch.Tensor, Dsv4State]],
                       last_only: bool = True) -> list[torch.Tensor]:
-        """Advance several sequences in one call: each (token_ids, state) pair as `forward` would.
-        Returns one logits tensor per pair ([1, vocab] with `last_only`, else [T_i, vocab]).
-        Every pair is validated before any state is touched."""
+        """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
+        would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
+        ([1, vocab] with `last_only`, else [T_i, vocab]), bit-identical to what the pair would
+        get alone (batch-invariant matmuls, see layers/rows.py). Every pair is validated before
+        any state is touched."""
         checked = []
         for ids, st in batch:
             st.check_usable(self.fingerprint, self.device, self.dtype)
@@ -186,21 +189,42 @@ class Dsv4Model(nn.Module):
             checked.append((ids, st))
         if len({id(st) for _, st in checked}) != len(checked):
             raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        return [self.forward(ids, st, last_only=last_only) for ids, st in checked]
+        if not checked:
+            return []
+        outs: list[list[torch.Tensor]] = [[] for _ in checked]
+        with torch.inference_mode():
+            # rounds of at most max_chunk tokens per sequence bound the memory of long inputs
+            for c0 in range(0, max(ids.numel() for ids, _ in checked), self.max_chunk):
+                live = [(i, ids[c0:c0 + self.max_chunk], st) for i, (ids, st) in enumerate(checked)
+                        if c0 < ids.numel()]
+                logits, _ = self._forward_rows([(ids, st) for _, ids, st in live], last_only)
+                for (i, _, _), lg in zip(live, logits):
+                    outs[i].append(lg)
+        return [o[-1] if last_only else torch.cat(o) for o in outs]
 
     def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State, last_only: bool = False):
-        start = state.pos
-        positions = torch.arange(start, start + ids.numel(), device=ids.device)
-        tables = {SLIDING: (self.rope_main, self.rope_main.cos_sin(positions))}
+        logits, streams = self._forward_rows([(ids, state)], last_only)
+        return logits[0], streams[:ids.numel()]
+
+    def _forward_rows(self, pieces: list[tuple[torch.Tensor, Dsv4State]], last_only: bool
+                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One model call over the concatenated rows of every (ids, state) piece; advances each
+        state. Returns (logits per piece, all rows' final streams [R, hc, hidden] incl. pad rows)."""
+        batch = RowBatch.build(pieces, self.device)
+        batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
-            tables["compressed"] = (self.rope_compress, self.rope_compress.cos_sin(positions))
-        streams = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
-        for block, ls, kind in zip(self.model.layers, state.layers, self.config.layer_types):
-            rope, cos_sin = tables[SLIDING if kind == SLIDING else "compressed"]
-            streams = block(streams, ids, start, ls, rope, positions, cos_sin)
-        state.pos = state.written_until = start + ids.numel()
-        h = self.model.norm(self.model.hc_head(streams[-1:] if last_only else streams))
-        return self.lm_head(h).float(), streams
+            batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))
+        streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
+        streams = streams.contiguous()
+        for block in self.model.layers:
+            streams = block(streams, batch)
+        for seg in batch.segments:
+            seg.state.pos = seg.state.written_until = seg.start + seg.length
+        h = streams[batch.last_rows()] if last_only else streams
+        logits = self.lm_head(self.model.norm(self.model.hc_head(h))).float()
+        if last_only:
+            return [logits[i:i + 1] for i in range(len(batch.segments))], streams
+        return [logits[s.rows] for s in batch.segments], streams
 
     # ---- accounting --------------------------------------------------------------------------
     def quantized_weights(self) -> dict[str, QuantizedWeight]:

@@ -17,6 +17,7 @@ from torch import nn
 from ..config import SLIDING, Dsv4Config
 from ..layers.basic import Linear, Norm
 from ..layers.mhc import HyperHead
+from ..layers.rows import RowBatch
 from ..state.dsv4_state import Dsv4State, LayerState
 from ..state.rings import PositionRing
 
@@ -59,10 +60,12 @@ class MtpModule(nn.Module):
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {state.pos} + {t}")
         e = self.e_proj(self.enorm(embed[next_ids]))
         x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype)))
-        start = state.pos
-        positions = torch.arange(start, start + t, device=next_ids.device)
-        streams = self.block(x, next_ids, start, state.layers[0], rope, positions, rope.cos_sin(positions))
-        state.pos = state.written_until = start + t
+        batch = RowBatch.build([(next_ids, state)], self.device)
+        batch.rope[SLIDING] = (rope, *rope.cos_sin(batch.positions))
+        if batch.rows > t:  # pad rows (see layers/rows.py)
+            x = torch.cat([x, x.new_zeros(batch.rows - t, *x.shape[1:])])
+        streams = self.block(x, batch)[:t]
+        state.pos = state.written_until = state.pos + t
         logits = lm_head(self.norm(self.hc_head(streams))).float()
         return logits, streams
 

@@ -3,6 +3,7 @@ import numpy as np
 import torch
 
 from .norms import unweighted_rms_norm
+from .rows import row_mm
 
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -14,7 +15,7 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     """
     t, hc, _ = streams.shape
     flat = unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps)
-    mix = flat @ fn.float().t()  # [T, (2 + hc) * hc]
+    mix = row_mm(flat, fn.float())  # [T, (2 + hc) * hc]
     base = base.float()
     scale = scale.float()
     pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + hc_eps
@@ -49,5 +50,5 @@ def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
     """Final collapse weights: pre [T, hc] = sigmoid(mix * s + b) + eps."""
     t = streams.shape[0]
     flat = unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps)
-    mix = flat @ fn.float().t()
+    mix = row_mm(flat, fn.float())
     return torch.sigmoid(mix * scale.float() + base.float()) + hc_eps

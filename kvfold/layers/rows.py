@@ -1,0 +1,69 @@
+"""The rows one model call runs: the tokens of one or more sequences, concatenated.
+
+Token-parallel work (embedding, mHC, norms, projections, MoE, lm_head) runs once over all rows;
+only what reads or writes a sequence's state (compressors, indexer, attention, window ring)
+loops over the segments. A decode step of 30 sequences then reads the weights once instead of
+30 times, and a single sequence is a batch of one segment: one code path.
+
+Rows are padded to a count whose matmuls are batch-invariant (`numerics/rows.py`): pad rows
+carry token 0 at position 0, attend to nothing and are never routed to experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..numerics.rows import padded_count
+
+@dataclass
+class Segment:
+    """One sequence's rows in a batch: rows [r0, r1) at positions start .. start + (r1 - r0) - 1."""
+    r0: int
+    r1: int
+    start: int
+    state: object  # the sequence's state (its `layers[i]` is layer i's LayerState)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.r0, self.r1)
+
+    @property
+    def length(self) -> int:
+        return self.r1 - self.r0
+
+
+@dataclass
+class RowBatch:
+    token_ids: torch.Tensor  # [R] (pad rows: 0)
+    positions: torch.Tensor  # [R] (pad rows: 0)
+    n_real: int
+    segments: list[Segment]
+    rope: dict = field(default_factory=dict)  # kind -> (RopeTable, cos [R, rd/2], sin [R, rd/2])
+
+    @classmethod
+    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device) -> "RowBatch":
+        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order."""
+        segments, ids, pos_parts, r = [], [], [], 0
+        for tok, st in pieces:
+            t = tok.numel()
+            segments.append(Segment(r, r + t, st.pos, st))
+            ids.append(tok)
+            pos_parts.append(torch.arange(st.pos, st.pos + t, device=device))
+            r += t
+        extra = padded_count(r) - r
+        if extra:
+            ids.append(torch.zeros(extra, dtype=torch.long, device=device))
+            pos_parts.append(torch.zeros(extra, dtype=torch.long, device=device))
+        return cls(torch.cat(ids) if len(ids) > 1 else ids[0],
+                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], r, segments)
+
+    @property
+    def rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    def last_rows(self) -> torch.Tensor:
+        """Index of each segment's last row, padded for invariant matmuls."""
+        idx = [s.r1 - 1 for s in self.segments]
+        idx += idx[:1] * (padded_count(len(idx)) - len(idx))
+        return torch.tensor(idx, device=self.token_ids.device)
