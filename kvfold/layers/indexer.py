@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..numerics import RopeTable, apply_rope, topk_lower_index
+from ..numerics import apply_rope, topk_lower_index
 from ..numerics.quant import fp4_e2m1_simulate, hadamard
 from ..state.dsv4_state import CompressorState
 from .basic import Linear
