@@ -68,6 +68,19 @@ def test_end_to_end_sanity_and_report(e2e):
     assert res["command"] == "pytest"
 
 
+def test_bfloat16_run_reports_its_drift_from_float32(tmp_path):
+    rc = R.run_bench(_args(tmp_path, "--contexts", "16", "--vs", "transformers", "--dtype", "bfloat16",
+                           "--time-limit", "120"), log=None)
+    res = json.loads((tmp_path / "out.json").read_text())
+    san = res["sanity"]
+    assert rc == 0 and san["passed"] and san["dtype"] == "bfloat16"
+    # bf16 really ran: its logits drift from fp32 by far more than fp32 rounding; reported, not judged
+    assert san["tolerance"] is None and 1e-3 < san["max_abs_diff_prefill"] < san["logits_scale"]
+    assert res["settings"]["kvfold_dtype"] == "bfloat16" and "kvfold bfloat16" in res["report"]
+    assert "drift of a lower precision" in res["report"]
+    assert all(c["status"] == "ok" for c in res["cells"])
+
+
 def test_checkpoint_is_reused(e2e):
     _, res, tmp = e2e
     before = (tmp / "cache" / "bench-tiny-bench" / "model.safetensors").stat().st_mtime_ns

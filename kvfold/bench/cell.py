@@ -87,9 +87,11 @@ def input_ids(length: int, vocab_size: int, seed: int = 0):
 class KvfoldEngine:
     name = "kvfold"
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, dtype: str = "float32"):
+        import torch
+
         import kvfold
-        self.model = kvfold.load_model(directory)
+        self.model = kvfold.load_model(directory, dtype=getattr(torch, dtype))
         self.vocab_size = self.model.config.vocab_size
         self.state = None
 
@@ -170,8 +172,8 @@ class TransformersEngine:
         return total
 
 
-def _engine(mode: str, directory: str):
-    return KvfoldEngine(directory) if mode == "kvfold" else TransformersEngine(directory)
+def _engine(mode: str, directory: str, dtype: str = "float32"):
+    return KvfoldEngine(directory, dtype) if mode == "kvfold" else TransformersEngine(directory)
 
 
 # ---- modes ---------------------------------------------------------------------------------------
@@ -184,7 +186,7 @@ def run_cell(args) -> None:
     else:
         from transformers import DeepseekV4ForCausalLM, DynamicCache  # noqa: F401
     t1 = time.perf_counter()
-    eng = _engine(args.mode, args.checkpoint)
+    eng = _engine(args.mode, args.checkpoint, args.dtype)
     load_s = time.perf_counter() - t1
     gc.collect()
     load_peak = max_rss()
@@ -236,7 +238,7 @@ def run_sanity(args) -> None:
     logits match kvfold's on a short prompt and on a few greedy decode steps."""
     import torch
     torch.set_num_threads(args.threads)
-    kv = KvfoldEngine(args.checkpoint)
+    kv = KvfoldEngine(args.checkpoint, args.dtype)
     hf = TransformersEngine(args.checkpoint, loading_info=True)
     info = {k: sorted(str(x) for x in v) for k, v in (hf.info or {}).items() if k != "error_msgs"}
     info["error_msgs"] = [str(x) for x in (hf.info or {}).get("error_msgs", [])]
@@ -305,6 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--mem-limit-bytes", type=int, default=0)
     p.add_argument("--prefill-logits", choices=("all", "last"), default="all")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--bandwidth-mib", type=int, default=512)
     p.add_argument("--bandwidth-repeats", type=int, default=5)
     args = p.parse_args(argv)

@@ -165,7 +165,8 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['model']['weight_bytes'] / _MIB:.1f} MiB fp32), decode {s['decode_tokens']} tokens, "
              f"{s['threads']} threads, time limit {s['time_limit_s']:g} s/cell, "
              f"memory cap {s['mem_limit_gib']:g} GiB/cell, "
-             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits",
+             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits"
+             + (f", kvfold in {s['kvfold_dtype']}" if s.get("kvfold_dtype", "float32") != "float32" else ""),
              f"command: {result['command']}",
              f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
              f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
@@ -175,10 +176,14 @@ def format_report(result: dict[str, Any]) -> str:
     if san:
         if san.get("status") == "ok":
             lines.append(
-                f"sanity (transformers vs kvfold, {san['tokens']} tokens + {san['decode_steps']} decode steps): "
+                f"sanity (transformers float32 vs kvfold {san.get('dtype', 'float32')}, {san['tokens']} tokens + "
+                f"{san['decode_steps']} decode steps): "
                 f"max |logit diff| prefill {san['max_abs_diff_prefill']:.2e}, decode {san['max_abs_diff_decode']:.2e} "
-                f"(tolerance {san['tolerance']:g}: {'PASS' if san['passed'] else 'FAIL'}); "
-                f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
+                f"of logits up to {san['logits_scale']:.2f}, greedy argmax agree {san['same_argmax']}/"
+                f"{san['compared_argmax']} "
+                + (f"(tolerance {san['tolerance']:g}: {'PASS' if san['passed'] else 'FAIL'}); "
+                   if san["tolerance"] is not None else "(drift of a lower precision, not judged); ")
+                + f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
         else:
             lines.append(f"sanity: {san.get('status')}")
     lines += ["", format_table(result), ""]

@@ -74,6 +74,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "transformers logits_to_keep=1), as generation needs (default all)")
     p.add_argument("--bandwidth", choices=("auto", "on", "off"), default="auto",
                    help="measure the copy bandwidth and decode's achieved bytes/s (auto = medium only)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="kvfold's weights and activations (transformers stays float32, the reference); "
+                        "bfloat16 reports its logits drift in the sanity check (default float32)")
     p.add_argument("--no-sanity", action="store_true",
                    help="skip the kvfold-vs-transformers logits check (run once when --vs transformers)")
     return p
@@ -314,7 +317,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                      "decode_tokens": args.decode_tokens, "time_limit_s": args.time_limit,
                      "mem_limit_gib": args.mem_limit_gib, "threads": args.threads, "seed": args.seed,
                      "warmup_tokens": args.warmup,
-                     "prefill_logits": args.prefill_logits,
+                     "prefill_logits": args.prefill_logits, "kvfold_dtype": args.dtype,
                      "prefill_call": {
                          "kvfold": "model.forward(ids, state" + (", last_only=True)" if args.prefill_logits == "last"
                                                                  else ")  # all T rows of logits"),
@@ -337,8 +340,11 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         log(f"sanity check: transformers vs kvfold logits on {n} tokens + 4 decode steps")
         raw = run_subprocess_cell("sanity", checkpoint=str(ckpt), context=n, decode_tokens=4, threads=args.threads,
                                   seed=args.seed, time_limit=max(args.time_limit, 120.0),
-                                  mem_limit_bytes=cell_mem_limit())
-        san: dict[str, Any] = {"status": raw["status"], "tolerance": 1e-3}
+                                  mem_limit_bytes=cell_mem_limit(), extra=["--dtype", args.dtype])
+        # kvfold in bf16 (~3 significant digits per op) cannot match fp32: the check becomes a
+        # measurement of its drift, reported but not judged (tolerance None)
+        san: dict[str, Any] = {"status": raw["status"], "dtype": args.dtype,
+                               "tolerance": 1e-3 if args.dtype == "float32" else None}
         d = raw["phases"].get("done")
         if raw["status"] == "ok" and d:
             li = d["loading_info"]
@@ -350,7 +356,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                        mismatched=len(li.get("mismatched_keys", [])), loading_info=li)
             worst = max(d["max_abs_diff_prefill"], d["max_abs_diff_decode"] or 0.0)
             san["max_abs_diff"] = worst
-            san["passed"] = worst <= san["tolerance"] and not (san["missing"] or san["unexpected"] or san["mismatched"])
+            close = san["tolerance"] is None or worst <= san["tolerance"]
+            san["passed"] = close and not (san["missing"] or san["unexpected"] or san["mismatched"])
         else:
             san["passed"] = False
             san["detail"] = raw.get("stderr_tail", "")[-2000:]
@@ -378,7 +385,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
             raw = run_subprocess_cell(eng, checkpoint=str(ckpt), context=ctx, decode_tokens=args.decode_tokens,
                                       threads=args.threads, seed=args.seed, warmup=args.warmup,
                                       time_limit=args.time_limit, mem_limit_bytes=cell_mem_limit(),
-                                      prefill_logits=args.prefill_logits)
+                                      prefill_logits=args.prefill_logits,
+                                      extra=["--dtype", args.dtype] if eng == "kvfold" else None)
             rec = _cell_record(eng, ctx, raw)
             result["cells"].append(rec)
             msg = f"{eng} @ {ctx}: {rec['status']} in {rec['wall_s']:.1f} s"
