@@ -4,7 +4,7 @@ import torch
 
 from helpers import random_ids
 from kvfold.errors import CapacityError
-from kvfold.numerics.rows import ROW_TILE, pad_index, padded_count, row_mm
+from kvfold.numerics.rows import ROW_MULTIPLE, ROW_TILE, pad_index, padded_count, row_mm
 
 
 def prefill(model, ids, capacity=600, kv_dtype=None):
@@ -12,6 +12,13 @@ def prefill(model, ids, capacity=600, kv_dtype=None):
     if len(ids):
         model.forward(ids, st, last_only=True)
     return st
+
+
+@pytest.fixture
+def invariant(tiny):
+    tiny.set_batch_invariant(True)
+    yield tiny
+    tiny.set_batch_invariant(False)
 
 
 @pytest.mark.parametrize("rows", [4, 8, 12, 100, 256, 260, 600])
@@ -24,13 +31,15 @@ def test_row_mm_gives_each_row_the_same_bits_in_any_padded_batch(rows):
 
 
 def test_padding_rules():
-    assert [padded_count(n) for n in (1, 3, 4, 5, 8, 9)] == [4, 4, 4, 8, 8, 12]
+    assert [padded_count(n) for n in (1, 7, 8, 9, 17)] == [8, 8, 8, 16, 24]
+    assert [padded_count(n, 4) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
     assert pad_index(torch.tensor([7, 2, 5])).tolist() == [7, 2, 5, 7]
     assert pad_index(torch.tensor([1, 2, 3, 4])).tolist() == [1, 2, 3, 4]
-    assert ROW_TILE % 4 == 0
+    assert ROW_TILE % ROW_MULTIPLE == 0
 
 
-def test_mixed_batch_of_prefills_and_decodes_is_bit_identical_to_each_alone(tiny):
+def test_mixed_batch_of_prefills_and_decodes_is_bit_identical_to_each_alone(invariant):
+    tiny = invariant
     v = tiny.config.vocab_size
     # sequences at different positions: fresh, mid-window, past fold and window edges
     prompts = [random_ids(n, v, seed=n) for n in (0, 5, 37, 130, 200)]
@@ -52,7 +61,8 @@ def test_mixed_batch_of_prefills_and_decodes_is_bit_identical_to_each_alone(tiny
     assert all(sa.snapshot() == sb.snapshot() for sa, sb in zip(alone_states, batch_states))
 
 
-def test_long_prefill_in_a_batch_runs_in_invariant_tiles(tiny):
+def test_long_prefill_in_a_batch_runs_in_invariant_tiles(invariant):
+    tiny = invariant
     v = tiny.config.vocab_size
     long_feed = random_ids(300, v, seed=3)  # > ROW_TILE rows with the decode rows beside it
     s_alone, s_batch = prefill(tiny, []), prefill(tiny, [])
@@ -63,7 +73,8 @@ def test_long_prefill_in_a_batch_runs_in_invariant_tiles(tiny):
     assert s_alone.snapshot() == s_batch.snapshot()
 
 
-def test_fp8_and_plain_states_share_a_batch(tiny):
+def test_fp8_and_plain_states_share_a_batch(invariant):
+    tiny = invariant
     v = tiny.config.vocab_size
     p = random_ids(40, v, seed=5)
     a8, b8 = prefill(tiny, p, kv_dtype="fp8"), prefill(tiny, p, kv_dtype="fp8")
@@ -76,6 +87,7 @@ def test_fp8_and_plain_states_share_a_batch(tiny):
 
 def test_a_batch_is_one_pass_over_the_weights(tiny):
     """Every layer's projections run once per call, whatever the number of sequences."""
+    tiny.set_batch_invariant(False)  # (an Engine built earlier on this model may have turned it on)
     calls = []
     hooks = [layer.self_attn.q_a_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
              for layer in tiny.model.layers]
@@ -88,7 +100,27 @@ def test_a_batch_is_one_pass_over_the_weights(tiny):
         for h in hooks:
             h.remove()
     n_layers = tiny.config.num_hidden_layers
-    assert calls == [8] * n_layers + [-8]  # 6 decode rows padded to 8, one call per layer; 6 last rows -> 8
+    assert calls == [6] * n_layers + [-6]  # 6 decode rows: one call per layer, one lm_head call
+
+
+def test_invariant_mode_pads_rows_and_default_mode_matches_within_rounding(tiny, invariant):
+    v = tiny.config.vocab_size
+    prompts = [random_ids(n, v, seed=n) for n in (3, 50, 129)]
+    alone = [prefill(tiny, p) for p in prompts]
+    want = [tiny.forward([5], st, last_only=True) for st in alone]  # invariant mode (fixture)
+    tiny.set_batch_invariant(False)
+    states = [prefill(tiny, p) for p in prompts]
+    got = tiny.forward_batch([([5], st) for st in states])
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(want, got))
+    seen = []
+    hook = tiny.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    try:
+        tiny.forward_batch([([6], st) for st in states])
+        tiny.set_batch_invariant(True)
+        tiny.forward_batch([([7], st) for st in states])
+    finally:
+        hook.remove()
+    assert seen == [3, ROW_MULTIPLE]
 
 
 def test_a_refused_batch_changes_no_state(tiny):

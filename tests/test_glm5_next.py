@@ -385,3 +385,27 @@ def test_server_serves_glm5_with_greedy_equal_to_generate(pair, seq):
     assert got == want[:len(got)]
     assert len(got) == 8 or got[-1] in eos
     assert engine.metrics()["live_states"] == 0
+
+
+def test_forward_batch_is_one_call_bit_identical_to_each_sequence_alone(pair, seq):
+    _, model, _ = pair
+    model.set_batch_invariant(True)
+    try:
+        prompts, feeds = [seq[:0], seq[:7], seq[:70]], [seq[100:105], seq[105:106], seq[106:107]]
+
+        def prefilled(p):
+            st = model.new_state(capacity=160, max_rewind=2)
+            if len(p):
+                model.forward(p, st)
+            return st
+        alone, batched = [prefilled(p) for p in prompts], [prefilled(p) for p in prompts]
+        want = [model.forward(f, st) for f, st in zip(feeds, alone)]
+        got = model.forward_batch(list(zip(feeds, batched)), last_only=False)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        for step in range(4):
+            tok = [[int(seq[120 + step + i])] for i in range(3)]
+            got = model.forward_batch(list(zip(tok, batched)))
+            assert all(torch.equal(g, model.forward(t, st, last_only=True)) for g, t, st in zip(got, tok, alone))
+        assert all(a.snapshot() == b.snapshot() for a, b in zip(alone, batched))
+    finally:
+        model.set_batch_invariant(False)

@@ -39,13 +39,16 @@ class Completion:
 class Engine:
     def __init__(self, model: Any, *, max_seq_len: int = 4096, max_running: int = 16, max_queue: int = 256,
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
-                 prefix_cache_bytes: int = 256 << 20):
+                 prefix_cache_bytes: int = 256 << 20, batch_invariant: bool = True):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
         fed per step. `prefill_chunk`: prefill chunk and prefix-cache block size, a multiple of
         128. `max_state_bytes`: bound on the bytes of all live states (None: no bound beyond
-        max_running). `prefix_cache_bytes`: snapshot budget of the prefix cache (0 disables it)."""
+        max_running). `prefix_cache_bytes`: snapshot budget of the prefix cache (0 disables it).
+        `batch_invariant`: switch the model (for every user of this model object) to batch-invariant
+        numerics, so a request's tokens never depend on what else is running; False keeps the
+        fastest kernels, whose last bits may change with the batch."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -60,6 +63,8 @@ class Engine:
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
         self.model = model
+        if batch_invariant and hasattr(model, "set_batch_invariant"):
+            model.set_batch_invariant(True)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk

@@ -65,7 +65,9 @@ class Experts(nn.Module):
         self.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
         self.down_proj = _param(e, h, i, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, invariant: bool = False
+                ) -> torch.Tensor:
+        """`invariant`: each expert's row count padded so a row's bits never depend on its batch."""
         k = ids.shape[1]  # ids may cover only the first rows of x (the rest are pad rows)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
@@ -78,7 +80,7 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             rows = tok[offset:offset + n]
-            xe = x[pad_index(rows)]  # an invariant row count: a row's bits never depend on its batch
+            xe = x[pad_index(rows) if invariant else rows]
             if self.act_quant:
                 xe = act_quant_fp8(xe, 128)
             w13 = matmul_weight(self.gate_up_proj, e)
@@ -120,13 +122,14 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None,
+                invariant: bool = False) -> torch.Tensor:
         """x [T, hidden]; only the first `n_routed` rows (default all) go to the routed experts:
-        the rest are a batch's pad rows."""
+        the rest are a batch's pad rows. `invariant`: batch-invariant expert GEMMs."""
         weights, ids = self.gate(x, token_ids)
         if n_routed is not None and n_routed < x.shape[0]:
             weights, ids = weights[:n_routed], ids[:n_routed]
-        y = self.experts(x, weights, ids)
+        y = self.experts(x, weights, ids, invariant)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

@@ -1,12 +1,12 @@
 """The rows one model call runs: the tokens of one or more sequences, concatenated.
 
-Token-parallel work (embedding, mHC, norms, projections, MoE, lm_head) runs once over all rows;
-only what reads or writes a sequence's state (compressors, indexer, attention, window ring)
-loops over the segments. A decode step of 30 sequences then reads the weights once instead of
-30 times, and a single sequence is a batch of one segment: one code path.
+Token-parallel work (embedding, mHC, norms, projections, MoE, lm_head) runs once over all rows,
+reading each weight once for the whole batch; only what reads or writes a sequence's state
+(compressors, indexer, attention, window ring) loops over the segments. A single sequence is a
+batch of one segment: one code path.
 
-Rows are padded to a count whose matmuls are batch-invariant (`numerics/rows.py`): pad rows
-carry token 0 at position 0, attend to nothing and are never routed to experts.
+In batch-invariant mode (numerics/rows.py) the rows are padded to a multiple of ROW_MULTIPLE:
+pad rows carry token 0 at position 0, attend to nothing and are never routed to experts.
 """
 from __future__ import annotations
 
@@ -39,11 +39,14 @@ class RowBatch:
     positions: torch.Tensor  # [R] (pad rows: 0)
     n_real: int
     segments: list[Segment]
+    invariant: bool = False  # rows padded for batch-invariant numerics
     rope: dict = field(default_factory=dict)  # kind -> (RopeTable, cos [R, rd/2], sin [R, rd/2])
 
     @classmethod
-    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device) -> "RowBatch":
-        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order."""
+    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device,
+              invariant: bool = False) -> "RowBatch":
+        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order.
+        `invariant` pads the rows to a multiple of ROW_MULTIPLE."""
         segments, ids, pos_parts, r = [], [], [], 0
         for tok, st in pieces:
             t = tok.numel()
@@ -51,19 +54,20 @@ class RowBatch:
             ids.append(tok)
             pos_parts.append(torch.arange(st.pos, st.pos + t, device=device))
             r += t
-        extra = padded_count(r) - r
+        extra = padded_count(r) - r if invariant else 0
         if extra:
             ids.append(torch.zeros(extra, dtype=torch.long, device=device))
             pos_parts.append(torch.zeros(extra, dtype=torch.long, device=device))
         return cls(torch.cat(ids) if len(ids) > 1 else ids[0],
-                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], r, segments)
+                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], r, segments, invariant)
 
     @property
     def rows(self) -> int:
         return self.token_ids.shape[0]
 
     def last_rows(self) -> torch.Tensor:
-        """Index of each segment's last row, padded for invariant matmuls."""
+        """Index of each segment's last row (padded like the batch's rows in invariant mode)."""
         idx = [s.r1 - 1 for s in self.segments]
-        idx += idx[:1] * (padded_count(len(idx)) - len(idx))
+        if self.invariant:
+            idx += idx[:1] * (padded_count(len(idx)) - len(idx))
         return torch.tensor(idx, device=self.token_ids.device)

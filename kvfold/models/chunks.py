@@ -23,3 +23,16 @@ def run_in_chunks(forward_chunk: Callable, ids: torch.Tensor, state, max_chunk: 
     # callers get ordinary tensors (inference tensors refuse in-place edits outside the mode)
     out = torch.cat(logits)
     return (out, torch.cat(hidden)) if return_hidden else out
+
+
+def run_batch_in_rounds(forward_rows: Callable, pieces: list, max_chunk: int, last_only: bool) -> list:
+    """forward_rows([(chunk_ids, state), ...], last_only) -> (logits per piece, streams): one model
+    call per round, each round at most `max_chunk` more tokens of every piece still running."""
+    outs: list[list[torch.Tensor]] = [[] for _ in pieces]
+    with torch.inference_mode():
+        for c0 in range(0, max((ids.numel() for ids, _ in pieces), default=0), max_chunk):
+            live = [(i, ids[c0:c0 + max_chunk], st) for i, (ids, st) in enumerate(pieces) if c0 < ids.numel()]
+            logits, _ = forward_rows([(ids, st) for _, ids, st in live], last_only)
+            for (i, _, _), lg in zip(live, logits):
+                outs[i].append(lg)
+    return [o[-1] if last_only else torch.cat(o) for o in outs]

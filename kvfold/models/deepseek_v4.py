@@ -18,7 +18,7 @@ from ..layers.rows import RowBatch
 from ..numerics import RopeTable
 from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
 from ..state.rings import PositionRing
-from .chunks import run_in_chunks
+from .chunks import run_batch_in_rounds, run_in_chunks
 
 
 def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -50,7 +50,7 @@ class Block(nn.Module):
         y = self.self_attn(self.input_layernorm(x), batch)
         streams = HyperConnection.expand(streams, y, post, comb)
         x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids, batch.n_real)
+        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids, batch.n_real, batch.invariant)
         return HyperConnection.expand(streams, y, post, comb)
 
 
@@ -123,6 +123,16 @@ class Dsv4Model(nn.Module):
         # states hold rows computed under one numerics mode; keep them apart
         self.fingerprint = self.config.fingerprint() + ("" if mode == "hf" else "-ref")
 
+    # ---- batch invariance --------------------------------------------------------------------
+    batch_invariant = False
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """On: every row's logits are bit-identical whatever other sequences share its
+        `forward_batch` call (rows padded for invariant kernels, see numerics/rows.py); the
+        serving engine turns it on. Off (default): a lone sequence takes the fastest kernels
+        (a 1-row GEMV) and batched rows may differ from lone ones in the last bits."""
+        self.batch_invariant = bool(on)
+
     # ---- state -------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Dsv4State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later).
@@ -189,18 +199,7 @@ class Dsv4Model(nn.Module):
             checked.append((ids, st))
         if len({id(st) for _, st in checked}) != len(checked):
             raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        if not checked:
-            return []
-        outs: list[list[torch.Tensor]] = [[] for _ in checked]
-        with torch.inference_mode():
-            # rounds of at most max_chunk tokens per sequence bound the memory of long inputs
-            for c0 in range(0, max(ids.numel() for ids, _ in checked), self.max_chunk):
-                live = [(i, ids[c0:c0 + self.max_chunk], st) for i, (ids, st) in enumerate(checked)
-                        if c0 < ids.numel()]
-                logits, _ = self._forward_rows([(ids, st) for _, ids, st in live], last_only)
-                for (i, _, _), lg in zip(live, logits):
-                    outs[i].append(lg)
-        return [o[-1] if last_only else torch.cat(o) for o in outs]
+        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only)
 
     def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State, last_only: bool = False):
         logits, streams = self._forward_rows([(ids, state)], last_only)
@@ -210,7 +209,7 @@ class Dsv4Model(nn.Module):
                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams [R, hc, hidden] incl. pad rows)."""
-        batch = RowBatch.build(pieces, self.device)
+        batch = RowBatch.build(pieces, self.device, self.batch_invariant)
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
             batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))

@@ -26,9 +26,11 @@ from ..layers.kda import KdaAttention
 from ..layers.mhc import HyperConnection
 from ..layers.mla import GlmRMSNorm, IndexedMLA
 from ..layers.moe import Experts, SharedExpert, SwiGluMLP
+from ..layers.rows import RowBatch
+from ..numerics.rows import row_mm
 from ..state.glm5_dsa_state import Glm5NextDsaState
 from ..state.glm5_state import Glm5State, KdaLayerState, MlaLayerState
-from .chunks import run_in_chunks
+from .chunks import run_batch_in_rounds, run_in_chunks
 from .deepseek_v4 import Embedding, as_token_ids
 
 
@@ -44,7 +46,7 @@ class Glm5Router(nn.Module):
                              torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        scores = torch.sigmoid(row_mm(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             t, e = choice.shape
@@ -67,9 +69,12 @@ class Glm5MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_routed: int | None = None, invariant: bool = False) -> torch.Tensor:
+        """Rows past `n_routed` (a batch's pad rows) skip the routed experts."""
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
+        if n_routed is not None and n_routed < x.shape[0]:
+            weights, ids = weights[:n_routed], ids[:n_routed]
+        y = self.experts(x, weights, ids, invariant)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
@@ -117,6 +122,12 @@ class Glm5Model(nn.Module):
     def set_numerics(self, mode: str) -> None:
         if mode != "hf":
             raise ConfigError(f"glm5_next supports numerics 'hf' only, got {mode!r}")
+
+    batch_invariant = False
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """As Dsv4Model.set_batch_invariant: rows padded so batching never changes a row's bits."""
+        self.batch_invariant = bool(on)
 
     # ---- state --------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
@@ -177,35 +188,61 @@ class Glm5Model(nn.Module):
             checked.append((ids, st))
         if len({id(st) for _, st in checked}) != len(checked):
             raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        return [self.forward(ids, st, last_only=last_only) for ids, st in checked]
+        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only)
 
     def _forward_chunk(self, ids: torch.Tensor, state: Glm5State, last_only: bool = False):
-        start, t = state.pos, ids.numel()
-        state._sync_dsa()
-        record = min(t, state.max_rewind + 1)
-        first_rec = start + t - record + 1  # positions whose KDA states are kept
-        streams = self.model.embed_tokens(ids)[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
-        sel = None
-        for block, ls in zip(self.model.layers, state.layers):
+        logits, streams = self._forward_rows([(ids, state)], last_only)
+        return logits[0], streams[:ids.numel()]
+
+    def _forward_rows(self, pieces: list, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One model call over the concatenated rows of every (ids, state) piece (layers/rows.py):
+        mHC, norms and MLPs run on all rows at once, attention per sequence on its own state."""
+        batch = RowBatch.build(pieces, self.device, self.batch_invariant)
+        for seg in batch.segments:
+            seg.state._sync_dsa()
+        streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
+        streams = streams.contiguous()
+        sels: list = [None] * len(batch.segments)  # each sequence's DSA selection, shared down its layers
+        for i, block in enumerate(self.model.layers):
             x, post, comb = block.attn_hc.collapse(streams)
             x = block.input_layernorm(x)
-            if block.kind == KDA:
-                s0 = state.slot(start)
-                y, states = block.self_attn(x, ls.conv[s0], ls.rec[s0], record)
-                for j, (conv, rec) in enumerate(states):
-                    slot = state.slot(first_rec + j)
-                    ls.conv[slot] = conv
-                    ls.rec[slot] = rec
-            else:
-                y, sel = block.self_attn(x, start, ls.latent, ls.dsa, sel)
+            y = x.new_zeros(x.shape) if batch.rows > batch.n_real or len(batch.segments) > 1 else None
+            for s, seg in enumerate(batch.segments):
+                ys = self._attend(block, x[seg.rows], seg, seg.state.layers[i], sels, s)
+                if y is None:
+                    y = ys
+                else:
+                    y[seg.rows] = ys
             streams = HyperConnection.expand(streams, y, post, comb)
             x, post, comb = block.ffn_hc.collapse(streams)
-            y = block.mlp(block.post_attention_layernorm(x))
+            x = block.post_attention_layernorm(x)
+            y = block.mlp(x, batch.n_real, batch.invariant) if isinstance(block.mlp, Glm5MoE) else block.mlp(x)
             streams = HyperConnection.expand(streams, y, post, comb)
-        state.pos = state.written_until = start + t
-        last = streams[-1:] if last_only else streams
-        h = self.model.norm(last.mean(dim=1))
-        return self.lm_head(h).float(), streams
+        for seg in batch.segments:
+            seg.state.pos = seg.state.written_until = seg.start + seg.length
+        last = streams[batch.last_rows()] if last_only else streams
+        logits = self.lm_head(self.model.norm(last.mean(dim=1))).float()
+        if last_only:
+            return [logits[i:i + 1] for i in range(len(batch.segments))], streams
+        return [logits[seg.rows] for seg in batch.segments], streams
+
+    @staticmethod
+    def _attend(block, x: torch.Tensor, seg, ls, sels: list, s: int) -> torch.Tensor:
+        """One sequence's attention in one layer: KDA keeps the recurrent states of its last
+        max_rewind + 1 positions; DSA layers pass their selection on to the next."""
+        state, start, t = seg.state, seg.start, seg.length
+        if block.kind == KDA:
+            record = min(t, state.max_rewind + 1)
+            first_rec = start + t - record + 1  # positions whose KDA states are kept
+            s0 = state.slot(start)
+            y, states = block.self_attn(x, ls.conv[s0], ls.rec[s0], record)
+            for j, (conv, rec) in enumerate(states):
+                slot = state.slot(first_rec + j)
+                ls.conv[slot] = conv
+                ls.rec[slot] = rec
+            return y
+        y, sels[s] = block.self_attn(x, start, ls.latent, ls.dsa, sels[s])
+        return y
 
     # ---- accounting ---------------------------------------------------------------------------
     def num_parameters(self) -> int:

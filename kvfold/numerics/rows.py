@@ -1,29 +1,38 @@
-"""Batch-invariant row matmuls.
+"""Batch-invariant row arithmetic.
 
-A row's result must not depend on which other rows share a call, or a sequence's tokens would
-change with the server's load (and a prefix-cache hit could not be bit-identical to a cold
-run). CPU GEMMs give a row the same bits for any row count that is a multiple of 4 between 4
-and 256 (measured for MKL fp32 at 1 and 2 threads; other counts take other kernels), so every
-token-parallel matmul sees such a count: callers pad rows to a multiple of ROW_MULTIPLE
-(`padded_count`, `pad_index`) and `row_mm` runs longer inputs in tiles of ROW_TILE rows.
+In batch-invariant mode a row's result must not depend on which other rows share a call: a
+sequence's tokens must not change with the server's load, and a prefix-cache hit must be
+bit-identical to a cold run. Two CPU effects break that, both measured here (torch 2.13, MKL,
+AVX2, 1 and 2 threads):
+  * GEMM kernels: a row gets the same bits for any row count that is a multiple of 4 between 4
+    and 256, and other bits at 1-3 rows or past 256 (other kernels, other blocking);
+  * vectorised elementwise kernels (sigmoid, exp, silu, ...) compute the last numel % 16 elements
+    of a tensor with a scalar routine whose bits differ from the SIMD one.
+So invariant batches pad their rows to a multiple of ROW_MULTIPLE = 8 (every [rows, n] tensor
+with even n then has numel % 16 == 0), the routed experts' rows to a multiple of 4
+(`pad_index`), and `row_mm` runs more than ROW_TILE rows in tiles.
+
+The price is the small-batch GEMM: on this CPU a 4-row GEMM costs 3-7x a 1-row GEMV, so a lone
+decode step runs slower in this mode; it is the serving engine's default, not the library's.
 """
 from __future__ import annotations
 
 import torch
 
-ROW_MULTIPLE = 4
+ROW_MULTIPLE = 8
+EXPERT_ROW_MULTIPLE = 4
 ROW_TILE = 256
 
 
-def padded_count(n: int) -> int:
-    """Rows a batch of n real rows runs with (a multiple of ROW_MULTIPLE, at least one multiple)."""
-    return max(ROW_MULTIPLE, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)
+def padded_count(n: int, multiple: int = ROW_MULTIPLE) -> int:
+    """The smallest positive multiple of `multiple` that holds n rows."""
+    return max(multiple, -(-n // multiple) * multiple)
 
 
-def pad_index(index: torch.Tensor) -> torch.Tensor:
+def pad_index(index: torch.Tensor, multiple: int = EXPERT_ROW_MULTIPLE) -> torch.Tensor:
     """Row indices padded (by repeating the first) to a row count a matmul gives invariant bits for."""
     n = index.shape[0]
-    extra = padded_count(n) - n
+    extra = padded_count(n, multiple) - n
     if extra == 0:
         return index
     return torch.cat([index, index[:1].expand(extra)])
