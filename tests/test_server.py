@@ -164,6 +164,8 @@ def test_concurrent_streams_with_cancellation(server, tiny):
             assert got == chunked_reference(tiny, p, max_toks[i]), i
     assert m["kvfold_requests_cancelled_total"] - before["kvfold_requests_cancelled_total"] == len(cancel)
     assert m["kvfold_state_bytes"] == 0 and server[1].engine.metrics()["live_states"] == 0
+    # cancelled and finished requests gave their pages back: only the prefix cache holds some
+    assert m["kvfold_kv_pages_used"] == m["kvfold_prefix_cache_pages"] and m["kvfold_kv_pages"] > 0
     assert m["kvfold_batch_sequences_total"] > m["kvfold_engine_steps_total"]  # requests shared steps
 
 
@@ -185,6 +187,7 @@ def test_prefix_cache_hit_over_http(server, tiny):
     assert m["kvfold_prefix_cache_hit_tokens_total"] - before["kvfold_prefix_cache_hit_tokens_total"] == 256
     assert m["kvfold_prefix_cache_hits_total"] - before["kvfold_prefix_cache_hits_total"] == 1
     assert 0 < m["kvfold_prefix_cache_hit_rate"] <= 1 and m["kvfold_prefix_cache_bytes"] > 0
+    assert m["kvfold_prefix_cache_pages"] >= 2 and m["kvfold_kv_page_bytes_used"] > 0
 
 
 def test_request_errors(server):
