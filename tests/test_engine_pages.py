@@ -223,3 +223,15 @@ def test_page_metrics_in_prometheus_text(tiny):
     assert "kvfold_kv_pages_shared" in text and "kvfold_prefix_cache_pages" in text
     engine.cancel_all()
     assert parse(render(engine.metrics()))["kvfold_kv_pages_used"] == 1  # the cache's page for block 128
+
+
+def test_private_pools_when_pages_are_off(tiny):
+    a = long_ids(tiny, 300, "Q")
+    engine = Engine(tiny, max_seq_len=512, kv_page_bytes=0)
+    assert engine.pages is None
+    first, again = (engine.generate([a], SamplingParams(max_tokens=4, **SP))[0] for _ in range(2))
+    assert first.token_ids == again.token_ids == chunked_reference(tiny, a, 4, stop_ids=[])
+    assert again.cached_tokens == 256  # full snapshots, as before pages existed
+    m = engine.metrics()
+    assert (m["pages_total"], m["pages_used"], m["prefix_cache_pages"]) == (0, 0, 0)
+    assert m["prefix_cache_bytes"] == m["prefix_cache_blob_bytes"] > 0

@@ -191,18 +191,18 @@ class Dsv4Model(nn.Module):
             except Exception:
                 pages.decref(prefix)
                 raise
-        layers = []
+        layers, memo = [], {}
         for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
             window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device,
                                   fp8_nope=nope)
             ls = LayerState(window=window)
             rows = -(-capacity // ratio) if ratio else 0
             if kind != SLIDING:
-                view = pages.view(i, COMPRESSOR, table, rows) if pages is not None else None
+                view = pages.view(i, COMPRESSOR, table, rows, memo) if pages is not None else None
                 ls.compressor = compressor_state(ratio, kind == CSA, cfg.head_dim, capacity, max_rewind,
                                                  self.dtype, self.device, fp8_nope=nope, pool=view)
             if kind == CSA:
-                view = pages.view(i, INDEXER, table, rows) if pages is not None else None
+                view = pages.view(i, INDEXER, table, rows, memo) if pages is not None else None
                 ls.indexer = compressor_state(ratio, True, cfg.index_head_dim, capacity, max_rewind,
                                               self.dtype, self.device, pool=view)
             layers.append(ls)

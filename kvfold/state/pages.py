@@ -154,9 +154,16 @@ class PagePool:
                     page_bytes_used=self.used_bytes)
 
     # ---- views -------------------------------------------------------------------------------
-    def view(self, layer: int, kind: str, table: list[int], rows: int) -> "PagedRows":
+    def view(self, layer: int, kind: str, table: list[int], rows: int, memo: dict | None = None) -> "PagedRows":
+        """Layer pool (layer, kind) of the sequence whose page table is `table`, `rows` rows.
+        `memo`: a dict shared by one state's views, so pools of one ratio share one row map."""
         spec = next(s for s in self.specs if (s.layer, s.kind) == (layer, kind))
-        return PagedRows(self, self.storages[(layer, kind)], self.rows_per_page(spec.ratio), table, rows)
+        per = self.rows_per_page(spec.ratio)
+        phys = None if memo is None else memo.get((per, rows))
+        view = PagedRows(self, self.storages[(layer, kind)], per, table, rows, phys)
+        if memo is not None:
+            memo[(per, rows)] = view.phys
+        return view
 
     def __repr__(self) -> str:
         return (f"PagePool({self.num_pages} pages of {self.page_tokens} tokens, {self.page_bytes} B each; "
@@ -171,15 +178,18 @@ class PagedRows:
     once as a long tensor so a gather is one advanced index; a slice inside one run of
     physically consecutive pages is a plain slice (a view in the model dtype)."""
 
-    def __init__(self, pool: PagePool, storage: KvRows, per_page: int, table: list[int], rows: int):
+    def __init__(self, pool: PagePool, storage: KvRows, per_page: int, table: list[int], rows: int,
+                 phys: torch.Tensor | None = None):
         if rows > len(table) * per_page:
             raise PagePoolError(f"{rows} rows need {-(-rows // per_page)} pages; the table has {len(table)}")
         self.pool, self.storage, self.per_page = pool, storage, per_page
         self.table = list(table)
         self.rows = rows
-        i = torch.arange(rows)
-        t = torch.tensor(self.table, dtype=torch.long) if self.table else torch.zeros(0, dtype=torch.long)
-        self.phys = (t[i // per_page] * per_page + i % per_page).to(storage.device)
+        if phys is None:
+            i = torch.arange(rows)
+            t = torch.tensor(self.table, dtype=torch.long) if self.table else torch.zeros(0, dtype=torch.long)
+            phys = (t[i // per_page] * per_page + i % per_page).to(storage.device)
+        self.phys = phys  # read-only: views of one state and ratio may share it
         # run_end[k]: the last logical page of the physically consecutive run that page k starts
         n = len(self.table)
         self._run_end = list(range(n))
