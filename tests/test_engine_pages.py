@@ -235,3 +235,50 @@ def test_private_pools_when_pages_are_off(tiny):
     m = engine.metrics()
     assert (m["pages_total"], m["pages_used"], m["prefix_cache_pages"]) == (0, 0, 0)
     assert m["prefix_cache_bytes"] == m["prefix_cache_blob_bytes"] > 0
+
+
+def expected_refcounts(engine):
+    """Refcount each page must have: one per live state holding it plus the cache's references."""
+    want = [0] * engine.pages.num_pages
+    for seq in engine._seqs.values():
+        if seq.state is not None:
+            for p in seq.state.page_table:
+                want[p] += 1
+    for p, k in engine.prefix_cache._page_refs.items():
+        want[p] += k
+    return want
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workload_keeps_refcounts_exact(tiny, seed):
+    """Random arrivals and cancellations over a small pool: at every step each page's refcount is
+    exactly its holders (states and cache entries), and what finishes equals a cold run."""
+    import random
+    rng = random.Random(seed)
+    base = long_ids(tiny, 270, f"Z{seed}")
+    page_bytes = tiny.new_page_pool(0).page_bytes
+    engine = Engine(tiny, max_seq_len=512, max_running=3, max_batch_tokens=260, kv_page_bytes=8 * page_bytes,
+                    prefix_cache_bytes=200_000)
+    prompts, finished, cancelled = {}, {}, set()
+    for i in range(40):
+        if i < 24 and rng.random() < 0.5:
+            p = base[:rng.choice([130, 200, 260, 270])] + [rng.randrange(256) for _ in range(rng.randrange(1, 5))]
+            n = rng.choice([2, 5, 60])
+            rid = engine.add_request(p, SamplingParams(max_tokens=n, **SP))
+            prompts[rid] = (p, n)
+        for o in engine.step():
+            finished.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if engine._seqs and rng.random() < 0.15:
+            rid = rng.choice(sorted(engine._seqs))
+            assert engine.cancel(rid)
+            cancelled.add(rid)
+        assert [engine.pages.refcount(p) for p in range(engine.pages.num_pages)] == expected_refcounts(engine)
+    cancelled |= set(engine._seqs)  # still unfinished: cancelled now
+    engine.cancel_all()
+    assert engine.pages.used_pages == engine.prefix_cache.pages_held
+    done = [r for r in prompts if r not in cancelled]
+    assert done and engine.metrics()["prefix_cache_hits"] > 0
+    for r in done:
+        p, n = prompts[r]
+        assert finished[r] == chunked_reference(tiny, p, n, stop_ids=[]), r
+    assert_no_pages_but_the_caches(engine)
