@@ -152,3 +152,22 @@ class RequestTooLongError(InvalidRequestError):
 
 class QueueFullError(EngineError):
     """The waiting queue holds max_queue requests already; retry later."""
+
+
+class PagePoolError(StateError):
+    """A shared KV page pool refused an operation; nothing was allocated, freed or written."""
+
+
+class PagesExhaustedError(PagePoolError, CapacityError):
+    """Fewer free pages than asked for; nothing was allocated. Free states, evict the prefix
+    cache, or create the pool with more pages."""
+
+
+class SharedPageWriteError(PagePoolError):
+    """A write would change a page another holder (sequence or prefix cache) also references;
+    shared pages are immutable."""
+
+
+class SnapshotPagesError(SnapshotError):
+    """A snapshot that omits its pool rows (prefix-cache snapshot) does not match the pages the
+    target state holds by reference, or a restore would rewrite a shared page."""

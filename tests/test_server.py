@@ -164,6 +164,8 @@ def test_concurrent_streams_with_cancellation(server, tiny):
             assert got == chunked_reference(tiny, p, max_toks[i]), i
     assert m["kvfold_requests_cancelled_total"] - before["kvfold_requests_cancelled_total"] == len(cancel)
     assert m["kvfold_state_bytes"] == 0 and server[1].engine.metrics()["live_states"] == 0
+    # cancelled and finished requests gave their pages back: only the prefix cache holds some
+    assert m["kvfold_kv_pages_used"] == m["kvfold_prefix_cache_pages"] and m["kvfold_kv_pages"] > 0
     assert m["kvfold_batch_sequences_total"] > m["kvfold_engine_steps_total"]  # requests shared steps
 
 
@@ -185,6 +187,7 @@ def test_prefix_cache_hit_over_http(server, tiny):
     assert m["kvfold_prefix_cache_hit_tokens_total"] - before["kvfold_prefix_cache_hit_tokens_total"] == 256
     assert m["kvfold_prefix_cache_hits_total"] - before["kvfold_prefix_cache_hits_total"] == 1
     assert 0 < m["kvfold_prefix_cache_hit_rate"] <= 1 and m["kvfold_prefix_cache_bytes"] > 0
+    assert m["kvfold_prefix_cache_pages"] >= 2 and m["kvfold_kv_page_bytes_used"] > 0
 
 
 def test_request_errors(server):
@@ -246,6 +249,9 @@ def test_serve_cli_and_checkpoint_chat_template(tmp_path, tiny):
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
     app = build_app(args)
     assert app.state.engine.engine.max_seq_len == 256
+    assert app.state.engine.engine.pages.num_pages == 16 * 2  # default: max-running sequences of max-seq-len
+    args = parser.parse_args(["serve", "--model", "tiny", "--max-seq-len", "256", "--kv-page-bytes", "0"])
+    assert build_app(args).state.engine.engine.pages is None  # private per-sequence pools
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"content": "<s>"},

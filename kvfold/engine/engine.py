@@ -6,6 +6,10 @@ chunks under a per-step token budget. Prefill chunks always end at multiples of
 `prefill_chunk` (a multiple of 128), whatever the load, so a sequence's computation is the same
 split of the same tokens whether it ran alone, batched, or resumed from the prefix cache.
 
+DeepSeek-V4 states keep their compressed pools in one shared `PagePool` (pages of 128 tokens,
+reserved whole at admission, returned at finish or cancel), so a prefix-cache hit reuses the
+cached pages by reference and only the per-sequence rest is restored from a snapshot.
+
 Not thread-safe: call it from one thread (`AsyncEngine` does that for the server).
 """
 from __future__ import annotations
@@ -39,16 +43,21 @@ class Completion:
 class Engine:
     def __init__(self, model: Any, *, max_seq_len: int = 4096, max_running: int = 16, max_queue: int = 256,
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
-                 prefix_cache_bytes: int = 256 << 20, batch_invariant: bool = True):
+                 prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
+                 batch_invariant: bool = True):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
         fed per step. `prefill_chunk`: prefill chunk and prefix-cache block size, a multiple of
         128. `max_state_bytes`: bound on the bytes of all live states (None: no bound beyond
-        max_running). `prefix_cache_bytes`: snapshot budget of the prefix cache (0 disables it).
-        `batch_invariant`: switch the model (for every user of this model object) to batch-invariant
-        numerics, so a request's tokens never depend on what else is running; False keeps the
-        fastest kernels, whose last bits may change with the batch."""
+        max_running). `prefix_cache_bytes`: budget of the prefix cache: its snapshots plus the pages
+        only it still holds (0 disables it). `kv_page_bytes`: size of the shared page pool of
+        compressed KV (models with `new_page_pool`); None: room for max_running sequences of
+        max_seq_len tokens (at most max_state_bytes, at least one such sequence); 0: private
+        per-sequence pools, no page sharing. `batch_invariant`: switch the model (for every user
+        of this model object) to batch-invariant numerics, so a request's tokens never depend on
+        what else is running; False keeps the fastest kernels, whose last bits may change with
+        the batch."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -57,8 +66,8 @@ class Engine:
         for name, v in (("max_seq_len", max_seq_len), ("max_running", max_running)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        if max_queue < 0 or prefix_cache_bytes < 0:
-            raise ValueError("max_queue and prefix_cache_bytes must be >= 0")
+        if max_queue < 0 or prefix_cache_bytes < 0 or (kv_page_bytes is not None and kv_page_bytes < 0):
+            raise ValueError("max_queue, prefix_cache_bytes and kv_page_bytes must be >= 0")
         limit = getattr(model.config, "max_position_embeddings", None)
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
@@ -75,8 +84,10 @@ class Engine:
         self.scheduler = Scheduler(max_running=max_running, max_queue=max_queue,
                                    max_state_bytes=self.max_state_bytes, max_batch_tokens=max_batch_tokens,
                                    prefill_chunk=prefill_chunk)
+        self.pages = _page_pool(model, kv_page_bytes, max_running, max_seq_len, self.max_state_bytes, prefill_chunk)
         root = f"{model.fingerprint}/{model.dtype}".encode()
-        self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root) if prefix_cache_bytes else None
+        self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root, self.pages) \
+            if prefix_cache_bytes else None
         self._seqs: dict[str, Sequence] = {}  # every unfinished request
         self._ids = itertools.count()
         self._c = dict.fromkeys(
@@ -133,6 +144,10 @@ class Engine:
             raise RequestTooLongError(
                 f"this request's state needs {self.state_bytes(seq.capacity)} bytes, more than max_state_bytes "
                 f"{self.max_state_bytes} for all sequences together; lower max_tokens or the prompt length")
+        if self.pages is not None and self.pages.pages_for(seq.capacity) > self.pages.num_pages:
+            raise RequestTooLongError(
+                f"this request needs {self.pages.pages_for(seq.capacity)} KV pages of {self.pages.page_tokens} "
+                f"tokens, more than the pool's {self.pages.num_pages}; lower max_tokens or the prompt length")
         return seq
 
     def cancel(self, request_id: str) -> bool:
@@ -149,6 +164,11 @@ class Engine:
         """Cancel every unfinished request; returns how many there were."""
         return sum(self.cancel(rid) for rid in list(self._seqs))
 
+    def clear_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry; pages only the cache held go back to the pool."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -157,7 +177,7 @@ class Engine:
         """Admit what fits, run one batched forward, choose tokens. Returns one output per
         request that produced a token, finished, or failed this step."""
         outputs: list[RequestOutput] = []
-        for seq in self.scheduler.admit(lambda s: self.state_bytes(s.capacity)):
+        for seq in self.scheduler.admit(lambda s: self.state_bytes(s.capacity), self._pages_fit):
             self._start(seq, outputs)
         batch = self.scheduler.plan()
         if not batch:
@@ -186,41 +206,75 @@ class Engine:
                 self._finish(seq)
         return outputs
 
-    def _start(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
-        """Give an admitted sequence its state, resumed from the longest cached prefix."""
-        n, blob = 0, None
-        if self.prefix_cache is not None:
+    def _keys(self, seq: Sequence) -> list[bytes]:
+        if not seq.block_keys and len(seq.prompt) >= self.prefill_chunk:
             seq.block_keys = self.prefix_cache.keys_for(seq.prompt)
-            n, blob = self.prefix_cache.lookup(seq.block_keys, len(seq.prompt))
+        return seq.block_keys
+
+    def _pages_fit(self, seq: Sequence) -> bool:
+        """Whether the pages of `seq` (less the cached prefix it will reuse) can be allocated now,
+        evicting least recently used prefix-cache entries (never the one it hits) if needed."""
+        if self.pages is None:
+            return True
+        need, keep = self.pages.pages_for(seq.capacity), None
+        if self.prefix_cache is not None:
+            n, keep, _ = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
+            need -= n // self.pages.page_tokens
+        if self.pages.free_pages >= need:
+            return True
+        return self.prefix_cache is not None and self.prefix_cache.evict_for_pages(need, keep)
+
+    def _start(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
+        """Give an admitted sequence its state, resumed from the longest cached prefix: its
+        pages by reference (paged states) and the rest restored from the entry's snapshot."""
+        n, entry = 0, None
+        if self.prefix_cache is not None:
+            n, _, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
+        kw = {} if self.pages is None else {"pages": self.pages}
+        prefix = {"prefix_pages": list(entry.pages)} if entry is not None and entry.pages else {}
         try:
-            seq.state = self.model.new_state(capacity=seq.capacity)
+            seq.state = self.model.new_state(capacity=seq.capacity, **kw, **prefix)
         except Exception as exc:
             self._fail(seq, f"could not allocate the state: {exc!r}", outputs)
             return
         self._c["states_allocated"] += 1
-        if blob is not None:
+        if entry is not None:
             try:
-                seq.state.restore(blob)
+                seq.state.restore(entry.blob)
                 seq.cached_tokens = n
             except SnapshotError:  # refused blobs leave the state untouched: run cold
                 self.prefix_cache.hits -= 1
                 self.prefix_cache.hit_tokens -= n
+                if prefix:  # its prefix pages must not be written: start over with pages of its own
+                    seq.state.free()
+                    try:
+                        seq.state = self.model.new_state(capacity=seq.capacity, **kw)
+                    except Exception as exc:
+                        seq.state = None
+                        self._c["states_freed"] += 1
+                        self._fail(seq, f"could not allocate the state: {exc!r}", outputs)
 
     def _maybe_snapshot(self, seq: Sequence) -> None:
-        """After a prefill chunk that ended on a block boundary, cache the state there."""
+        """After a prefill chunk that ended on a block boundary, cache the state there: a
+        paged state gives the cache its prefix pages by reference plus a snapshot of the rest."""
         pos = seq.state.pos
         if self.prefix_cache is None or pos % self.prefill_chunk:
             return
         key = seq.block_keys[pos // self.prefill_chunk - 1]
         if key in self.prefix_cache:
             self.prefix_cache.touch(key)
+        elif self.pages is not None:
+            pages = seq.state.share_prefix(pos)
+            self.prefix_cache.insert(key, seq.state.snapshot(pools=False), pages)
         else:
             self.prefix_cache.insert(key, seq.state.snapshot())
 
     def _release(self, seq: Sequence) -> None:
         if seq.state is not None:
             self._c["states_freed"] += 1
-        seq.release()
+        seq.release()  # its pages go back to the pool now (those the prefix cache holds stay)
+        if self.prefix_cache is not None and self.pages is not None:
+            self.prefix_cache.shrink()  # pages only the cache holds now count against its budget
 
     def _finish(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
@@ -261,6 +315,10 @@ class Engine:
             live_state_bytes=sum(s.state.nbytes for s in live),
             reserved_state_bytes=self.scheduler.reserved_bytes,
         )
+        m.update(dict.fromkeys(("pages_total", "pages_used", "pages_free", "pages_shared", "page_bytes",
+                                "page_bytes_total", "page_bytes_used"), 0))
+        if self.pages is not None:
+            m.update(self.pages.stats())
         pc = self.prefix_cache
         if pc is None:  # disabled: report an empty cache
             pc = PrefixCache(self.prefill_chunk, 0)
@@ -274,6 +332,8 @@ class Engine:
             prefix_cache_entries=pc.entries,
             prefix_cache_bytes=pc.nbytes,
             prefix_cache_evictions=pc.evictions,
+            prefix_cache_pages=pc.pages_held,
+            prefix_cache_blob_bytes=pc.blob_bytes,
         )
         return m
 
@@ -291,3 +351,24 @@ def _state_layout(model: Any) -> tuple[int, list[tuple[int, int]]]:
         return probe.nbytes - sum(row for _, row in pools), pools
     finally:
         probe.free()
+
+
+def _page_pool(model: Any, kv_page_bytes: int | None, max_running: int, max_seq_len: int, max_state_bytes: float,
+               prefill_chunk: int):
+    """The engine's shared page pool, or None (private pools: models without `new_page_pool`,
+    kv_page_bytes=0, or a prefill chunk that is not a whole number of pages)."""
+    if not hasattr(model, "new_page_pool") or hasattr(model, "state_layout") or kv_page_bytes == 0:
+        return None
+    if prefill_chunk % model.page_tokens:
+        return None  # cache boundaries must fall on page boundaries to share pages
+    page_bytes = model.new_page_pool(0).page_bytes
+    if page_bytes == 0:  # no compressed pools (sliding layers only): nothing to page
+        return None
+    per_seq = -(-max_seq_len // model.page_tokens)
+    if kv_page_bytes is not None:
+        n = kv_page_bytes // page_bytes
+    else:
+        n = max_running * per_seq
+        if max_state_bytes != math.inf:
+            n = min(n, max(per_seq, int(max_state_bytes) // page_bytes))
+    return model.new_page_pool(n)

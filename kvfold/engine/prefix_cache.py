@@ -1,16 +1,26 @@
-"""Prefix cache: state snapshots at block boundaries, keyed by a chained hash of the prompt blocks.
+"""Prefix cache: state at block boundaries, keyed by a chained hash of the prompt blocks.
 
 Block j's key is sha256(key of block j-1 || ids of block j), so one key names the whole prefix
-up to the end of block j. Values are `state.snapshot()` blobs: bytes holding only the rows in
-use at that position, independent of any live state, so evicting an entry can never touch a
-running sequence and a restore can never alias another sequence's rows (design rules 4 and 10).
-Eviction is least-recently-used under a byte budget.
+up to the end of block j. An entry holds a `state.snapshot()` blob and, for paged states, one
+reference to each page of the prefix's compressed entries (the blob then leaves those rows
+out: `snapshot(pools=False)`). A hit hands the pages to the new state BY REFERENCE and
+restores the per-sequence rest (window ring, compressor windows, cursors) from the blob.
+
+Pages are append-only and a page's holders never write it once shared (the donor's rewind
+floor is raised, writes into shared pages are refused), so evicting an entry only drops
+references: pages still used by running sequences stay alive, and nothing a running sequence
+reads can change (design rules 4 and 10).
+
+Eviction is least-recently-used under a byte budget that counts the blobs plus the pages held
+by the cache alone (pages also used by a running sequence cost the cache nothing until that
+sequence ends). The engine also evicts to free pages for an admission.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -24,13 +34,22 @@ def block_hashes(ids: Sequence[int], block: int, root: bytes = b"") -> list[byte
     return keys
 
 
+@dataclass(frozen=True)
+class CacheEntry:
+    blob: bytes
+    pages: tuple[int, ...] = ()  # one reference held by the cache to each
+
+
 class PrefixCache:
-    def __init__(self, block: int, max_bytes: int, root: bytes = b""):
+    def __init__(self, block: int, max_bytes: int, root: bytes = b"", pages=None):
+        """`pages`: the `PagePool` whose pages entries may hold (None: blobs only)."""
         self.block = block
         self.max_bytes = max_bytes
         self.root = root  # e.g. the model fingerprint: keys of different models never meet
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()  # oldest first
-        self.nbytes = 0
+        self.pages = pages
+        self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # oldest first
+        self._page_refs: Counter[int] = Counter()  # references the cache holds, per page
+        self.blob_bytes = 0
         # counters for metrics
         self.lookups = 0
         self.hits = 0
@@ -43,25 +62,51 @@ class PrefixCache:
     def entries(self) -> int:  # (no __len__: an empty cache must not be falsy)
         return len(self._entries)
 
+    # ---- accounting --------------------------------------------------------------------------
+    def _only_cached(self, exclude: frozenset[int] = frozenset()) -> int:
+        """Pages referenced by the cache alone (they go free if every entry holding them goes)."""
+        if self.pages is None:
+            return 0
+        return sum(1 for p, k in self._page_refs.items() if p not in exclude and self.pages.refcount(p) == k)
+
+    @property
+    def pages_held(self) -> int:
+        """Distinct pages the cache references."""
+        return len(self._page_refs)
+
+    @property
+    def nbytes(self) -> int:
+        """What the cache costs: its blobs plus the pages nobody else uses."""
+        return self.blob_bytes + (self._only_cached() * self.pages.page_bytes if self.pages is not None else 0)
+
+    # ---- lookup ------------------------------------------------------------------------------
     def keys_for(self, ids: Sequence[int]) -> list[bytes]:
         return block_hashes(ids, self.block, self.root)
 
-    def lookup(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, bytes | None]:
+    def find(self, keys: Sequence[bytes], n_tokens: int, count: bool = True) -> tuple[int, bytes | None, CacheEntry | None]:
         """Longest cached prefix of a prompt of `n_tokens` tokens whose block keys are `keys`:
         whole blocks only, strictly shorter than the prompt (at least one token must still run
-        to produce logits). Returns (tokens covered, snapshot) or (0, None)."""
-        self.lookups += 1
-        self.lookup_tokens += n_tokens
+        to produce logits). Returns (tokens covered, key, entry) or (0, None, None). `count`:
+        record the lookup in the hit counters and refresh the entry's LRU position."""
+        if count:
+            self.lookups += 1
+            self.lookup_tokens += n_tokens
         usable = (n_tokens - 1) // self.block
         for j in range(min(usable, len(keys)) - 1, -1, -1):
-            blob = self._entries.get(keys[j])
-            if blob is not None:
-                self._entries.move_to_end(keys[j])
+            entry = self._entries.get(keys[j])
+            if entry is not None:
                 n = (j + 1) * self.block
-                self.hits += 1
-                self.hit_tokens += n
-                return n, blob
-        return 0, None
+                if count:
+                    self._entries.move_to_end(keys[j])
+                    self.hits += 1
+                    self.hit_tokens += n
+                return n, keys[j], entry
+        return 0, None, None
+
+    def lookup(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, bytes | None]:
+        """`find`, returning (tokens covered, snapshot blob) or (0, None)."""
+        n, _, entry = self.find(keys, n_tokens)
+        return n, (entry.blob if entry is not None else None)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -70,21 +115,66 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
 
-    def insert(self, key: bytes, blob: bytes) -> None:
-        """Store a snapshot (an existing key is only refreshed); evict the oldest until it fits."""
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        if len(blob) > self.max_bytes:
-            return
-        while self.nbytes + len(blob) > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= len(old)
-            self.evictions += 1
-        self._entries[key] = blob
-        self.nbytes += len(blob)
+    # ---- insert / evict ----------------------------------------------------------------------
+    def insert(self, key: bytes, blob: bytes, pages: Sequence[int] = ()) -> bool:
+        """Store a snapshot and take over one reference to each of `pages` (dropped at once if
+        the entry is not stored). An existing key is only refreshed. Then evict the least
+        recently used entries until the budget holds. Returns whether the entry is stored."""
+        if key in self._entries or len(blob) > self.max_bytes:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+            if pages:
+                self.pages.decref(pages)
+            return False
+        entry = CacheEntry(bytes(blob), tuple(pages))
+        self._entries[key] = entry
+        self._page_refs.update(entry.pages)
+        self.blob_bytes += len(entry.blob)
         self.inserts += 1
+        self.shrink(keep=key)
+        return key in self._entries
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        self.blob_bytes -= len(entry.blob)
+        self._page_refs.subtract(entry.pages)
+        for p in set(entry.pages):
+            if self._page_refs[p] <= 0:
+                del self._page_refs[p]
+        if entry.pages:
+            self.pages.decref(entry.pages)
+
+    def _evict_oldest(self, keep: bytes | None = None) -> bool:
+        key = next((k for k in self._entries if k != keep), None)
+        if key is None:
+            return False
+        self._drop(key)
+        self.evictions += 1
+        return True
+
+    def shrink(self, keep: bytes | None = None) -> None:
+        """Evict least recently used entries (`keep` last) until `nbytes` fits the budget."""
+        while self._entries and self.nbytes > self.max_bytes:
+            if not self._evict_oldest(keep):
+                self._evict_oldest()
+
+    def reclaimable_pages(self, keep: bytes | None = None) -> int:
+        """Pages that evicting every entry but `keep` would free."""
+        exclude = frozenset(self._entries[keep].pages) if keep in self._entries else frozenset()
+        return self._only_cached(exclude)
+
+    def evict_for_pages(self, n_free: int, keep: bytes | None = None) -> bool:
+        """Evict least recently used entries (never `keep`) until the pool has `n_free` free
+        pages; evicts nothing when even that could not reach it. Returns whether it has."""
+        if self.pages is None or self.pages.free_pages >= n_free:
+            return self.pages is not None
+        if self.pages.free_pages + self.reclaimable_pages(keep) < n_free:
+            return False
+        while self.pages.free_pages < n_free and self._evict_oldest(keep):
+            pass
+        return self.pages.free_pages >= n_free
 
     def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
+        """Drop every entry and the cache's page references."""
+        for key in list(self._entries):
+            self._drop(key)

@@ -1,7 +1,8 @@
 """Scheduling policy: which waiting requests start, and what each running sequence feeds this step.
 
 Admission is first-come first-served: the head of the queue starts when one more sequence fits
-under `max_running` and its state fits under `max_state_bytes`; otherwise it (and everything
+under `max_running`, its state fits under `max_state_bytes` and its pages fit the shared page
+pool (the engine's `fits`, which may evict the prefix cache); otherwise it (and everything
 behind it) waits. Running sequences are never preempted, so nothing another request does can
 touch their state. Each step feeds every decoding sequence its last token, then prefill chunks
 in admission order while they fit the token budget.
@@ -9,7 +10,7 @@ in admission order while they fit the token budget.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..errors import QueueFullError
 from .sequence import Sequence, Status
@@ -32,20 +33,22 @@ class Scheduler:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests); retry later")
         self.waiting.append(seq)
 
-    def admit(self, state_bytes: Callable[[Sequence], int]) -> list[Sequence]:
-        """Move waiting sequences to running while they fit; the caller allocates their states."""
-        admitted = []
+    def admit(self, state_bytes: Callable[[Sequence], int],
+              fits: Callable[[Sequence], bool] | None = None) -> Iterator[Sequence]:
+        """Move waiting sequences to running while they fit, yielding each one as it is moved:
+        the caller allocates its state before the next one is considered (so `fits` sees it)."""
         while self.waiting and len(self.running) < self.max_running:
             need = state_bytes(self.waiting[0])
             if self.reserved_bytes + need > self.max_state_bytes:
                 break  # wait for running sequences to finish and free theirs
+            if fits is not None and not fits(self.waiting[0]):
+                break  # its pages are not free yet: wait the same way
             seq = self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.state_bytes = need
             self.reserved_bytes += need
             self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+            yield seq
 
     def plan(self) -> list[tuple[Sequence, list[int]]]:
         """(sequence, ids) pairs for one batched forward."""

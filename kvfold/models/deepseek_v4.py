@@ -17,6 +17,9 @@ from ..layers.moe import MoE
 from ..layers.rows import RowBatch
 from ..numerics import RopeTable
 from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
+from ..state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
+from ..errors import StateMismatchError  # noqa: E402  (paged states)
+from math import lcm
 from ..state.rings import PositionRing
 from .chunks import run_batch_in_rounds, run_in_chunks
 
@@ -134,31 +137,90 @@ class Dsv4Model(nn.Module):
         self.batch_invariant = bool(on)
 
     # ---- state -------------------------------------------------------------------------------
-    def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Dsv4State:
-        """Reserve every buffer of one sequence for `capacity` tokens (never grown later).
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per page of a `PagePool`: the lcm of 128 and every compress ratio."""
+        n = 128
+        for kind, r in zip(self.config.layer_types, self.config.compress_ratios):
+            if kind != SLIDING:
+                n = lcm(n, r)
+        return n
 
-        `kv_dtype="fp8"` stores window rows and compressed entries as float8_e4m3fn at unit
-        scale (non-rope dims; rope dims stay exact in the model dtype)."""
-        if capacity < 1 or max_rewind < 0:
-            raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
+    def _kv_nope(self, kv_dtype: str | None) -> int | None:
         if kv_dtype not in (None, "auto", "fp8"):
             raise ConfigError(f"kv_dtype must be None (the model dtype) or 'fp8', got {kv_dtype!r}")
         cfg = self.config
-        nope = cfg.head_dim - cfg.qk_rope_head_dim if kv_dtype == "fp8" else None
-        layers = []
-        for kind, ratio in zip(cfg.layer_types, cfg.compress_ratios):
+        return cfg.head_dim - cfg.qk_rope_head_dim if kv_dtype == "fp8" else None
+
+    def new_page_pool(self, num_pages: int, kv_dtype: str | None = None) -> PagePool:
+        """Preallocate `num_pages` shared pages for the compressed and indexer pools of this
+        model's states (one page: `page_tokens` positions across every layer pool)."""
+        nope, cfg = self._kv_nope(kv_dtype), self.config
+        specs = []
+        for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
+            if kind != SLIDING:
+                specs.append(PoolSpec(i, COMPRESSOR, ratio, cfg.head_dim, nope))
+            if kind == CSA:
+                specs.append(PoolSpec(i, INDEXER, ratio, cfg.index_head_dim))
+        return PagePool(specs, num_pages, self.page_tokens, self.dtype, self.device, fingerprint=self.fingerprint,
+                        kv_fp8=nope is not None)
+
+    def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, *,
+                  pages: PagePool | None = None, prefix_pages: list[int] | None = None) -> Dsv4State:
+        """Reserve every buffer of one sequence for `capacity` tokens (never grown later).
+
+        `kv_dtype="fp8"` stores window rows and compressed entries as float8_e4m3fn at unit
+        scale (non-rope dims; rope dims stay exact in the model dtype).
+
+        `pages`: keep the compressed and indexer pools in that shared `PagePool` (from
+        `new_page_pool`, with the same kv_dtype): the state takes ceil(capacity / page_tokens)
+        pages up front and returns them on `free()`. `prefix_pages`: the first pages taken by
+        reference from another holder (a prefix-cache entry); such a state must restore the
+        snapshot taken at their end (`snapshot(pools=False)`) before it runs. Refusals
+        (PagesExhaustedError included) allocate nothing."""
+        if capacity < 1 or max_rewind < 0:
+            raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
+        nope = self._kv_nope(kv_dtype)
+        cfg = self.config
+        table: list[int] = []
+        prefix = list(prefix_pages or [])
+        if pages is None and prefix:
+            raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
+        if pages is not None:
+            if pages.fingerprint != self.fingerprint or pages.dtype != self.dtype or pages.device != self.device:
+                raise StateMismatchError(f"page pool belongs to {pages.fingerprint}/{pages.dtype}/{pages.device}, "
+                                         f"not this model; create it with this model's new_page_pool()")
+            if pages.kv_fp8 != (nope is not None):
+                raise StateMismatchError(f"page pool KV storage is {'fp8' if pages.kv_fp8 else 'plain'}; create the "
+                                         f"state with the pool's kv_dtype")
+            n_pages = pages.pages_for(capacity)
+            if len(prefix) > n_pages:
+                raise CapacityError(f"{len(prefix)} prefix pages pass capacity {capacity} ({n_pages} pages)")
+            pages.incref(prefix)  # checks they are live pages of this pool
+            try:
+                table = prefix + pages.allocate(n_pages - len(prefix))
+            except Exception:
+                pages.decref(prefix)
+                raise
+        layers, memo = [], {}
+        for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
             window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device,
                                   fp8_nope=nope)
             ls = LayerState(window=window)
+            rows = -(-capacity // ratio) if ratio else 0
             if kind != SLIDING:
+                view = pages.view(i, COMPRESSOR, table, rows, memo) if pages is not None else None
                 ls.compressor = compressor_state(ratio, kind == CSA, cfg.head_dim, capacity, max_rewind,
-                                                 self.dtype, self.device, fp8_nope=nope)
+                                                 self.dtype, self.device, fp8_nope=nope, pool=view)
             if kind == CSA:
+                view = pages.view(i, INDEXER, table, rows, memo) if pages is not None else None
                 ls.indexer = compressor_state(ratio, True, cfg.index_head_dim, capacity, max_rewind,
-                                              self.dtype, self.device)
+                                              self.dtype, self.device, pool=view)
             layers.append(ls)
         return Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind,
-                         fingerprint=self.fingerprint, device=self.device, dtype=self.dtype, kv_fp8=nope is not None)
+                         fingerprint=self.fingerprint, device=self.device, dtype=self.dtype, kv_fp8=nope is not None,
+                         pages=pages, page_table=table,
+                         prefix_tokens=len(prefix) * pages.page_tokens if pages is not None else 0)
 
     # ---- forward -----------------------------------------------------------------------------
     def _as_ids(self, token_ids) -> torch.Tensor:

@@ -40,7 +40,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-state-bytes", type=_int_at_least(1), default=None,
                    help="bound on the bytes of all live states; requests wait beyond it (default: none)")
     p.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=256 << 20,
-                   help="prefix-cache snapshot budget in bytes, 0 disables (default 256 MiB)")
+                   help="prefix-cache budget in bytes (snapshots plus pages only the cache holds), "
+                        "0 disables (default 256 MiB)")
+    p.add_argument("--kv-page-bytes", type=_int_at_least(0), default=None,
+                   help="bytes of the shared compressed-KV page pool, 0 for private per-sequence pools "
+                        "(default: room for max-running sequences of max-seq-len)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
     return p
@@ -60,7 +64,8 @@ def build_app(args: argparse.Namespace):
     try:
         engine = Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
                         max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
-                        max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes)
+                        max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
+                        kv_page_bytes=args.kv_page_bytes)
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
     model_dir = None if args.model == "tiny" else args.model

@@ -39,6 +39,13 @@ _METRICS = [
     ("prefix_cache_entries", "kvfold_prefix_cache_entries", "gauge", "Snapshots held by the prefix cache."),
     ("prefix_cache_bytes", "kvfold_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache."),
     ("prefix_cache_evictions", "kvfold_prefix_cache_evictions_total", "counter", "Snapshots evicted (LRU)."),
+    ("prefix_cache_pages", "kvfold_prefix_cache_pages", "gauge", "KV pages referenced by the prefix cache."),
+    ("pages_total", "kvfold_kv_pages", "gauge", "Pages of the shared compressed-KV page pool."),
+    ("pages_used", "kvfold_kv_pages_used", "gauge", "Pages referenced by a sequence or the prefix cache."),
+    ("pages_free", "kvfold_kv_pages_free", "gauge", "Pages free for new sequences."),
+    ("pages_shared", "kvfold_kv_pages_shared", "gauge", "Pages referenced more than once (shared prefixes)."),
+    ("page_bytes_total", "kvfold_kv_page_bytes", "gauge", "Bytes of the page pool (preallocated)."),
+    ("page_bytes_used", "kvfold_kv_page_bytes_used", "gauge", "Bytes of the pages in use."),
 ]
 
 

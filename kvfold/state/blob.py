@@ -52,6 +52,9 @@ class Format:
     what: str  # "kvfold state", "kvfold GLM-5 state": for messages
     kind_names: Sequence[str]
     known_flags: int = 0
+    # flags that choose which sections a blob holds (not how the state stores rows): they are
+    # not compared with the state's, and `expected_sections` receives them as a second argument
+    layout_flags: int = 0
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -95,14 +98,15 @@ def decode(fmt: Format, state, blob: bytes, *, flags_of_state: int,
     if fp_str != state.fingerprint:
         raise SnapshotModelError(f"snapshot was taken from a model with config fingerprint {fp_str}; this state "
                                  f"belongs to {state.fingerprint}; restore it into a state of the same model")
-    if flags != flags_of_state:
+    layout = flags & fmt.layout_flags
+    if flags & ~fmt.layout_flags != flags_of_state:
         raise SnapshotDtypeError(flags_mismatch(flags) if flags_mismatch else
                                  f"snapshot storage flags {flags:#x} differ from this state's {flags_of_state:#x}")
     if CODE_DTYPES.get(dtype_code) != state.dtype:
         raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(dtype_code, dtype_code)} differs from the "
                                  f"state's {state.dtype}; load the model with the snapshot's dtype")
     got = [Section(*SECTION.unpack_from(blob, HEADER.size + i * SECTION.size)) for i in range(n_sec)]
-    want = expected_sections(pos)
+    want = expected_sections(pos, layout) if fmt.layout_flags else expected_sections(pos)
     if got != want:
         if len(got) != len(want):
             detail = f"{len(got)} sections, expected {len(want)}"

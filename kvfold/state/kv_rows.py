@@ -34,6 +34,10 @@ class KvRows:
         return (self.data.shape[0] if self.fp8_nope is None else self.nope.shape[0], self.width)
 
     @property
+    def device(self) -> torch.device:
+        return (self.data if self.fp8_nope is None else self.rope).device
+
+    @property
     def row_bytes(self) -> int:
         if self.fp8_nope is None:
             return self.width * self.data.element_size()

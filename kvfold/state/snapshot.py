@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SnapshotPagesError
 from . import blob
 from .blob import DTYPE_CODES, Section
-from .kv_rows import KvRows
+from .rings import PositionRing
 
 FLAG_FP8_KV = 1  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
+FLAG_NO_POOLS = 0x100  # (layout flags use bits 8-15) pool sections hold 0 rows: their rows live in shared pages
 
 # section kinds
 WINDOW, COMP_KV, COMP_SCORE, COMP_POOL, IX_KV, IX_SCORE, IX_POOL = range(7)
 KIND_NAMES = ["window", "compressor kv", "compressor score", "compressed pool",
               "indexer kv", "indexer score", "indexer pool"]
-FORMAT = blob.Format(magic=b"KVFOLDST", what="kvfold state", kind_names=KIND_NAMES, known_flags=FLAG_FP8_KV)
+FORMAT = blob.Format(magic=b"KVFOLDST", what="kvfold state", kind_names=KIND_NAMES, known_flags=FLAG_FP8_KV | FLAG_NO_POOLS,
+                    layout_flags=FLAG_NO_POOLS)
 MAGIC = FORMAT.magic
 _HEADER = blob.HEADER
 
@@ -33,8 +36,10 @@ def _buffers(ls, kind):
     return out.get(kind)
 
 
-def expected_sections(state, pos: int) -> list[Section]:
-    """The sections a snapshot at `pos` holds for a state of this geometry."""
+def expected_sections(state, pos: int, layout: int = 0) -> list[Section]:
+    """The sections a snapshot at `pos` holds for a state of this geometry (with FLAG_NO_POOLS
+    in `layout`: pool sections of 0 rows)."""
+    pools = not layout & FLAG_NO_POOLS
     sd = DTYPE_CODES[state.dtype]
     f32 = DTYPE_CODES[torch.float32]
     secs = []
@@ -49,19 +54,21 @@ def expected_sections(state, pos: int) -> list[Section]:
             first = max(0, (pos // r) * r - (r if comp.overlap else 0))
             secs.append(Section(i, kinds[0], first, pos - first, comp.kv.store.width, f32))
             secs.append(Section(i, kinds[1], first, pos - first, comp.score.store.width, f32))
-            secs.append(Section(i, kinds[2], 0, pos // r, comp.pool.width, sd))
+            secs.append(Section(i, kinds[2], 0, pos // r if pools else 0, comp.pool.width, sd))
     return secs
 
 
 def _rows_of(state, s: Section) -> torch.Tensor:
     buf = _buffers(state.layers[s.layer], s.kind)
-    if isinstance(buf, KvRows):
-        return buf[s.first:s.first + s.rows]
-    return buf.read(s.first, s.first + s.rows)
+    if isinstance(buf, PositionRing):
+        return buf.read(s.first, s.first + s.rows)
+    return buf[s.first:s.first + s.rows]  # a pool: private KvRows or PagedRows
 
 
-def encode(state) -> bytes:
-    return blob.encode(FORMAT, state, _flags(state), expected_sections(state, state.pos), lambda s: _rows_of(state, s))
+def encode(state, pools: bool = True) -> bytes:
+    layout = 0 if pools else FLAG_NO_POOLS
+    return blob.encode(FORMAT, state, _flags(state) | layout, expected_sections(state, state.pos, layout),
+                       lambda s: _rows_of(state, s))
 
 
 def _kv_mismatch(state):
@@ -74,15 +81,41 @@ def _kv_mismatch(state):
     return message
 
 
+def _check_pages(state, pos: int, no_pools: bool) -> None:
+    """Refusal 10 (docs/state-format.md): a blob without pool rows restores only into a state
+    holding exactly that prefix's pages by reference; a full blob never rewrites a shared page,
+    and the page the next forward writes must be this state's alone."""
+    pages = getattr(state, "pages", None)
+    if no_pools:
+        if pages is None or state.prefix_tokens == 0 or pos != state.prefix_tokens:
+            held = "no prefix pages" if pages is None or state.prefix_tokens == 0 else \
+                f"prefix pages for positions [0, {state.prefix_tokens})"
+            raise SnapshotPagesError(
+                f"snapshot at pos {pos} leaves out its pool rows (a prefix-cache snapshot); it restores only into "
+                f"a state created with new_state(..., pages=pool, prefix_pages=<the pages of positions [0, {pos})>), "
+                f"and this state holds {held}")
+        return
+    if pages is None:
+        return
+    table = state.page_table
+    for page in table[:pos // pages.page_tokens + 1]:
+        if pages.refcount(page) != 1:
+            raise SnapshotPagesError(
+                f"restoring pos {pos} would write page {page}, which {pages.refcount(page)} holders reference; "
+                f"restore into a state whose pages are its own")
+
+
 def decode_and_apply(state, data: bytes) -> None:
     pos, sections = blob.decode(FORMAT, state, data, flags_of_state=_flags(state),
-                                expected_sections=lambda p: expected_sections(state, p),
+                                expected_sections=lambda p, layout: expected_sections(state, p, layout),
                                 flags_mismatch=_kv_mismatch(state))
+    flags = blob.HEADER.unpack_from(data, 0)[2]
+    _check_pages(state, pos, bool(flags & FLAG_NO_POOLS))
     # every check passed: write (rows are placed by position)
     for s, rows in sections:
         buf = _buffers(state.layers[s.layer], s.kind)
-        if isinstance(buf, KvRows):
-            buf[s.first:s.first + s.rows] = rows
-        else:
+        if isinstance(buf, PositionRing):
             buf.write(s.first, rows)
+        else:
+            buf[s.first:s.first + s.rows] = rows
     state.pos = state.written_until = state.rewind_floor = pos
