@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..numerics import rms_norm
@@ -116,8 +117,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
             x = act_quant_fp8(x, 128)
-        w = matmul_weight(self.weight)
-        return x.to(w.dtype) @ w.t()
+        w = self.weight
+        if isinstance(w, QuantizedWeight):
+            w = w.dequant()
+        return F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w)
 
 
 class Norm(nn.Module):
