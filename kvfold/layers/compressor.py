@@ -35,9 +35,14 @@ class Compressor(nn.Module):
         whose window completes inside them into `st.pool`; leave the open rows in the ring."""
         t = x.shape[0]
         r = self.ratio
-        positions = torch.arange(start, start + t, device=x.device)
-        kv = self.kv_proj(x).float()
-        score = self.gate_proj(x).float() + self.position_bias[positions % r]
+        kv = self.kv_proj(x)
+        score = self.gate_proj(x)
+        kv = kv if kv.dtype == torch.float32 else kv.float()
+        score = score if score.dtype == torch.float32 else score.float()
+        if t == 1:
+            score = score + self.position_bias[start % r]
+        else:
+            score = score + self.position_bias[torch.arange(start, start + t, device=x.device) % r]
 
         first_w, end_w = start // r, (start + t) // r
         if end_w > first_w:

@@ -13,9 +13,7 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
         return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
     values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, order = values[..., :k], order[..., :k]
-    order = torch.where(values == float("-inf"), torch.full_like(order, -1), order)
-    # ascending with -1 last: sort on a key where -1 maps past every real index
+    # ascending with -1 last: sort on a key where -inf picks map past every real index
     big = scores.shape[-1]
-    key = torch.where(order < 0, torch.full_like(order, big), order)
-    key, _ = torch.sort(key, dim=-1)
-    return torch.where(key == big, torch.full_like(key, -1), key)
+    key = order.masked_fill(values == float("-inf"), big).sort(dim=-1).values
+    return key.masked_fill(key == big, -1)
