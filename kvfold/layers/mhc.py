@@ -27,7 +27,7 @@ class HyperConnection(nn.Module):
         """X'_k = post_k * out + sum_j comb[j, k] X_j."""
         dt = streams.dtype
         if dt == torch.float32 and out.dtype == dt:  # one fused op: post x out + comb^T @ streams
-            return torch.baddbmm(post[:, :, None] * out[:, None, :], comb.transpose(1, 2), streams)
+            return torch.baddbmm(post.unsqueeze(2) * out.unsqueeze(1), comb.transpose(1, 2), streams)
         return post.to(dt)[..., None] * out[:, None, :] + torch.bmm(comb.to(dt).transpose(1, 2), streams)
 
 
@@ -47,5 +47,5 @@ class HyperHead(nn.Module):
 def _weighted_sum(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_k pre[:, k] * streams[:, k] (fp32 weights) in the streams' dtype: one bmm for fp32."""
     if streams.dtype == torch.float32:
-        return torch.bmm(pre[:, None, :], streams)[:, 0]
+        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
     return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)

@@ -10,6 +10,8 @@ output: (x / rms(x)) @ fn^T == (x @ fn^T) / rms(x).
 from __future__ import annotations
 
 import math
+import weakref
+from array import array
 
 import numpy as np
 import torch
@@ -28,8 +30,9 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     t, hc, _ = streams.shape
     if streams.device.type == "cpu":
         packed = _hc_mix_cpu(streams, fn, base, scale, norm_eps, ("comb", hc, iters, hc_eps))
-        comb_t = packed[:, 2 * hc:].view(t, hc, hc)  # stored transposed: expand's bmm reads it as is
-        return packed[:, :hc], packed[:, hc:2 * hc], comb_t.transpose(1, 2)
+        n = (2 + hc) * hc  # rows of [pre | post | comb^T row-major]: each output is one strided view
+        return (packed.as_strided((t, hc), (n, 1), 0), packed.as_strided((t, hc), (n, 1), hc),
+                packed.as_strided((t, hc, hc), (n, 1, hc), 2 * hc))
     flat = unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps)
     mix = flat @ fn.float().t()  # [T, (2 + hc) * hc]
     base = base.float()
@@ -46,7 +49,7 @@ def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
     """Final collapse weights: pre [T, hc] = sigmoid(mix * s + b) + eps."""
     t = streams.shape[0]
     if streams.device.type == "cpu":
-        return _hc_mix_cpu(streams, fn, base, scale, norm_eps, ("head", hc_eps))
+        return _hc_mix_cpu(streams, fn, base, scale, norm_eps, ("head", hc_eps)).view(t, -1)
     flat = unweighted_rms_norm(streams.reshape(t, -1).float(), norm_eps)
     mix = flat @ fn.float().t()
     return torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
@@ -72,7 +75,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 # ---- CPU: one matmul in torch, the rest in float64 -----------------------------------------------
 def _hc_mix_cpu(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 norm_eps: float, kind: tuple) -> torch.Tensor:
-    """[T, n] fp32 weights from mix = rms-normed flat streams @ fn^T. kind ("comb", hc, iters, hc_eps)
+    """[T, n] fp32 weights (1-D [n] when T = 1) from mix = rms-normed flat streams @ fn^T. kind ("comb", hc, iters, hc_eps)
     packs [pre | post | comb^T row-major] per row (hc_weights); ("head", hc_eps) gives
     sigmoid(mix * scale + base) + hc_eps (hc_head_weights)."""
     t = streams.shape[0]
@@ -80,27 +83,45 @@ def _hc_mix_cpu(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     if flat.dtype != torch.float32:
         flat = flat.float()
     mix = F.linear(flat, fn if fn.dtype == torch.float32 else fn.float())
-    both = torch.cat([mix, torch.linalg.vector_norm(flat, dim=-1, keepdim=True)], dim=1)
+    norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
     inv_d = 1.0 / flat.shape[1]
-    if t == 1:
-        m = both.tolist()[0]
-        ss = m.pop()
+    if t == 1:  # -> a 1-D tensor of the row
+        m = mix.tolist()[0]
+        ss = norm.tolist()[0][0]
         r = 1.0 / math.sqrt(ss * ss * inv_d + norm_eps)
-        b, s = base.tolist(), scale.tolist()
+        b, s = param_list(base), param_list(scale)
         if kind[0] == "head":
             row = _head_row(m, r, b, s[0], kind[1])
         else:
             row = _row_kernel(kind[1], kind[2])(m, r, b, s, kind[3])
-        return torch.tensor([row], dtype=torch.float32)
-    m = both.double().numpy()
-    ss = m[:, -1:]
+        # array('f') rounds each float64 to float32 (as torch.tensor would, at a quarter of the cost)
+        return torch.frombuffer(array("f", row), dtype=torch.float32)
+    m = mix.double().numpy()
+    ss = norm.double().numpy()
     r = 1.0 / np.sqrt(ss * ss * inv_d + norm_eps)
     b, s = base.double().numpy(), scale.double().numpy().tolist()
     if kind[0] == "head":
-        out = _sigmoid_np(m[:, :-1] * (r * s[0]) + b) + kind[1]
+        out = _sigmoid_np(m * (r * s[0]) + b) + kind[1]
     else:
-        out = _rows_np(m[:, :-1], r, b, s, *kind[1:])
+        out = _rows_np(m, r, b, s, *kind[1:])
     return torch.from_numpy(out.astype(np.float32))
+
+
+_LISTS: dict[int, tuple] = {}
+
+
+def param_list(t: torch.Tensor) -> list:
+    """t.tolist() of a small parameter, cached until the tensor is modified in place or replaced."""
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor has no version counter: no cache
+        return t.tolist()
+    hit = _LISTS.get(id(t))
+    if hit is not None and hit[0]() is t and hit[1] == version:
+        return hit[2]
+    values = t.tolist()
+    _LISTS[id(t)] = (weakref.ref(t), version, values)
+    return values
 
 
 def _sigmoid(z: float) -> float:
