@@ -11,6 +11,12 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, scores.shape[-1])
     if k == 0:
         return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
+    if scores.shape[-1] > k and scores.numel() > 0:
+        # torch.topk picks the same set whenever no entry outside it ties the k-th value (then
+        # exactly k entries are >= it, and it is finite); the ascending order is then the same too
+        values, order = torch.topk(scores, k, dim=-1)
+        if int((scores >= values[..., -1:]).sum(dim=-1).max()) == k:
+            return order.sort(dim=-1).values
     values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, order = values[..., :k], order[..., :k]
     # ascending with -1 last: sort on a key where -inf picks map past every real index
