@@ -19,7 +19,8 @@ class HyperConnection(nn.Module):
 
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, d] -> (sub-block input [T, d], post, comb)."""
-        pre, post, comb = hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
+        p = self._parameters
+        pre, post, comb = hc_weights(streams, p["fn"], p["base"], p["scale"], self.iters, self.hc_eps, self.norm_eps)
         return _weighted_sum(pre, streams), post, comb
 
     @staticmethod
@@ -40,7 +41,8 @@ class HyperHead(nn.Module):
         self.hc_scale = _param(1, dtype=torch.float32, device=device)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        pre = hc_head_weights(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
+        p = self._parameters
+        pre = hc_head_weights(streams, p["hc_fn"], p["hc_base"], p["hc_scale"], self.hc_eps, self.norm_eps)
         return _weighted_sum(pre, streams)
 
 
