@@ -204,9 +204,9 @@ def main(argv=None) -> int:
 
     import torch
     torch.set_num_threads(args.threads)
-    import kvfold
+    from .. import load_model
     from .configs import ensure_checkpoint
-    model = kvfold.load_model(str(ensure_checkpoint(args.config, args.cache_dir, args.seed)))
+    model = load_model(str(ensure_checkpoint(args.config, args.cache_dir, args.seed)))
     res = profile_decode(model, args.context, args.steps, args.warmup, args.seed, aten=not args.no_aten)
     res["config"] = args.config
     print(format_profile(res))

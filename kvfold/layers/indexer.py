@@ -72,10 +72,9 @@ class Indexer(Compressor):
         if block >= t:  # one block: its last query sees every entry, only earlier ones mask
             s = torch.relu(q @ keys.t())
             scores = torch.bmm(w[:, None, :], s if scale is None else s * scale)[:, 0]
-            if t > 1:
-                visible = (torch.arange(start, start + t, device=x.device) + 1) // r
-                scores = scores.masked_fill(torch.arange(n_entries, device=x.device)[None, :] >= visible[:, None],
-                                            float("-inf"))
+            visible = (torch.arange(start, start + t, device=x.device) + 1) // r
+            scores = scores.masked_fill(torch.arange(n_entries, device=x.device)[None, :] >= visible[:, None],
+                                        float("-inf"))
             return topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
         visible = (torch.arange(start, start + t, device=x.device) + 1) // r  # entries < this are visible
         entry_ids = torch.arange(n_entries, device=x.device)
