@@ -19,7 +19,7 @@ from ..numerics import apply_rope, unweighted_rms_norm
 from ..numerics.rows import ROW_TILE
 from ..state.dsv4_state import LayerState
 from ..state.kv_rows import fp8_roundtrip
-from .basic import Linear, Norm, _param, matmul_weight
+from .basic import Linear, Norm, QuantizedWeight, _param
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
 from .rows import RowBatch
@@ -39,14 +39,28 @@ class GroupedLinear(nn.Module):
         self.weight = _param(out_total, in_per_group, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
-        weight = matmul_weight(self.weight)
-        w = weight.view(self.groups, -1, weight.shape[1]).transpose(1, 2)  # [G, in, R]
-        x = x.to(w.dtype).transpose(0, 1)  # [G, T, in]
+        w_t = self._grouped_t()  # [G, in, R]
+        if x.dtype != w_t.dtype:
+            x = x.to(w_t.dtype)
+        x = x.transpose(0, 1)  # [G, T, in]
         if x.shape[1] <= ROW_TILE:
-            y = torch.bmm(x, w)
+            y = torch.bmm(x, w_t)
         else:  # batch-invariant row tiles (numerics/rows.py)
-            y = torch.cat([torch.bmm(x[:, i:i + ROW_TILE], w) for i in range(0, x.shape[1], ROW_TILE)], dim=1)
+            y = torch.cat([torch.bmm(x[:, i:i + ROW_TILE], w_t) for i in range(0, x.shape[1], ROW_TILE)], dim=1)
         return y.transpose(0, 1).flatten(1)
+
+    def _grouped_t(self) -> torch.Tensor:
+        weight = self.weight
+        if isinstance(weight, QuantizedWeight):
+            weight = weight.dequant()
+            return weight.view(self.groups, -1, weight.shape[1]).transpose(1, 2)
+        hit = self.__dict__.get("_w_t")  # a view of the parameter, made once per storage
+        if hit is not None and hit[0] is weight and hit[1] == weight.data_ptr():
+            return hit[2]
+        with torch.inference_mode(False):
+            w_t = weight.view(self.groups, -1, weight.shape[1]).transpose(1, 2)
+        self.__dict__["_w_t"] = (weight, weight.data_ptr(), w_t)
+        return w_t
 
 
 class Attention(nn.Module):
@@ -96,10 +110,11 @@ class Attention(nn.Module):
             kv = simulate_kv_fp8(kv, self.head_dim - self.rope_dim)
         comp = idx_kv = idx_q = None
         if self.compressor is not None:
-            comp = self.compressor.project(x, batch.positions)
+            first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
+            comp = self.compressor.project(x, batch.positions, first)
             if self.kind == CSA:
                 idx = self.compressor.indexer
-                idx_kv = idx.project(x, batch.positions)
+                idx_kv = idx.project(x, batch.positions, first)
                 idx_q = idx.queries(x, q_lora, cos, sin)
 
         # per sequence: fold its compressors, select, attend to its own state, write its window
@@ -136,8 +151,8 @@ class Attention(nn.Module):
                 selected: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         t, h, d = q.shape
         w = self.window
-        scale = d ** -0.5
-        sinks = self.sinks.float()
+        f32 = torch.float32
+        sinks = self.sinks if self.sinks.dtype == f32 else self.sinks.float()
         pool = None
         if self.kind != SLIDING:
             pool = ls.compressor.pool
@@ -148,44 +163,82 @@ class Attention(nn.Module):
         # a block of B queries reads B + W - 1 window keys: B = W keeps the band at most 2x the
         # W keys each query needs (B = T would make prefill O(T^2))
         block = max(1, min(t, w, _ATTN_BUDGET // max(1, per_query)))
-        out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
+        q = (q if q.dtype == f32 else q.float()) * d ** -0.5
+        if local.dtype != f32:
+            local = local.float()
+        if t == 1:
+            return self._attend_one(q, local, start, pool, selected, n_comp, sinks)
+        out = torch.empty(t, h, d, dtype=f32, device=q.device) if block < t else None
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
-            qb = q[b0:b1].float()
+            nb = b1 - b0
+            qb = q if nb == t else q[b0:b1]
             qpos = positions[b0:b1]
             # band of window keys for this block, in local (position - local_start) coordinates
             k0 = max(0, start + b0 - w + 1 - local_start)
             k1 = start + b1 - local_start
-            keys_w = local[k0:k1].float()
-            logits_w = (qb @ keys_w.t()) * scale
-            if b1 - b0 > 1:  # a lone query's band is exactly its window: nothing to mask
+            keys_w = local[k0:k1]
+            logits_w = qb @ keys_w.t()
+            if nb > 1:  # a lone query's band is exactly its window: nothing to mask
                 kpos = torch.arange(k0, k1, device=q.device) + local_start
                 band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
                 logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
             parts = [logits_w]
+            keys_c = None
             if self.kind == HCA:
                 n_vis = (start + b1) // self.ratio
-                keys_c = pool[:n_vis].float()
-                logits_c = (qb @ keys_c.t()) * scale
-                if b1 - b0 > 1:  # the last query of a block sees all n_vis entries
+                keys_c = pool[:n_vis]
+                if keys_c.dtype != f32:
+                    keys_c = keys_c.float()
+                logits_c = qb @ keys_c.t()
+                if nb > 1:  # the last query of a block sees all n_vis entries
                     vis = torch.arange(n_vis, device=q.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
                     logits_c = logits_c.masked_fill(~vis[:, None, :], float("-inf"))
                 parts.append(logits_c)
             elif self.kind == CSA and n_comp > 0:
-                sel = selected[b0:b1]
-                keys_c = pool[sel.clamp(min=0)].float()  # [b, k, d]
-                logits_c = torch.bmm(qb, keys_c.transpose(1, 2)) * scale
+                sel = selected if nb == t else selected[b0:b1]
+                keys_c = pool[sel.clamp(min=0)]  # [b, k, d]
+                if keys_c.dtype != f32:
+                    keys_c = keys_c.float()
+                logits_c = torch.bmm(qb, keys_c.transpose(1, 2))
                 parts.append(logits_c.masked_fill((sel < 0)[:, None, :], float("-inf")))
-            logits = torch.cat(parts, dim=-1)
-            m = torch.maximum(logits.amax(dim=-1), sinks[None, :])  # [b, h]
-            p = torch.exp(logits - m[..., None])
-            denom = p.sum(dim=-1) + torch.exp(sinks[None, :] - m)
+            # the sink is one more logit per head, with no value
+            parts.append(sinks[None, :, None].expand(nb, h, 1))
+            p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
             nw = keys_w.shape[0]
             acc = p[..., :nw] @ keys_w
-            if len(parts) > 1:
-                if self.kind == HCA:
-                    acc = acc + p[..., nw:] @ keys_c
-                else:
-                    acc = acc + torch.bmm(p[..., nw:], keys_c)
-            out[b0:b1] = acc / denom[..., None]
+            if keys_c is not None:
+                pc = p[..., nw:-1]
+                acc = acc + (pc @ keys_c if self.kind == HCA else torch.bmm(pc, keys_c))
+            if out is None:
+                return acc
+            out[b0:b1] = acc
         return out
+
+    def _attend_one(self, q: torch.Tensor, local: torch.Tensor, start: int, pool, selected: torch.Tensor | None,
+                    n_comp: int, sinks: torch.Tensor) -> torch.Tensor:
+        """`_attend` of one query (decode), scaled q [1, h, d], in 2-D matmuls: its window is exactly
+        the last min(W, start + 1) local rows, and it sees every compressed entry (HCA) or every pick."""
+        _, h, d = q.shape
+        q2 = q.view(h, d)
+        keys_w = local  # local = rows [max(0, start - W + 1), start]: exactly the window
+        parts = [q2 @ keys_w.t()]
+        keys_c = None
+        if self.kind == HCA:
+            keys_c = pool[:n_comp]
+            if keys_c.dtype != torch.float32:
+                keys_c = keys_c.float()
+            parts.append(q2 @ keys_c.t())
+        elif self.kind == CSA and n_comp > 0:
+            sel = selected[0]
+            keys_c = pool[sel.clamp(min=0)]  # [k, d]
+            if keys_c.dtype != torch.float32:
+                keys_c = keys_c.float()
+            parts.append((q2 @ keys_c.t()).masked_fill(sel < 0, float("-inf")))
+        parts.append(sinks[:, None])  # the sink: one more logit per head, with no value
+        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+        nw = keys_w.shape[0]
+        acc = p[:, :nw] @ keys_w
+        if keys_c is not None:
+            acc = torch.addmm(acc, p[:, nw:-1], keys_c)
+        return acc.view(1, h, d)

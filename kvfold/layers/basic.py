@@ -117,8 +117,10 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
             x = act_quant_fp8(x, 128)
-        w = matmul_weight(self.weight)
-        return row_mm(x.to(w.dtype), w)
+        w = self._parameters.get("weight")  # a float parameter (skips nn.Module.__getattr__), or
+        if w is None:
+            w = self.weight.dequant()  # a QuantizedWeight submodule
+        return row_mm(x if x.dtype == w.dtype else x.to(w.dtype), w)
 
 
 class Norm(nn.Module):
@@ -130,4 +132,4 @@ class Norm(nn.Module):
         self.weight = _param(dim, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self._parameters["weight"], self.eps)

@@ -32,14 +32,20 @@ class Compressor(nn.Module):
 
     def step(self, x: torch.Tensor, start: int, st: CompressorState, rope: RopeTable) -> None:
         """Consume the rows of positions [start, start + T) (x: [T, hidden])."""
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
-        self.fold(*self.project(x, positions), start, st, rope)
+        positions = None if x.shape[0] == 1 else torch.arange(start, start + x.shape[0], device=x.device)
+        self.fold(*self.project(x, positions, start), start, st, rope)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-parallel half: (kv, score) rows [T, m * width] fp32 for x [T, hidden] at `positions`."""
-        kv = self.kv_proj(x).float()
-        score = self.gate_proj(x).float() + self.position_bias[positions % self.ratio]
-        return kv, score
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None, first: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-parallel half: (kv, score) rows [T, m * width] fp32 for x [T, hidden] at `positions`
+        (a single row may give its position as `first` instead)."""
+        kv = self.kv_proj(x)
+        score = self.gate_proj(x)
+        kv = kv if kv.dtype == torch.float32 else kv.float()
+        score = score if score.dtype == torch.float32 else score.float()
+        if x.shape[0] == 1 and first is not None:
+            return kv, score + self.position_bias[first % self.ratio]
+        return kv, score + self.position_bias[positions % self.ratio]
 
     def fold(self, kv: torch.Tensor, score: torch.Tensor, start: int, st: CompressorState,
              rope: RopeTable) -> None:

@@ -36,15 +36,18 @@ class Indexer(Compressor):
     def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-parallel half of selection: index queries [T, H, d] and head weights [T, H], in
-        the scoring dtype."""
+        the scoring dtype. In fp32 the weights carry both scales: sum_h (w_h / sqrt(H) / sqrt(d))
+        ReLU(q_h . k); the reference numerics' bf16 scores apply 1/sqrt(d) separately."""
         t = x.shape[0]
-        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim).float()
-        q = apply_rope(q, cos, sin)
-        w = self.scorer.weights_proj(x).float() * (self.n_heads ** -0.5)  # [T, H]
+        f32 = torch.float32
+        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
+        q = apply_rope(q if q.dtype == f32 else q.float(), cos, sin)
+        w = self.scorer.weights_proj(x)
+        w = w if w.dtype == f32 else w.float()
         if self.entry_sim == "hadamard_fp4":  # reference numerics: rotated FP4 queries, bf16 scores
             q = fp4_e2m1_simulate(hadamard(q), 32)
-            return q.to(torch.bfloat16), w.to(torch.bfloat16)
-        return q, w
+            return q.to(torch.bfloat16), (w * (self.n_heads ** -0.5)).to(torch.bfloat16)
+        return q, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, start: int, st: CompressorState) -> torch.Tensor:
         """One sequence's half: entries chosen for each of its T queries (from `queries`) at
@@ -56,16 +59,30 @@ class Indexer(Compressor):
         k = min(self.topk, n_entries)
         if k == 0:
             return torch.empty(t, 0, dtype=torch.long, device=q.device)
-        keys = st.pool[:n_entries].to(q.dtype)  # [E, d]
+        f32 = torch.float32
+        scale = self.head_dim ** -0.5 if self.entry_sim == "hadamard_fp4" else None
+        keys = st.pool[:n_entries]  # [E, d]
+        if keys.dtype != q.dtype:
+            keys = keys.to(q.dtype)
+        block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
+        if t == 1:  # one query (decode): it sees every entry; 2-D matmuls
+            s = torch.relu(q.view(self.n_heads, self.head_dim) @ keys.t())
+            scores = w @ (s if scale is None else s * scale)
+            return topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
+        if block >= t:  # one block: its last query sees every entry, only earlier ones mask
+            s = torch.relu(q @ keys.t())
+            scores = torch.bmm(w[:, None, :], s if scale is None else s * scale)[:, 0]
+            visible = (torch.arange(start, start + t, device=q.device) + 1) // r
+            scores = scores.masked_fill(torch.arange(n_entries, device=q.device)[None, :] >= visible[:, None],
+                                        float("-inf"))
+            return topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
         visible = (torch.arange(start, start + t, device=q.device) + 1) // r  # entries < this are visible
         entry_ids = torch.arange(n_entries, device=q.device)
         out = torch.empty(t, k, dtype=torch.long, device=q.device)
-        block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
-        scale = self.head_dim ** -0.5
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
-            s = torch.relu(q[b0:b1] @ keys.t()) * scale
-            scores = torch.bmm(w[b0:b1, None, :], s)[:, 0]  # sum over heads of w_h * s_h
+            s = torch.relu(q[b0:b1] @ keys.t())
+            scores = torch.bmm(w[b0:b1, None, :], s if scale is None else s * scale)[:, 0]
             if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores.float(), k)

@@ -19,14 +19,16 @@ class HyperConnection(nn.Module):
 
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, d] -> (sub-block input [T, d], post, comb)."""
-        pre, post, comb = hc_weights(streams, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
-        x = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
-        return x, post, comb
+        p = self._parameters
+        pre, post, comb = hc_weights(streams, p["fn"], p["base"], p["scale"], self.iters, self.hc_eps, self.norm_eps)
+        return _weighted_sum(pre, streams), post, comb
 
     @staticmethod
     def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X'_k = post_k * out + sum_j comb[j, k] X_j."""
         dt = streams.dtype
+        if dt == torch.float32 and out.dtype == dt:  # one fused op: post x out + comb^T @ streams
+            return torch.baddbmm(post.unsqueeze(2) * out.unsqueeze(1), comb.transpose(1, 2), streams)
         return post.to(dt)[..., None] * out[:, None, :] + torch.bmm(comb.to(dt).transpose(1, 2), streams)
 
 
@@ -39,5 +41,13 @@ class HyperHead(nn.Module):
         self.hc_scale = _param(1, dtype=torch.float32, device=device)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        pre = hc_head_weights(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)
-        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        p = self._parameters
+        pre = hc_head_weights(streams, p["hc_fn"], p["hc_base"], p["hc_scale"], self.hc_eps, self.norm_eps)
+        return _weighted_sum(pre, streams)
+
+
+def _weighted_sum(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_k pre[:, k] * streams[:, k] (fp32 weights) in the streams' dtype: one bmm for fp32."""
+    if streams.dtype == torch.float32:
+        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
+    return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)

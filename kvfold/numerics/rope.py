@@ -35,7 +35,7 @@ class RopeTable:
         self.inv_freq = rope_inv_freq(rope_dim, theta, yarn).to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        freqs = torch.outer(positions.to(self.inv_freq.device, torch.float32), self.inv_freq)
         return freqs.cos(), freqs.sin()
 
 
@@ -48,7 +48,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """
     half = cos.shape[-1]
     rd = 2 * half
-    e = torch.complex(cos, -sin if inverse else sin).reshape(cos.shape[0], *([1] * (x.dim() - 2)), half)
+    if x.dtype == torch.float32:  # rotate the pairs in place in a copy: no cat, no casts
+        out = x.clone() if x.is_contiguous() else x.contiguous()
+        pairs = torch.view_as_complex(out.view(*x.shape[:-1], x.shape[-1] // 2, 2))[..., -half:]
+        pairs.mul_(_rotation(cos, sin, inverse, x.dim()))
+        return out
+    e = _rotation(cos, sin, inverse, x.dim())
     pairs = torch.view_as_complex(x[..., -rd:].float().reshape(*x.shape[:-1], half, 2).contiguous())
     rotated = torch.view_as_real(pairs * e).flatten(-2).to(x.dtype)
     return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+# e^{+-i p f} of the last cos/sin pair seen, per direction and rank of x: one forward reads the
+# same cos/sin tensors in every layer (q, kv, indexer q, the output's de-rotation)
+_ROTATIONS: dict[tuple[bool, int], tuple] = {}
+
+
+def _rotation(cos: torch.Tensor, sin: torch.Tensor, inverse: bool, dim: int) -> torch.Tensor:
+    """[T, 1.., half] complex rotations shaped to broadcast against an x of rank `dim`."""
+    hit = _ROTATIONS.get((inverse, dim))
+    if hit is not None and hit[0] is cos and hit[1] is sin:
+        return hit[2]
+    e = torch.complex(cos, -sin if inverse else sin)
+    if dim != 2:
+        e = e.view(cos.shape[0], *([1] * (dim - 2)), cos.shape[-1])
+    _ROTATIONS[(inverse, dim)] = (cos, sin, e)  # holds cos/sin, so an identical object is the same values
+    return e

@@ -18,6 +18,7 @@ decode step runs slower in this mode; it is the serving engine's default, not th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 ROW_MULTIPLE = 8
 EXPERT_ROW_MULTIPLE = 4
@@ -41,7 +42,7 @@ def pad_index(index: torch.Tensor, multiple: int = EXPERT_ROW_MULTIPLE) -> torch
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T, with rows in tiles of at most ROW_TILE (see the module doc)."""
     if x.numel() <= ROW_TILE * x.shape[-1]:
-        return x @ weight.t()
+        return F.linear(x, weight)
     if x.dim() != 2:
         return row_mm(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
-    return torch.cat([x[i:i + ROW_TILE] @ weight.t() for i in range(0, x.shape[0], ROW_TILE)])
+    return torch.cat([F.linear(x[i:i + ROW_TILE], weight) for i in range(0, x.shape[0], ROW_TILE)])

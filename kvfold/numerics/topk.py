@@ -11,11 +11,15 @@ def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, scores.shape[-1])
     if k == 0:
         return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
+    if scores.shape[-1] > k and scores.numel() > 0:
+        # torch.topk picks the same set whenever no entry outside it ties the k-th value (then
+        # exactly k entries are >= it, and it is finite); the ascending order is then the same too
+        values, order = torch.topk(scores, k, dim=-1)
+        if int((scores >= values[..., -1:]).sum(dim=-1).max()) == k:
+            return order.sort(dim=-1).values
     values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
     values, order = values[..., :k], order[..., :k]
-    order = torch.where(values == float("-inf"), torch.full_like(order, -1), order)
-    # ascending with -1 last: sort on a key where -1 maps past every real index
+    # ascending with -1 last: sort on a key where -inf picks map past every real index
     big = scores.shape[-1]
-    key = torch.where(order < 0, torch.full_like(order, big), order)
-    key, _ = torch.sort(key, dim=-1)
-    return torch.where(key == big, torch.full_like(key, -1), key)
+    key = order.masked_fill(values == float("-inf"), big).sort(dim=-1).values
+    return key.masked_fill(key == big, -1)

@@ -1,0 +1,39 @@
+"""`python -m kvfold.bench.profile`: the per-decode-step breakdown on the micro `tiny-bench` config."""
+from __future__ import annotations
+
+import kvfold
+from kvfold.bench import profile as P
+from kvfold.bench.configs import ensure_checkpoint
+from kvfold.layers.attention import Attention
+from kvfold.layers.basic import Norm
+
+
+def test_profile_breakdown_has_every_category_and_adds_up(tmp_path):
+    model = kvfold.load_model(str(ensure_checkpoint("tiny-bench", tmp_path / "cache", 0)))
+    before = (Attention._attend, Attention.forward, Norm.forward, model.lm_head.forward)
+    res = P.profile_decode(model, context=24, steps=2, warmup=1)
+    cats = res["categories"]
+    assert set(cats) == set(P.CATEGORIES) | {P.OTHER}
+    assert all(v >= 0 for v in cats.values())
+    # every piece of a decode step ran (tiny-bench has SLIDING, CSA and HCA layers and MoE on all)
+    for c in P.CATEGORIES:
+        assert cats[c] > 0 and res["calls"][c] > 0, c
+    assert sum(v for c, v in cats.items() if c != P.OTHER) <= res["instrumented_wall_ms"] + 1e-9
+    assert sum(cats.values()) <= res["instrumented_wall_ms"] * (1 + 1e-9)
+    assert res["wall_ms"] > 0
+    assert res["aten_top_level_ops"] > 0 and res["aten_ops"] >= res["aten_top_level_ops"]
+    assert abs(sum(res["aten_by_category"].values()) - res["aten_top_level_ops"]) < 1e-6
+    text = P.format_profile(res)
+    for c in (*P.CATEGORIES, P.OTHER, "aten ops per token"):
+        assert c in text
+    # the wrappers were the tool's only: the library's methods are restored
+    assert (Attention._attend, Attention.forward, Norm.forward) == before[:3]
+    assert "forward" not in vars(model.lm_head)
+
+
+def test_profile_cli_prints_the_table(tmp_path, capsys):
+    rc = P.main(["--config", "tiny-bench", "--context", "12", "--steps", "2", "--warmup", "1", "--threads", "1",
+                 "--cache-dir", str(tmp_path / "cache"), "--no-aten"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "attention core" in out and "other" in out and "ms/token" in out
