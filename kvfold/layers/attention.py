@@ -123,20 +123,26 @@ class Attention(nn.Module):
         for seg in batch.segments:
             ls: LayerState = seg.state.layers[self.layer_idx]
             rows, start = seg.rows, seg.start
+            if seg.length == t:  # the only segment, no pad rows: its rows are the whole tensors
+                def take(a: torch.Tensor) -> torch.Tensor:
+                    return a
+            else:
+                def take(a: torch.Tensor) -> torch.Tensor:
+                    return a[rows]
             selected = None
             if comp is not None:
-                self.compressor.fold(comp[0][rows], comp[1][rows], start, ls.compressor, rope)
+                self.compressor.fold(take(comp[0]), take(comp[1]), start, ls.compressor, rope)
                 if self.kind == CSA:
-                    idx.fold(idx_kv[0][rows], idx_kv[1][rows], start, ls.indexer, rope)
-                    selected = idx.select(idx_q[0][rows], idx_q[1][rows], start, ls.indexer)
-            kv_seg = kv[rows]
+                    idx.fold(take(idx_kv[0]), take(idx_kv[1]), start, ls.indexer, rope)
+                    selected = idx.select(take(idx_q[0]), take(idx_q[1]), start, ls.indexer)
+            kv_seg = take(kv)
             fp8_nope = ls.window.store.fp8_nope
             if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
                 kv_seg = fp8_roundtrip(kv_seg, fp8_nope)
             # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
             prev_start = max(0, start - self.window + 1)
             local = torch.cat([ls.window.read(prev_start, start), kv_seg.to(ls.window.store.dtype)])
-            o = self._attend(q[rows], local, prev_start, start, ls, selected, batch.positions[rows])
+            o = self._attend(take(q), local, prev_start, start, ls, selected, take(batch.positions))
             ls.window.write(start, kv_seg)
             if out is None:
                 out = o
