@@ -4,7 +4,7 @@ import torch
 
 from helpers import random_ids
 from kvfold.errors import CapacityError
-from kvfold.numerics.rows import ROW_MULTIPLE, ROW_TILE, pad_index, padded_count, row_mm
+from kvfold.numerics.rows import ROW_MULTIPLE, ROW_TILE, invariant_rows, pad_index, padded_count, row_mm
 
 
 def prefill(model, ids, capacity=600, kv_dtype=None):
@@ -25,9 +25,29 @@ def invariant(tiny):
 def test_row_mm_gives_each_row_the_same_bits_in_any_padded_batch(rows):
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(700, 64, generator=g), torch.randn(96, 64, generator=g)
-    for offset in (0, 3):  # each row as the top row of a 4-row call vs inside a call of `rows` rows
-        want = torch.cat([row_mm(x[i:i + 4], w)[:1] for i in range(offset, offset + rows)])
-        assert torch.equal(row_mm(x[offset:offset + rows], w), want)
+    with invariant_rows():
+        for offset in (0, 3):  # each row as the top row of a 4-row call vs inside a call of `rows` rows
+            want = torch.cat([row_mm(x[i:i + 4], w)[:1] for i in range(offset, offset + rows)])
+            assert torch.equal(row_mm(x[offset:offset + rows], w), want)
+
+
+def test_row_tiles_only_inside_invariant_rows():
+    x, w = torch.randn(600, 32), torch.randn(16, 32)
+    calls = []
+    real = torch.nn.functional.linear
+
+    def spy(a, b):
+        calls.append(a.shape[0])
+        return real(a, b)
+    torch.nn.functional.linear = spy
+    try:
+        row_mm(x, w)
+        with invariant_rows():
+            row_mm(x, w)
+        row_mm(x, w)
+    finally:
+        torch.nn.functional.linear = real
+    assert calls == [600, ROW_TILE, ROW_TILE, 600 - 2 * ROW_TILE, 600]
 
 
 def test_padding_rules():

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import CSA, HCA, SLIDING, Dsv4Config
 from ..numerics import apply_rope, unweighted_rms_norm
-from ..numerics.rows import ROW_TILE
+from ..numerics.rows import row_tile
 from ..state.dsv4_state import LayerState
 from ..state.kv_rows import fp8_roundtrip
 from .basic import Linear, Norm, QuantizedWeight, _param
@@ -43,10 +43,11 @@ class GroupedLinear(nn.Module):
         if x.dtype != w_t.dtype:
             x = x.to(w_t.dtype)
         x = x.transpose(0, 1)  # [G, T, in]
-        if x.shape[1] <= ROW_TILE:
+        tile = row_tile()
+        if tile is None or x.shape[1] <= tile:
             y = torch.bmm(x, w_t)
         else:  # batch-invariant row tiles (numerics/rows.py)
-            y = torch.cat([torch.bmm(x[:, i:i + ROW_TILE], w_t) for i in range(0, x.shape[1], ROW_TILE)], dim=1)
+            y = torch.cat([torch.bmm(x[:, i:i + tile], w_t) for i in range(0, x.shape[1], tile)], dim=1)
         return y.transpose(0, 1).flatten(1)
 
     def _grouped_t(self) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ..layers.basic import Linear, Norm, QuantizedWeight, _param
 from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MoE
 from ..layers.rows import RowBatch
+from ..numerics.rows import invariant_rows
 from ..numerics import RopeTable
 from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
 from ..state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
@@ -282,7 +283,10 @@ class Dsv4Model(nn.Module):
                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams [R, hc, hidden] incl. pad rows)."""
-        batch = RowBatch.build(pieces, self.device, self.batch_invariant)
+        with invariant_rows(self.batch_invariant):
+            return self._run_rows(RowBatch.build(pieces, self.device, self.batch_invariant), last_only)
+
+    def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
             batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))

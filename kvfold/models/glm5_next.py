@@ -27,7 +27,7 @@ from ..layers.mhc import HyperConnection
 from ..layers.mla import GlmRMSNorm, IndexedMLA
 from ..layers.moe import Experts, SharedExpert, SwiGluMLP
 from ..layers.rows import RowBatch
-from ..numerics.rows import row_mm
+from ..numerics.rows import invariant_rows, row_mm
 from ..state.glm5_dsa_state import Glm5NextDsaState
 from ..state.glm5_state import Glm5State, KdaLayerState, MlaLayerState
 from .chunks import run_batch_in_rounds, run_in_chunks
@@ -197,7 +197,10 @@ class Glm5Model(nn.Module):
     def _forward_rows(self, pieces: list, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece (layers/rows.py):
         mHC, norms and MLPs run on all rows at once, attention per sequence on its own state."""
-        batch = RowBatch.build(pieces, self.device, self.batch_invariant)
+        with invariant_rows(self.batch_invariant):
+            return self._run_rows(RowBatch.build(pieces, self.device, self.batch_invariant), last_only)
+
+    def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         for seg in batch.segments:
             seg.state._sync_dsa()
         streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)

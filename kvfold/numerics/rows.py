@@ -10,12 +10,16 @@ AVX2, 1 and 2 threads):
     of a tensor with a scalar routine whose bits differ from the SIMD one.
 So invariant batches pad their rows to a multiple of ROW_MULTIPLE = 8 (every [rows, n] tensor
 with even n then has numel % 16 == 0), the routed experts' rows to a multiple of 4
-(`pad_index`), and `row_mm` runs more than ROW_TILE rows in tiles.
+(`pad_index`), and `row_mm` runs more than ROW_TILE rows in tiles while `invariant_rows()` is
+active (outside it, a prefill GEMM reads each weight once for all its rows).
 
 The price is the small-batch GEMM: on this CPU a 4-row GEMM costs 3-7x a 1-row GEMV, so a lone
 decode step runs slower in this mode; it is the serving engine's default, not the library's.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +43,29 @@ def pad_index(index: torch.Tensor, multiple: int = EXPERT_ROW_MULTIPLE) -> torch
     return torch.cat([index, index[:1].expand(extra)])
 
 
+_TILE: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvfold_row_tile", default=None)
+
+
+@contextlib.contextmanager
+def invariant_rows(on: bool = True):
+    """Within: `row_mm` (and `row_tile()` readers) split long inputs into ROW_TILE-row tiles."""
+    token = _TILE.set(ROW_TILE if on else None)
+    try:
+        yield
+    finally:
+        _TILE.reset(token)
+
+
+def row_tile() -> int | None:
+    """The row tile in force (None: whole inputs)."""
+    return _TILE.get()
+
+
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T, with rows in tiles of at most ROW_TILE (see the module doc)."""
-    if x.numel() <= ROW_TILE * x.shape[-1]:
+    """x [..., K] @ weight[N, K]^T; inside `invariant_rows()`, rows in tiles of ROW_TILE."""
+    tile = _TILE.get()
+    if tile is None or x.numel() <= tile * x.shape[-1]:
         return F.linear(x, weight)
     if x.dim() != 2:
         return row_mm(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
-    return torch.cat([F.linear(x[i:i + ROW_TILE], weight) for i in range(0, x.shape[0], ROW_TILE)])
+    return torch.cat([F.linear(x[i:i + tile], weight) for i in range(0, x.shape[0], tile)])
