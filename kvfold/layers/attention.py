@@ -142,7 +142,7 @@ class Attention(nn.Module):
                 kv_seg = fp8_roundtrip(kv_seg, fp8_nope)
             # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
             prev_start = max(0, start - self.window + 1)
-            local = torch.cat([ls.window.read(prev_start, start), kv_seg.to(ls.window.store.dtype)])
+            local = ls.window.read_then(prev_start, start, kv_seg)
             o = self._attend(take(q), local, prev_start, start, ls, selected, take(batch.positions))
             ls.window.write(start, kv_seg)
             if out is None:
@@ -150,7 +150,7 @@ class Attention(nn.Module):
             else:
                 out[rows] = o
 
-        out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)
+        out = apply_rope(out if out.dtype == x.dtype else out.to(x.dtype), cos, sin, inverse=True)
         grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
         return self.o_b_proj(grouped)
 

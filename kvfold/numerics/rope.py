@@ -61,16 +61,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 # e^{+-i p f} of the last cos/sin pair seen, per direction and rank of x: one forward reads the
 # same cos/sin tensors in every layer (q, kv, indexer q, the output's de-rotation)
-_ROTATIONS: dict[tuple[bool, int], tuple] = {}
+_ROTATIONS: dict[tuple[int, bool, int], tuple] = {}
+_ROTATIONS_KEPT = 16  # a forward alternates two rope tables over q, kv, indexer q and de-rotation
 
 
 def _rotation(cos: torch.Tensor, sin: torch.Tensor, inverse: bool, dim: int) -> torch.Tensor:
     """[T, 1.., half] complex rotations shaped to broadcast against an x of rank `dim`."""
-    hit = _ROTATIONS.get((inverse, dim))
+    key = (id(cos), inverse, dim)
+    hit = _ROTATIONS.get(key)
+    # entries hold cos/sin, so a live id is the same object (same values: cos/sin are never edited)
     if hit is not None and hit[0] is cos and hit[1] is sin:
         return hit[2]
     e = torch.complex(cos, -sin if inverse else sin)
     if dim != 2:
         e = e.view(cos.shape[0], *([1] * (dim - 2)), cos.shape[-1])
-    _ROTATIONS[(inverse, dim)] = (cos, sin, e)  # holds cos/sin, so an identical object is the same values
+    if len(_ROTATIONS) >= _ROTATIONS_KEPT:
+        del _ROTATIONS[next(iter(_ROTATIONS))]  # oldest first
+    _ROTATIONS[key] = (cos, sin, e)
     return e

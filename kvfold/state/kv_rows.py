@@ -53,8 +53,8 @@ class KvRows:
         return torch.cat([self.nope[index].to(self.dtype), self.rope[index]], dim=-1)
 
     def __setitem__(self, index, values: torch.Tensor) -> None:
-        if self.fp8_nope is None:
-            self.data[index] = values.to(self.dtype)
+        if self.fp8_nope is None:  # (a same-dtype .to() is still a dispatched op: skip it)
+            self.data[index] = values if values.dtype == self.dtype else values.to(self.dtype)
             return
         n = self.fp8_nope
         self.nope[index] = values[..., :n].clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -21,10 +21,6 @@ class PositionRing:
         """Every slot, decoded (a view in the plain dtype; a copy in FP8 mode)."""
         return self.store[:]
 
-    def slots(self, start: int, end: int) -> torch.Tensor:
-        return torch.arange(start, end, device=self.store.rope.device if self.store.fp8_nope else
-                            self.store.data.device) % self.rows
-
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end), oldest first. Caller guarantees end - start <= rows."""
         if end <= start:
@@ -32,7 +28,19 @@ class PositionRing:
         a, b = start % self.rows, (end - 1) % self.rows + 1
         if a < b:  # contiguous: a view, no copy (plain dtype)
             return self.store[a:b]
-        return self.store[self.slots(start, end)]
+        return torch.cat([self.store[a:], self.store[:b]])  # wrapped: two views, one copy
+
+    def read_then(self, start: int, end: int, tail: torch.Tensor) -> torch.Tensor:
+        """read(start, end) followed by the rows of `tail`, in one copy (attention's window keys:
+        the ring's rows, then the chunk's own)."""
+        if tail.dtype != self.store.dtype:
+            tail = tail.to(self.store.dtype)
+        if end <= start:
+            return tail
+        a, b = start % self.rows, (end - 1) % self.rows + 1
+        if a < b:
+            return torch.cat([self.store[a:b], tail])
+        return torch.cat([self.store[a:], self.store[:b], tail])
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Write rows for positions [start, start + len(rows)); only the last `self.rows` land."""
