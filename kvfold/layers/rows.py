@@ -65,8 +65,10 @@ class RowBatch:
     def rows(self) -> int:
         return self.token_ids.shape[0]
 
-    def last_rows(self) -> torch.Tensor:
+    def last_rows(self) -> torch.Tensor | slice:
         """Index of each segment's last row (padded like the batch's rows in invariant mode)."""
+        if len(self.segments) == 1 and not self.invariant:
+            return slice(self.n_real - 1, self.n_real)  # a view, no gather
         idx = [s.r1 - 1 for s in self.segments]
         if self.invariant:
             idx += idx[:1] * (padded_count(len(idx)) - len(idx))
