@@ -250,8 +250,12 @@ def test_serve_cli_and_checkpoint_chat_template(tmp_path, tiny):
     app = build_app(args)
     assert app.state.engine.engine.max_seq_len == 256
     assert app.state.engine.engine.pages.num_pages == 16 * 2  # default: max-running sequences of max-seq-len
-    args = parser.parse_args(["serve", "--model", "tiny", "--max-seq-len", "256", "--kv-page-bytes", "0"])
-    assert build_app(args).state.engine.engine.pages is None  # private per-sequence pools
+    assert app.state.engine.engine.model.batch_invariant  # the serving default
+    args = parser.parse_args(["serve", "--model", "tiny", "--max-seq-len", "256", "--kv-page-bytes", "0",
+                              "--no-batch-invariant"])
+    app = build_app(args)
+    assert app.state.engine.engine.pages is None  # private per-sequence pools
+    assert not app.state.engine.engine.model.batch_invariant
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"content": "<s>"},

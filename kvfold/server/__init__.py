@@ -45,6 +45,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-page-bytes", type=_int_at_least(0), default=None,
                    help="bytes of the shared compressed-KV page pool, 0 for private per-sequence pools "
                         "(default: room for max-running sequences of max-seq-len)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="fastest kernels: a request's last logit bits (and, at near-ties, its tokens) may then "
+                        "depend on what else is running (default: batch-invariant, see README)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
     return p
@@ -65,7 +68,7 @@ def build_app(args: argparse.Namespace):
         engine = Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
                         max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
                         max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
-                        kv_page_bytes=args.kv_page_bytes)
+                        kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant)
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
     model_dir = None if args.model == "tiny" else args.model
