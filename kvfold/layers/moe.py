@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import Dsv4Config
 from ..numerics.quant import act_quant_fp8
-from ..numerics.rows import pad_index, row_mm
+from ..numerics.rows import pad_index, row_mm, rows_invariant
 from .basic import Linear, QuantizedWeight, _param, matmul_weight
 
 
@@ -84,11 +84,12 @@ class Experts(nn.Module):
         self.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
         self.down_proj = _param(e, h, i, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, invariant: bool = False
-                ) -> torch.Tensor:
-        """`invariant`: each expert's row count padded so a row's bits never depend on its batch.
-        `ids` may cover only the first rows of x (the rest are a batch's pad rows)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` may cover only the first rows of x (the rest are a batch's pad rows). In
+        batch-invariant mode each expert's row count is padded so a row's bits never depend on
+        its batch."""
         k = ids.shape[1]
+        invariant = rows_invariant()
         if x.shape[0] == 1 and not invariant:
             return self._forward_one(x, sorted(zip(ids.tolist()[0], weights.tolist()[0])))
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
@@ -196,14 +197,13 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None,
-                invariant: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
         """x [T, hidden]; only the first `n_routed` rows (default all) go to the routed experts:
-        the rest are a batch's pad rows. `invariant`: batch-invariant expert GEMMs."""
+        the rest are a batch's pad rows."""
         weights, ids = self.gate(x, token_ids)
         if n_routed is not None and n_routed < x.shape[0]:
             weights, ids = weights[:n_routed], ids[:n_routed]
-        y = self.experts(x, weights, ids, invariant)
+        y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             y = y + (shared if shared.dtype == torch.float32 else shared.float())

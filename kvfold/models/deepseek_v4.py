@@ -6,23 +6,22 @@ per-sequence data lives in the `Dsv4State` passed in.
 from __future__ import annotations
 
 from array import array
+from math import lcm
 
 import torch
 from torch import nn
 
 from ..config import CSA, SLIDING, Dsv4Config
-from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError  # noqa: F401
+from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError, StateMismatchError  # noqa: F401
 from ..layers.attention import Attention
 from ..layers.basic import Linear, Norm, QuantizedWeight, _param
 from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MoE
 from ..layers.rows import RowBatch
-from ..numerics.rows import invariant_rows
 from ..numerics import RopeTable
+from ..numerics.rows import invariant_rows
 from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
 from ..state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
-from ..errors import StateMismatchError  # noqa: E402  (paged states)
-from math import lcm
 from ..state.rings import PositionRing
 from .chunks import run_batch_in_rounds, run_in_chunks
 
@@ -63,7 +62,7 @@ class Block(nn.Module):
         y = self.self_attn(self.input_layernorm(x), batch)
         streams = HyperConnection.expand(streams, y, post, comb)
         x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids, batch.n_real, batch.invariant)
+        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids, batch.n_real)
         return HyperConnection.expand(streams, y, post, comb)
 
 
@@ -260,9 +259,9 @@ class Dsv4Model(nn.Module):
                       last_only: bool = True) -> list[torch.Tensor]:
         """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
         would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
-        ([1, vocab] with `last_only`, else [T_i, vocab]), bit-identical to what the pair would
-        get alone (batch-invariant matmuls, see layers/rows.py). Every pair is validated before
-        any state is touched."""
+        ([1, vocab] with `last_only`, else [T_i, vocab]); with `set_batch_invariant(True)` they
+        are bit-identical to what the pair would get alone (numerics/rows.py). Every pair is
+        validated before any state is touched."""
         checked = []
         for ids, st in batch:
             st.check_usable(self.fingerprint, self.device, self.dtype)

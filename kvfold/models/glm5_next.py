@@ -69,12 +69,12 @@ class Glm5MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, n_routed: int | None = None, invariant: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
         """Rows past `n_routed` (a batch's pad rows) skip the routed experts."""
         weights, ids = self.gate(x)
         if n_routed is not None and n_routed < x.shape[0]:
             weights, ids = weights[:n_routed], ids[:n_routed]
-        y = self.experts(x, weights, ids, invariant)
+        y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
@@ -219,7 +219,7 @@ class Glm5Model(nn.Module):
             streams = HyperConnection.expand(streams, y, post, comb)
             x, post, comb = block.ffn_hc.collapse(streams)
             x = block.post_attention_layernorm(x)
-            y = block.mlp(x, batch.n_real, batch.invariant) if isinstance(block.mlp, Glm5MoE) else block.mlp(x)
+            y = block.mlp(x, batch.n_real) if isinstance(block.mlp, Glm5MoE) else block.mlp(x)
             streams = HyperConnection.expand(streams, y, post, comb)
         for seg in batch.segments:
             seg.state.pos = seg.state.written_until = seg.start + seg.length

@@ -61,6 +61,11 @@ def row_tile() -> int | None:
     return _TILE.get()
 
 
+def rows_invariant() -> bool:
+    """Whether the current model call runs in batch-invariant mode (inside `invariant_rows()`)."""
+    return _TILE.get() is not None
+
+
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T; inside `invariant_rows()`, rows in tiles of ROW_TILE."""
     tile = _TILE.get()
