@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..numerics import hc_head_weights, hc_weights
+from ..numerics.hc import hc_collapse, hc_expand, hc_head
 from .basic import _param
 
 
@@ -20,16 +20,12 @@ class HyperConnection(nn.Module):
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, d] -> (sub-block input [T, d], post, comb)."""
         p = self._parameters
-        pre, post, comb = hc_weights(streams, p["fn"], p["base"], p["scale"], self.iters, self.hc_eps, self.norm_eps)
-        return _weighted_sum(pre, streams), post, comb
+        return hc_collapse(streams, p["fn"], p["base"], p["scale"], self.iters, self.hc_eps, self.norm_eps)
 
     @staticmethod
     def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X'_k = post_k * out + sum_j comb[j, k] X_j."""
-        dt = streams.dtype
-        if dt == torch.float32 and out.dtype == dt:  # one fused op: post x out + comb^T @ streams
-            return torch.baddbmm(post.unsqueeze(2) * out.unsqueeze(1), comb.transpose(1, 2), streams)
-        return post.to(dt)[..., None] * out[:, None, :] + torch.bmm(comb.to(dt).transpose(1, 2), streams)
+        return hc_expand(streams, out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -42,12 +38,4 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         p = self._parameters
-        pre = hc_head_weights(streams, p["hc_fn"], p["hc_base"], p["hc_scale"], self.hc_eps, self.norm_eps)
-        return _weighted_sum(pre, streams)
-
-
-def _weighted_sum(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_k pre[:, k] * streams[:, k] (fp32 weights) in the streams' dtype: one bmm for fp32."""
-    if streams.dtype == torch.float32:
-        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
-    return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        return hc_head(streams, p["hc_fn"], p["hc_base"], p["hc_scale"], self.hc_eps, self.norm_eps)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Dsv4Config
+from ..numerics import native
 from ..numerics.quant import act_quant_fp8
 from ..numerics.rows import pad_index, row_mm, rows_invariant
 from .basic import Linear, QuantizedWeight, _param, matmul_weight
@@ -200,6 +201,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
         """x [T, hidden]; only the first `n_routed` rows (default all) go to the routed experts:
         the rest are a batch's pad rows."""
+        if x.shape[0] == 1 and n_routed in (None, 1) and not rows_invariant():
+            y = self._native_one(x, token_ids)
+            if y is not None:
+                return y
         weights, ids = self.gate(x, token_ids)
         if n_routed is not None and n_routed < x.shape[0]:
             weights, ids = weights[:n_routed], ids[:n_routed]
@@ -208,3 +213,75 @@ class MoE(nn.Module):
             shared = self.shared_experts(x)
             y = y + (shared if shared.dtype == torch.float32 else shared.float())
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _native_one(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer for one fp32 row in one native call (router, experts, shared expert), or
+        None where the kernels cannot serve it."""
+        return _native_moe_one(self, x, token_ids)
+
+
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+_NATIVE_MAX_BYTES = 4 << 20  # past this much weight per token, several threads' GEMVs win
+
+
+def _native_weights(moe: MoE) -> tuple | None:
+    """The fp32 weights the native one-row MoE reads, or None when it cannot serve this layer
+    (quantized or non-fp32 weights, FP8 activations, an unknown scoring)."""
+    gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+    if ex.act_quant or gate.scoring not in _SCORING:
+        return None
+    w13, w2 = ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj")
+    tables = [gate.weight, w13, w2, gate.tid2eid if gate.is_hash else gate.e_score_correction_bias]
+    shared = (None, None, None)
+    if sh is not None:
+        lins = (sh.gate_proj, sh.up_proj, sh.down_proj)
+        if any(lin.act_quant for lin in lins):
+            return None
+        shared = tuple(lin._parameters.get("weight") for lin in lins)
+        tables += list(shared)
+    if any(t is None for t in tables):
+        return None
+    if not native.fp32_cpu(*tables[:3], *tables[4:]) or not tables[3].is_contiguous() \
+            or tables[3].dtype != (torch.int64 if gate.is_hash else torch.float32):
+        return None
+    return (gate.weight, w13, w2, tables[3], *shared)
+
+
+def _cached_native_weights(moe: MoE) -> tuple | None:
+    """`_native_weights`, recomputed only when a weight tensor or its storage is replaced."""
+    gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+    parts = [gate._parameters["weight"], ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj"),
+             gate._buffers["tid2eid" if gate.is_hash else "e_score_correction_bias"]]
+    if sh is not None:
+        parts += [lin._parameters.get("weight") for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)]
+    key = tuple((id(t), t.data_ptr()) if t is not None else None for t in parts)
+    key += (ex.act_quant, sh is not None and any(lin.act_quant for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)))
+    hit = moe.__dict__.get("_native_weights")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    ws = _native_weights(moe)
+    moe.__dict__["_native_weights"] = (key, ws)
+    return ws
+
+
+def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+    lib = native.kernels()
+    if lib is None or not native.fp32_cpu(x) or token_ids.dtype != torch.int64 or not token_ids.is_contiguous():
+        return None
+    ws = _cached_native_weights(moe)
+    if ws is None:
+        return None
+    router, w13, w2, table, sg, su, sd = ws
+    e, h = router.shape
+    k, inter = moe.gate.k, w2.shape[2]
+    s_inter = 0 if sg is None else sg.shape[0]
+    if torch.get_num_threads() > 1 and 4 * (k * 3 * inter * h + 3 * s_inter * h) > _NATIVE_MAX_BYTES:
+        return None
+    out = torch.empty(1, h, dtype=torch.float32)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    is_hash = moe.gate.is_hash
+    rc = lib.kv_moe_one(x.data_ptr(), h, router.data_ptr(), e, _SCORING[moe.gate.scoring],
+                        None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
+                        token_ids.data_ptr(), k, moe.gate.scale, w13.data_ptr(), w2.data_ptr(), inter,
+                        moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, out.data_ptr())
+    return out if rc == 0 else None

@@ -16,6 +16,7 @@ from array import array
 import numpy as np
 import torch
 
+from . import native
 from .norms import unweighted_rms_norm
 from .rows import row_mm
 
@@ -42,6 +43,60 @@ def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     comb_logits = mix[:, 2 * hc:].view(t, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc)
     comb = sinkhorn(torch.softmax(comb_logits, dim=-1) + hc_eps, iters, hc_eps)
     return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                iters: int, hc_eps: float, norm_eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, hc, d] -> (sum_k pre_k * stream_k [T, d], post [T, hc], comb [T, hc, hc]): the mHC
+    weights (`hc_weights`) and the collapse in one native call where the kernels serve it."""
+    t, hc, d = streams.shape
+    lib = native.kernels()
+    if lib is not None and native.fp32_cpu(streams, fn, base, scale):
+        out = torch.empty(t, d, dtype=torch.float32)
+        post = torch.empty(t, hc, dtype=torch.float32)
+        comb = torch.empty(t, hc, hc, dtype=torch.float32)
+        if lib.kv_hc_collapse(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
+                              iters, hc_eps, norm_eps, out.data_ptr(), post.data_ptr(), comb.data_ptr()) == 0:
+            return out, post, comb
+    pre, post, comb = hc_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return weighted_streams(pre, streams), post, comb
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """The final collapse sum_k pre_k * stream_k [T, d], pre from `hc_head_weights`."""
+    t, hc, d = streams.shape
+    lib = native.kernels()
+    if lib is not None and native.fp32_cpu(streams, fn, base, scale):
+        out = torch.empty(t, d, dtype=torch.float32)
+        if lib.kv_hc_head(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
+                          hc_eps, norm_eps, out.data_ptr()) == 0:
+            return out
+    return weighted_streams(hc_head_weights(streams, fn, base, scale, hc_eps, norm_eps), streams)
+
+
+def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_k = post_k * out + sum_j comb[j, k] X_j, in the streams' dtype."""
+    dt = streams.dtype
+    if dt == torch.float32 and out.dtype == dt:
+        lib = native.kernels()
+        if lib is not None and native.fp32_cpu(streams, out, post, comb):
+            t, hc, d = streams.shape
+            res = torch.empty_like(streams)
+            lib.kv_hc_expand(streams.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), t, hc, d,
+                             res.data_ptr())
+            return res
+        # one fused op: post x out + comb^T @ streams
+        return torch.baddbmm(post.unsqueeze(2) * out.unsqueeze(1), comb.transpose(1, 2), streams)
+    return post.to(dt)[..., None] * out[:, None, :] + torch.bmm(comb.to(dt).transpose(1, 2), streams)
+
+
+def weighted_streams(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_k pre[:, k] * streams[:, k] (fp32 weights) in the streams' dtype: one bmm for fp32."""
+    if streams.dtype == torch.float32:
+        return torch.bmm(pre.unsqueeze(1), streams).squeeze(1)
+    return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
 
 
 def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

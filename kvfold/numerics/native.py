@@ -1,0 +1,148 @@
+"""Native fp32 CPU row kernels (native.c), compiled once per machine and loaded with ctypes.
+
+On the CPU a decode step is dominated by per-call overhead: each aten op costs 10-20 us, whatever
+its size, and RMSNorm, rope, the mHC collapse and expand, and a one-row MoE are 4 to 35 ops each.
+One call into native.c replaces each of them. The kernels treat every row alone in a fixed
+order, so a row's bits never depend on its batch (batch-invariant by construction).
+
+The library builds native.c with the system C compiler (`cc`, or $CC) into a per-user cache
+($KVFOLD_CACHE_DIR, else $XDG_CACHE_HOME/kvfold, else ~/.cache/kvfold) on first use, keyed by the
+source, flags and CPU, and falls back to the torch formulas when no compiler is found, with one
+warning. KVFOLD_NATIVE=0 turns the kernels off (for A/B runs); `use_native(False)` does the same
+in-process. Only fp32 CPU tensors reach the kernels; other dtypes and devices keep torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("native.c")
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_D = ctypes.c_double
+_SIGNATURES = {
+    "kv_rms_norm": (None, [_P, _P, _P, _I, _I, _D]),
+    "kv_rope": (None, [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
+    "kv_hc_collapse": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _P, _P, _P]),
+    "kv_hc_head": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _D, _D, _P]),
+    "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
+    "kv_moe_one": (ctypes.c_int, [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _P, _P, _I, ctypes.c_float,
+                                  _P, _P, _P, _I, _P]),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_enabled = os.environ.get("KVFOLD_NATIVE", "1") != "0"
+
+
+class NativeError(RuntimeError):
+    """A native kernel refused its arguments (a shape it does not handle)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVFOLD_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfold"
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's flags (the build is not portable across CPUs)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None when disabled or unbuildable."""
+    global _lib, _tried
+    if not _enabled:
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            try:
+                if compiler is None:
+                    raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+                lib = ctypes.CDLL(str(_build(compiler)))
+                for name, (restype, argtypes) in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+                _lib = lib
+            except (OSError, subprocess.SubprocessError, AttributeError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                warnings.warn(f"kvfold: native CPU kernels unavailable ({e}; {detail.decode(errors='replace')[:500]}); "
+                              "using the slower torch path. Install a C compiler or set KVFOLD_NATIVE=0 to silence.",
+                              RuntimeWarning, stacklevel=2)
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+@contextlib.contextmanager
+def use_native(on: bool):
+    """Within: the native kernels on or off (this process, all threads)."""
+    global _enabled
+    before = _enabled
+    _enabled = on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def fp32_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is a contiguous fp32 CPU tensor (what the kernels read)."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The library if native kernels are on and built (the fast check callers make per op)."""
+    return _lib if (_enabled and _tried) else library()
