@@ -149,3 +149,58 @@ def test_one_row_moe_native_matches_the_torch_experts(scoring):
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (layer, token)
                 # and the native path really ran: the torch path is a different computation
                 assert moe._native_one(x, ids) is not None
+
+
+def _reference_attend(q, keys_w, keys_c, sinks):
+    """softmax over [window logits | compressed logits | sink] per head; K = V."""
+    h = q.shape[0]
+    logits = torch.cat([q @ keys_w.t(), q @ keys_c.t(), sinks[:, None]], dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    return p[:, :-1] @ torch.cat([keys_w, keys_c]) if keys_c.shape[0] else p[:, :-1] @ keys_w
+
+
+def test_decode_attention_native_matches_the_softmax_with_sink():
+    from kvfold.layers.attention import _native_attend_one
+    from kvfold.state.kv_rows import KvRows
+    g = torch.Generator().manual_seed(7)
+    h, d = 4, 64
+    q = torch.randn(1, h, d, generator=g) * 0.3
+    local = torch.randn(17, d, generator=g)
+    sinks = torch.randn(h, generator=g)
+    pool = KvRows(40, d, torch.float32, "cpu")
+    pool.data.copy_(torch.randn(40, d, generator=g))
+    lib = native.library()
+    # HCA: the first n entries
+    got = _native_attend_one(lib, q, local, pool, None, 9, sinks, "heavily_compressed_attention")
+    assert torch.allclose(got[0], _reference_attend(q[0], local, pool.data[:9], sinks), atol=1e-5)
+    # CSA: picked entries, -1 = none
+    sel = torch.tensor([[3, 8, 21, -1, -1]])
+    got = _native_attend_one(lib, q, local, pool, sel, 5, sinks, "compressed_sparse_attention")
+    assert torch.allclose(got[0], _reference_attend(q[0], local, pool.data[[3, 8, 21]], sinks), atol=1e-5)
+    # the window alone
+    got = _native_attend_one(lib, q, local, None, None, 0, sinks, "sliding_attention")
+    assert torch.allclose(got[0], _reference_attend(q[0], local, local[:0], sinks), atol=1e-5)
+
+
+def test_indexer_topk_native_keeps_the_tie_rule():
+    """Higher score first, ties to the lower entry index, returned in ascending order."""
+    from kvfold.numerics import topk_lower_index
+    g = torch.Generator().manual_seed(8)
+    h, d, n = 4, 32, 300
+    q = torch.randn(h, d, generator=g)
+    w = torch.rand(h, generator=g)
+    keys = torch.randn(n, d, generator=g)
+    keys[7] = 5 * q.mean(0)
+    keys[100:140] = keys[7]  # 41 entries share the top score exactly: ties straddle the k-th place
+    lib = native.library()
+    scratch = torch.empty(n)
+    for k in (1, 16, 64, 300):
+        out = torch.empty(1, k, dtype=torch.long)
+        lib.kv_index_topk_one(q.data_ptr(), w.data_ptr(), h, d, keys.data_ptr(), None, n, k, out.data_ptr(),
+                              scratch.data_ptr())
+        scores = (w[None, :] * torch.relu(keys @ q.t())).sum(-1)
+        # the same set as the torch rule on these scores (a tie at the k-th place included)
+        want = topk_lower_index(scores[None], k)
+        assert torch.equal(out, want), k
+        if k == 16:
+            assert out[0].tolist() == [7, *range(100, 115)]

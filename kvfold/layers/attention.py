@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..config import CSA, HCA, SLIDING, Dsv4Config
-from ..numerics import apply_rope, unweighted_rms_norm
+from ..numerics import apply_rope, native, unweighted_rms_norm
 from ..numerics.rows import row_tile
 from ..state.dsv4_state import LayerState
-from ..state.kv_rows import fp8_roundtrip
+from ..state.kv_rows import fp8_roundtrip, plain_rows
 from .basic import Linear, Norm, QuantizedWeight, _param
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
@@ -227,6 +227,11 @@ class Attention(nn.Module):
         """`_attend` of one query (decode), scaled q [1, h, d], in 2-D matmuls: its window is exactly
         the last min(W, start + 1) local rows, and it sees every compressed entry (HCA) or every pick."""
         _, h, d = q.shape
+        lib = native.kernels()
+        if lib is not None:
+            out = _native_attend_one(lib, q, local, pool, selected, n_comp, sinks, self.kind)
+            if out is not None:
+                return out
         q2 = q.view(h, d)
         keys_w = local  # local = rows [max(0, start - W + 1), start]: exactly the window
         parts = [q2 @ keys_w.t()]
@@ -249,3 +254,28 @@ class Attention(nn.Module):
         if keys_c is not None:
             acc = torch.addmm(acc, p[:, nw:-1], keys_c)
         return acc.view(1, h, d)
+
+
+def _native_attend_one(lib, q: torch.Tensor, local: torch.Tensor, pool, selected: torch.Tensor | None,
+                       n_comp: int, sinks: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """`Attention._attend_one` in one native call (fp32 CPU, plain private pools), else None."""
+    if not native.fp32_cpu(q, local, sinks):
+        return None
+    data = phys = sel = None
+    if n_comp > 0:
+        source = plain_rows(pool)
+        if source is None:
+            return None
+        data, phys = source
+        if kind == CSA:
+            sel = selected[0]
+            if sel.dtype != torch.int64 or not sel.is_contiguous():
+                return None
+    _, h, d = q.shape
+    nw = local.shape[0]
+    out = torch.empty(1, h, d, dtype=torch.float32)
+    scratch = torch.empty(nw + n_comp, dtype=torch.float32)
+    lib.kv_attend_one(q.data_ptr(), h, d, local.data_ptr(), nw, None if data is None else data.data_ptr(),
+                      None if phys is None else phys.data_ptr(), None if sel is None else sel.data_ptr(), n_comp,
+                      sinks.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    return out

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..numerics import apply_rope, topk_lower_index
+from ..numerics import apply_rope, native, topk_lower_index
 from ..numerics.quant import fp4_e2m1_simulate, hadamard
 from ..state.dsv4_state import CompressorState
+from ..state.kv_rows import plain_rows
 from .basic import Linear
 from .compressor import Compressor
 
@@ -65,6 +66,17 @@ class Indexer(Compressor):
         if keys.dtype != q.dtype:
             keys = keys.to(q.dtype)
         block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
+        if t == 1 and scale is None:  # one query (decode): it sees every entry
+            lib = native.kernels()
+            source = plain_rows(st.pool) if lib is not None else None
+            if source is not None and native.fp32_cpu(q, w):
+                data, phys = source
+                out = torch.empty(1, k, dtype=torch.long)
+                scratch = torch.empty(n_entries, dtype=f32)
+                lib.kv_index_topk_one(q.data_ptr(), w.data_ptr(), self.n_heads, self.head_dim, data.data_ptr(),
+                                      None if phys is None else phys.data_ptr(), n_entries, k, out.data_ptr(),
+                                      scratch.data_ptr())
+                return out
         if t == 1:  # one query (decode): it sees every entry; 2-D matmuls
             s = torch.relu(q.view(self.n_heads, self.head_dim) @ keys.t())
             scores = w @ (s if scale is None else s * scale)

@@ -282,3 +282,76 @@ int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int 
     free(scores); free(gu); free(act); free(y);
     return 0;
 }
+
+/* ---- one decode query's attention ---------------------------------------------------------------
+ * q [h, d] (already scaled), window keys [nw, d], compressed keys: the first n_comp rows of pool
+ * (sel NULL) or pool rows sel[0..n_comp) (-1 = no entry, skipped), logical row i at physical row
+ * phys[i] (a paged pool) or i (phys NULL); one softmax per head over the
+ * window logits, the compressed logits and the sink logit (which has no value); K = V. */
+void kv_attend_one(const float *q, int64_t h, int64_t d, const float *keys_w, int64_t nw, const float *pool,
+                   const int64_t *phys, const int64_t *sel, int64_t n_comp, const float *sinks, float *out,
+                   float *scratch) {
+    float *logit = scratch; /* nw + n_comp */
+    for (int64_t hh = 0; hh < h; hh++) {
+        const float *qh = q + hh * d;
+        float mx = sinks[hh];
+        for (int64_t j = 0; j < nw; j++) {
+            logit[j] = dot(qh, keys_w + j * d, d);
+            if (logit[j] > mx) mx = logit[j];
+        }
+        for (int64_t j = 0; j < n_comp; j++) {
+            int64_t row = sel ? sel[j] : j;
+            if (row < 0) { logit[nw + j] = -INFINITY; continue; }
+            if (phys) row = phys[row];
+            logit[nw + j] = dot(qh, pool + row * d, d);
+            if (logit[nw + j] > mx) mx = logit[nw + j];
+        }
+        float z = expf(sinks[hh] - mx);
+        for (int64_t j = 0; j < nw + n_comp; j++) { logit[j] = expf(logit[j] - mx); z += logit[j]; }
+        float *o = out + hh * d;
+        memset(o, 0, sizeof(float) * (size_t)d);
+        for (int64_t j = 0; j < nw; j++) {
+            float p = logit[j] / z;
+            const float *kr = keys_w + j * d;
+            for (int64_t i = 0; i < d; i++) o[i] += p * kr[i];
+        }
+        for (int64_t j = 0; j < n_comp; j++) {
+            int64_t row = sel ? sel[j] : j;
+            if (row < 0) continue;
+            if (phys) row = phys[row];
+            float p = logit[nw + j] / z;
+            const float *kr = pool + row * d;
+            for (int64_t i = 0; i < d; i++) o[i] += p * kr[i];
+        }
+    }
+}
+
+/* ---- one decode query's indexer top-k -------------------------------------------------------------
+ * score_j = sum_h w[h] * relu(q_h . key_j) over the n entries (entry j at physical row phys[j], or
+ * j when phys is NULL); the k best (higher first, ties to the
+ * lower index), written to out in ascending index order. scratch holds n floats. */
+void kv_index_topk_one(const float *q, const float *w, int64_t h, int64_t d, const float *keys,
+                       const int64_t *phys, int64_t n, int64_t k, int64_t *out, float *scratch) {
+    float *score = scratch;
+    for (int64_t j = 0; j < n; j++) {
+        const float *kr = keys + (phys ? phys[j] : j) * d;
+        float acc = 0.0f;
+        for (int64_t hh = 0; hh < h; hh++) {
+            float s = dot(q + hh * d, kr, d);
+            acc += w[hh] * (s > 0.0f ? s : 0.0f);
+        }
+        score[j] = acc;
+    }
+    /* best[0..cnt) sorted by (score desc, index asc); an entry enters only if strictly better than
+     * the current k-th (a later index never wins a tie) */
+    int64_t cnt = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float s = score[j];
+        if (cnt == k && !(s > score[out[k - 1]])) continue;
+        int64_t pos = cnt < k ? cnt++ : k - 1;
+        while (pos > 0 && s > score[out[pos - 1]]) { out[pos] = out[pos - 1]; pos--; }
+        out[pos] = j;
+    }
+    for (int64_t i = 1; i < cnt; i++) /* ascending index order */
+        for (int64_t p = i; p > 0 && out[p - 1] > out[p]; p--) { int64_t t = out[p]; out[p] = out[p - 1]; out[p - 1] = t; }
+}

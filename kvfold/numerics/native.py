@@ -41,6 +41,8 @@ _SIGNATURES = {
     "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
     "kv_moe_one": (ctypes.c_int, [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _P, _P, _I, ctypes.c_float,
                                   _P, _P, _P, _I, _P]),
+    "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
+    "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
 }
 
 _lock = threading.Lock()
@@ -138,9 +140,12 @@ def use_native(on: bool):
 def fp32_cpu(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is a contiguous fp32 CPU tensor (what the kernels read)."""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        if t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous():
             return False
     return True
+
+
+_F32 = torch.float32
 
 
 def kernels() -> ctypes.CDLL | None:

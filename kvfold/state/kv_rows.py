@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import native
+
 FP8_MAX = 448.0
 
 
@@ -63,3 +65,16 @@ class KvRows:
     def clone_storage(self) -> list[torch.Tensor]:
         """Copies of the stored bytes (tests compare them to prove a refusal changed nothing)."""
         return [self.data.clone()] if self.fp8_nope is None else [self.nope.clone(), self.rope.clone()]
+
+
+def plain_rows(rows) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(fp32 CPU storage, physical row of each logical row or None) behind plain (not FP8) rows,
+    private `KvRows` or paged, for the native kernels to read in place; else None."""
+    phys = None
+    if type(rows) is not KvRows:
+        phys, rows = getattr(rows, "phys", None), getattr(rows, "storage", None)
+        if type(rows) is not KvRows or phys is None or phys.dtype != torch.int64 or not phys.is_contiguous():
+            return None
+    if rows.fp8_nope is None and native.fp32_cpu(rows.data):
+        return rows.data, phys
+    return None
