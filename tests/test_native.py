@@ -204,3 +204,24 @@ def test_indexer_topk_native_keeps_the_tie_rule():
         assert torch.equal(out, want), k
         if k == 16:
             assert out[0].tolist() == [7, *range(100, 115)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_compressor_pooling_native_matches_torch(overlap):
+    from kvfold.numerics import pool_windows
+    g = torch.Generator().manual_seed(9)
+    r, c, n_w = 4, 16, 3
+    m = 2 if overlap else 1
+    rows = (n_w + 1) * r if overlap else n_w * r
+    kv = torch.randn(rows, m * c, generator=g)
+    sc = torch.randn(rows, m * c, generator=g) * 3
+    if overlap:  # window 0's missing predecessor: kv 0, score -inf (as the compressor pads it)
+        kv[:r] = 0
+        sc[:r] = float("-inf")
+    got = pool_windows(kv, sc, r, overlap)
+    assert got.shape == (n_w, c)
+    assert torch.allclose(got, torch_path(pool_windows, kv, sc, r, overlap), atol=1e-6)
+    # rows alone: each window's entry does not depend on the other windows of the call
+    w = 1
+    span = slice(w * r, (w + 2) * r) if overlap else slice(w * r, (w + 1) * r)
+    assert torch.equal(pool_windows(kv[span].contiguous(), sc[span].contiguous(), r, overlap)[0], got[w])

@@ -355,3 +355,46 @@ void kv_index_topk_one(const float *q, const float *w, int64_t h, int64_t d, con
     for (int64_t i = 1; i < cnt; i++) /* ascending index order */
         for (int64_t p = i; p > 0 && out[p - 1] > out[p]; p--) { int64_t t = out[p]; out[p] = out[p - 1]; out[p - 1] = t; }
 }
+
+/* ---- compressor pooling (fold.py's pool_windows) ---------------------------------------------------
+ * kv, score [L, m*c] rows of consecutive positions; per window and channel, a softmax over its slots
+ * (overlap: the previous window's rows' first halves, then its own rows' second halves; else its
+ * own rows) weights the kv slots; an all -inf column pools to 0. out [n_w, c]. */
+int kv_pool_windows(const float *kv, const float *score, int64_t n_w, int64_t ratio, int64_t c_total,
+                    int overlap, float *out) {
+    int64_t c = overlap ? c_total / 2 : c_total, slots = overlap ? 2 * ratio : ratio;
+    float *mx = malloc(sizeof(float) * (size_t)c), *z = malloc(sizeof(float) * (size_t)c);
+    float *e = malloc(sizeof(float) * (size_t)(slots * c));
+    if (!mx || !z || !e) { free(mx); free(z); free(e); return -1; }
+    for (int64_t w = 0; w < n_w; w++) {
+        for (int64_t j = 0; j < c; j++) { mx[j] = -INFINITY; z[j] = 0.0f; }
+        for (int64_t s = 0; s < slots; s++) {
+            const float *sc = overlap ? (s < ratio ? score + (w * ratio + s) * c_total
+                                                   : score + ((w + 1) * ratio + s - ratio) * c_total + c)
+                                      : score + (w * ratio + s) * c_total;
+            for (int64_t j = 0; j < c; j++) if (sc[j] > mx[j]) mx[j] = sc[j];
+        }
+        for (int64_t s = 0; s < slots; s++) {
+            const float *sc = overlap ? (s < ratio ? score + (w * ratio + s) * c_total
+                                                   : score + ((w + 1) * ratio + s - ratio) * c_total + c)
+                                      : score + (w * ratio + s) * c_total;
+            float *es = e + s * c;
+            for (int64_t j = 0; j < c; j++) {
+                es[j] = mx[j] == -INFINITY ? 0.0f : expf(sc[j] - mx[j]);
+                z[j] += es[j];
+            }
+        }
+        float *o = out + w * c;
+        for (int64_t j = 0; j < c; j++) o[j] = 0.0f;
+        for (int64_t s = 0; s < slots; s++) {
+            const float *kr = overlap ? (s < ratio ? kv + (w * ratio + s) * c_total
+                                                   : kv + ((w + 1) * ratio + s - ratio) * c_total + c)
+                                      : kv + (w * ratio + s) * c_total;
+            const float *es = e + s * c;
+            for (int64_t j = 0; j < c; j++)
+                if (z[j] > 0.0f) o[j] += kr[j] * (es[j] / z[j]);
+        }
+    }
+    free(mx); free(z); free(e);
+    return 0;
+}

@@ -43,6 +43,7 @@ _SIGNATURES = {
                                   _P, _P, _P, _I, _P]),
     "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
     "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
+    "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
 }
 
 _lock = threading.Lock()
@@ -151,3 +152,4 @@ _F32 = torch.float32
 def kernels() -> ctypes.CDLL | None:
     """The library if native kernels are on and built (the fast check callers make per op)."""
     return _lib if (_enabled and _tried) else library()
+
