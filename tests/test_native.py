@@ -225,3 +225,23 @@ def test_compressor_pooling_native_matches_torch(overlap):
     w = 1
     span = slice(w * r, (w + 2) * r) if overlap else slice(w * r, (w + 1) * r)
     assert torch.equal(pool_windows(kv[span].contiguous(), sc[span].contiguous(), r, overlap)[0], got[w])
+
+
+def test_with_several_threads_invariant_batches_keep_the_threaded_collapse():
+    """With more than one torch thread, batch-invariant calls never choose a path by row count:
+    they take the threaded torch collapse, whatever the row count."""
+    from kvfold.numerics.rows import invariant_rows
+    streams, fn, base, scale = _hc_params(4, 64, seed=10)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with invariant_rows():
+            got = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
+            want = torch_path(hc_collapse, streams, fn, base, scale, 20, 1e-6, 1e-6)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # (with one thread the native path runs, and its bits differ: the check above can fail)
+    with invariant_rows():
+        native_out = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    assert not all(torch.equal(a, b) for a, b in zip(native_out, want))

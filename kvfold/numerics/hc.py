@@ -18,7 +18,18 @@ import torch
 
 from . import native
 from .norms import unweighted_rms_norm
-from .rows import row_mm
+from .rows import row_mm, rows_invariant
+
+# The native collapse computes the mixing matmul row by row on one thread. With several torch
+# threads, large non-invariant calls (prefill chunks) keep the threaded GEMM; batch-invariant
+# calls never switch on the row count (a row's bits must not depend on its batch).
+_NATIVE_SERIAL_MACS = 1 << 24
+
+
+def _native_hc(t: int, fn: torch.Tensor) -> bool:
+    if torch.get_num_threads() == 1:
+        return True
+    return not rows_invariant() and t * fn.numel() <= _NATIVE_SERIAL_MACS
 
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -52,7 +63,7 @@ def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     weights (`hc_weights`) and the collapse in one native call where the kernels serve it."""
     t, hc, d = streams.shape
     lib = native.kernels()
-    if lib is not None and native.fp32_cpu(streams, fn, base, scale):
+    if lib is not None and native.fp32_cpu(streams, fn, base, scale) and _native_hc(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         post = torch.empty(t, hc, dtype=torch.float32)
         comb = torch.empty(t, hc, hc, dtype=torch.float32)
@@ -68,7 +79,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """The final collapse sum_k pre_k * stream_k [T, d], pre from `hc_head_weights`."""
     t, hc, d = streams.shape
     lib = native.kernels()
-    if lib is not None and native.fp32_cpu(streams, fn, base, scale):
+    if lib is not None and native.fp32_cpu(streams, fn, base, scale) and _native_hc(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         if lib.kv_hc_head(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
                           hc_eps, norm_eps, out.data_ptr()) == 0:
