@@ -245,3 +245,14 @@ def test_with_several_threads_invariant_batches_keep_the_threaded_collapse():
     with invariant_rows():
         native_out = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
     assert not all(torch.equal(a, b) for a, b in zip(native_out, want))
+
+
+def test_a_compiler_without_march_native_still_builds_the_kernels(tmp_path):
+    fake = tmp_path / "cc-no-march"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\nexec cc "$@"\n')
+    fake.chmod(0o755)
+    r = _fresh_python("from kvfold.numerics import native; print(native.available())", CC=str(fake),
+                      KVFOLD_CACHE_DIR=str(tmp_path / "cache"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"
+    assert len(list((tmp_path / "cache").glob("native-*.so"))) == 1

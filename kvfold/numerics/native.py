@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("native.c")
-_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+_TUNE = ["-march=native"]  # dropped on a retry where the compiler rejects it
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -77,8 +78,15 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str) -> Path:
+    try:
+        return _build_with(compiler, _FLAGS + _TUNE)
+    except subprocess.CalledProcessError:
+        return _build_with(compiler, _FLAGS)  # e.g. a compiler without -march=native
+
+
+def _build_with(compiler: str, flags: list[str]) -> Path:
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([compiler, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"native-{key}.so"
     if target.exists():
         return target
@@ -86,7 +94,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
     finally:
