@@ -153,7 +153,7 @@ def test_cli_hooks_register_bench():
 # ---- --vs llama.cpp: a fake llama.cpp directory (no real build needed) ------------------------------
 from kvfold.bench import llamacpp as LL  # noqa: E402
 
-# one record of llama-bench -o jsonl (build b9600, CPU), cut to the fields the bench reads and a few more
+# one record of a real llama-bench -o jsonl (build 0c1e570, CPU), cut to the fields the bench reads and a few more
 _JSONL_PP = ('{"build_commit": "abc1234", "build_number": 1, "cpu_info": "fake CPU", "backends": "CPU", '
              '"model_type": "deepseek4 ?B MXFP4 MoE", "model_size": 18000000, "model_n_params": 7200000, '
              '"n_batch": 2048, "n_ubatch": 512, "n_threads": 1, "type_k": "f16", "type_v": "f16", '
@@ -304,7 +304,7 @@ def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
     monkeypatch.delenv("FAKE_LLAMA_MODE", raising=False)
     build = _fake_llama_cpp(tmp_path, build_dir=True)
     rc = R.run_bench(_args(tmp_path, "--contexts", "16,40", "--vs", "llama.cpp", "--llama-cpp", str(build),
-                           "--time-limit", "120"), log=None)
+                           "--time-limit", "120", "--llama-bench-args", "-ctk f32 -ctv f32"), log=None)
     res = json.loads((tmp_path / "out.json").read_text())
     assert rc == 0 and res["settings"]["engines"] == ["kvfold", "llama.cpp"]
     assert [(c["context"], c["engine"]) for c in res["cells"]] == [
@@ -328,6 +328,7 @@ def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
     calls = (build / "bin" / "calls.log").read_text().splitlines()
     assert [c.split(" -t ")[0].split(" -p ")[1] for c in calls] == [
         "16 -n 0 -d 0", "0 -n 4 -d 16", "40 -n 0 -d 0", "0 -n 4 -d 40"]
+    assert all(c.endswith(" -r 1 -o jsonl -ctk f32 -ctv f32") for c in calls)
     rep = res["report"]
     assert "llama.cpp prefill tok/s" in rep and "llama.cpp decode tok/s" in rep and "kv/llama" in rep
     assert "build abc1234" in rep and "MXFP4" in rep
@@ -389,3 +390,20 @@ def test_llama_cpp_decode_failure_keeps_the_prefill(tmp_path, monkeypatch):
     bad.write_bytes(b"NOPE")
     rec = LL.run_cell(LL.locate(src), bad, 16, decode_tokens=4, threads=1, time_limit=30.0)
     assert rec["status"] == "error: llama-bench prefill: error: failed to load model"
+
+
+def test_llama_cpp_peak_rss_is_the_programs_own(tmp_path):
+    # Linux keeps a process's peak RSS across execve, so a program started straight from this big test
+    # process would report at least this process's RSS; the bench's wrapper reports the program's own
+    import os
+    import resource
+    import sys
+    prog = tmp_path / "alloc.py"
+    prog.write_text("b = bytearray(48 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\n")
+    big = bytearray(160 << 20)  # make sure this process is well above what the program uses
+    big[::4096] = b"\1" * len(big[::4096])
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > (160 << 20)
+    run = LL._run_limited([sys.executable, "-S", str(prog)], 60, 0, dict(os.environ))
+    assert run["returncode"] == 0 and run["stderr"] == ""
+    assert (48 << 20) < run["maxrss"] < (100 << 20)
+    del big

@@ -42,6 +42,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -371,9 +372,36 @@ def _is_oom_text(text: str) -> bool:
                                 "unable to allocate"))
 
 
+# Runs argv[1:] as a child and reports its ru_maxrss. Needed because Linux carries a process's peak RSS
+# across execve: a program started straight from this (large) Python process would report at least this
+# process's RSS. Forked from this small `python -S` instead, the floor is ~9 MiB.
+_MAXRSS_MARK = "@@kvfold-llama-maxrss "
+_RSS_WRAPPER = """import os, signal, sys
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[1], sys.argv[1:])
+    except OSError as e:
+        sys.stderr.write("cannot run %s: %s\\n" % (sys.argv[1], e))
+    os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+sys.stderr.write("\\n%s%d\\n" % (MARK, ru.ru_maxrss * 1024))
+sys.stderr.flush()
+code = os.waitstatus_to_exitcode(status)
+if code < 0:  # die of the same signal
+    try:
+        signal.signal(-code, signal.SIG_DFL)
+    except (OSError, ValueError):
+        pass
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+""".replace("MARK", repr(_MAXRSS_MARK))
+
+
 def _run_limited(cmd: list[str], time_limit: float, mem_limit_bytes: int, env: dict[str, str]) -> dict[str, Any]:
     """Run `cmd` in its own process group under RLIMIT_AS and a wall-clock limit; returns its output,
-    return code (negative = signal), peak RSS (ru_maxrss of that process alone, from wait4) and wall time."""
+    return code (negative = signal), peak RSS (ru_maxrss of `cmd`'s process, see _RSS_WRAPPER; None when
+    it was killed) and wall time."""
     def _limit() -> None:
         if mem_limit_bytes > 0:
             soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -383,7 +411,7 @@ def _run_limited(cmd: list[str], time_limit: float, mem_limit_bytes: int, env: d
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         try:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, start_new_session=True,
+            proc = subprocess.Popen([sys.executable, "-S", "-c", _RSS_WRAPPER, *cmd], stdout=out, stderr=err, text=True, env=env, start_new_session=True,
                                     preexec_fn=_limit)
         except OSError as e:
             return {"returncode": None, "stdout": "", "stderr": str(e), "timed_out": False, "wall_s": 0.0,
@@ -406,8 +434,14 @@ def _run_limited(cmd: list[str], time_limit: float, mem_limit_bytes: int, env: d
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
         out.seek(0)
         err.seek(0)
-        return {"returncode": proc.returncode, "stdout": out.read(), "stderr": err.read(), "timed_out": timed_out,
-                "wall_s": wall, "maxrss": usage.ru_maxrss * 1024 if usage is not None else None}
+        stderr, maxrss = [], None
+        for line in err.read().splitlines(keepends=True):
+            if line.startswith(_MAXRSS_MARK):
+                maxrss = int(line[len(_MAXRSS_MARK):])
+            else:
+                stderr.append(line)
+        return {"returncode": proc.returncode, "stdout": out.read(), "stderr": "".join(stderr).rstrip("\n"),
+                "timed_out": timed_out, "wall_s": wall, "maxrss": maxrss}
 
 
 def llama_bench_command(llama: LlamaCpp, gguf: Path, *, prompt: int, gen: int, depth: int, threads: int,
@@ -433,7 +467,7 @@ def _failure(run: dict[str, Any], what: str) -> str:
 
 def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, threads: int,
              time_limit: float, mem_limit_bytes: int = 0, env: dict[str, str] | None = None,
-             pressure: Callable[[], int | None] | None = None) -> dict[str, Any]:
+             pressure: Callable[[], int | None] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
     """One llama.cpp cell as a record of the bench's JSON (the keys kvfold's cells have where
     llama-bench measures the same thing). Never raises."""
     from .report import SKIP_TIME
@@ -454,8 +488,8 @@ def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, t
             rec["error_detail"] = detail[-2000:]
         return rec
 
-    cmd = llama_bench_command(llama, gguf, prompt=context, gen=0, depth=0, threads=threads)
-    rec["commands"].append(" ".join(cmd))
+    cmd = llama_bench_command(llama, gguf, prompt=context, gen=0, depth=0, threads=threads, extra=extra)
+    rec["commands"].append(shlex.join(cmd))
     run = _run_limited(cmd, time_limit, mem_limit_bytes, env)
     tests = parse_llama_bench(run["stdout"])
     pp = next((t for t in tests if t.get("n_prompt") == context and not t.get("n_gen")), None)
@@ -478,8 +512,8 @@ def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, t
     if left <= 0:
         rec["decode_status"] = SKIP_TIME
         return finish("partial: decode " + SKIP_TIME)
-    cmd = llama_bench_command(llama, gguf, prompt=0, gen=decode_tokens, depth=context, threads=threads)
-    rec["commands"].append(" ".join(cmd))
+    cmd = llama_bench_command(llama, gguf, prompt=0, gen=decode_tokens, depth=context, threads=threads, extra=extra)
+    rec["commands"].append(shlex.join(cmd))
     run = _run_limited(cmd, left, mem_limit_bytes, env)
     tests = parse_llama_bench(run["stdout"])
     tg = next((t for t in tests if t.get("n_gen") == decode_tokens and t.get("n_depth") == context), None)

@@ -192,7 +192,9 @@ def _llama_line(result: dict[str, Any], lc: dict[str, Any]) -> str:
     line = (f"llama.cpp: {lc.get('llama_bench')} (build {build.get('build_commit') or '?'}"
             f"{', ' + build['backends'] if build.get('backends') else ''}), GGUF {lc.get('gguf')} "
             f"(routed experts MXFP4, everything else F32; converted by {lc.get('converter')}"
-            f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r 1, its own warm-up "
+            f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r 1"
+            f"{' ' + ' '.join(lc['llama_bench_args']) if lc.get('llama_bench_args') else ''}, "
+            f"KV cache {build.get('type_k') or '?'}/{build.get('type_v') or '?'}, its own warm-up "
             f"(the prompt once, 1 decode step); prefill = -p CONTEXT -n 0, decode = -p 0 -n N -d CONTEXT")
     if result["settings"].get("prefill_logits") != "last":
         line += ("; note: llama.cpp's prefill makes logits for the last token only, kvfold's here for every "

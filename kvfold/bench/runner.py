@@ -73,6 +73,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="llama.cpp checkout and/or build directory for --vs llama.cpp: llama-bench is looked for "
                         "in DIR, DIR/bin, DIR/build/bin, convert_hf_to_gguf.py in DIR, its parent or the CMake "
                         "source dir (default $KVFOLD_LLAMA_CPP)")
+    p.add_argument("--llama-bench-args", default="", metavar="ARGS",
+                   help="extra llama-bench arguments for every llama.cpp cell, one string, e.g. "
+                        "\"-ctk f32 -ctv f32\" (KV cache in f32 like kvfold's state; llama-bench's default is f16)")
     p.add_argument("--decode-tokens", type=_nonneg_int, default=64,
                    help="greedy decode steps after each context (default 64)")
     p.add_argument("--time-limit", type=_pos_float, default=300.0,
@@ -401,6 +404,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
     if LL.ENGINE in engines:
         llama = LL.locate(getattr(args, "llama_cpp", None))
         info: dict[str, Any] = llama.describe()
+        info["llama_bench_args"] = shlex.split(getattr(args, "llama_bench_args", "") or "")
         if llama.problem:
             llama_why = llama.problem
         else:
@@ -441,7 +445,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                 log(f"{eng} @ {ctx}: running llama-bench (limit {args.time_limit:g} s)")
                 rec = LL.run_cell(llama, gguf.path, ctx, decode_tokens=args.decode_tokens, threads=args.threads,
                                   time_limit=args.time_limit, mem_limit_bytes=cell_mem_limit(),
-                                  env=_child_env(args.threads), pressure=_cpu_pressure_us)
+                                  env=_child_env(args.threads), pressure=_cpu_pressure_us,
+                                  extra=shlex.split(getattr(args, "llama_bench_args", "") or ""))
                 result["cells"].append(rec)
                 log(_cell_message(rec))
                 hit = next((s for s in (rec.get("prefill_status"), rec.get("decode_status")) if s in (SKIP_TIME, OOM)),
