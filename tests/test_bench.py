@@ -257,6 +257,7 @@ def test_parse_llama_bench_output():
     assert len(tests) == 2 and tests[0]["n_prompt"] == 512
     assert LL._test_seconds(tests[0]) == pytest.approx(0.25)
     assert LL.parse_llama_bench("error: failed to load model\n") == []
+    assert LL._test_seconds(dict(pp, samples_ns=[3e8, 1e8, 2e8])) == pytest.approx(0.2)  # -r 3: the median
 
 
 def test_locate_checkout_and_build_dir(tmp_path, monkeypatch):
@@ -304,7 +305,7 @@ def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
     monkeypatch.delenv("FAKE_LLAMA_MODE", raising=False)
     build = _fake_llama_cpp(tmp_path, build_dir=True)
     rc = R.run_bench(_args(tmp_path, "--contexts", "16,40", "--vs", "llama.cpp", "--llama-cpp", str(build),
-                           "--time-limit", "120", "--llama-bench-args", "-ctk f32 -ctv f32"), log=None)
+                           "--time-limit", "120", "--llama-bench-args", "-ctk q8_0 -ctv q8_0"), log=None)
     res = json.loads((tmp_path / "out.json").read_text())
     assert rc == 0 and res["settings"]["engines"] == ["kvfold", "llama.cpp"]
     assert [(c["context"], c["engine"]) for c in res["cells"]] == [
@@ -328,7 +329,7 @@ def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
     calls = (build / "bin" / "calls.log").read_text().splitlines()
     assert [c.split(" -t ")[0].split(" -p ")[1] for c in calls] == [
         "16 -n 0 -d 0", "0 -n 4 -d 16", "40 -n 0 -d 0", "0 -n 4 -d 40"]
-    assert all(c.endswith(" -r 1 -o jsonl -ctk f32 -ctv f32") for c in calls)
+    assert all(c.endswith(" -r 1 -o jsonl -ctk q8_0 -ctv q8_0") for c in calls)
     rep = res["report"]
     assert "llama.cpp prefill tok/s" in rep and "llama.cpp decode tok/s" in rep and "kv/llama" in rep
     assert "build abc1234" in rep and "MXFP4" in rep

@@ -361,9 +361,10 @@ def parse_llama_bench(text: str) -> list[dict[str, Any]]:
 
 
 def _test_seconds(t: dict[str, Any]) -> float | None:
-    """Seconds of the (first) timed repetition of one llama-bench test."""
-    ns = t.get("samples_ns") or ([t["avg_ns"]] if t.get("avg_ns") else [])
-    return ns[0] / 1e9 if ns and ns[0] else None
+    """Seconds of one timed repetition of a llama-bench test (the bench runs one, `-r 1`; the median
+    when more were asked for with --llama-bench-args)."""
+    ns = sorted(x for x in (t.get("samples_ns") or ([t["avg_ns"]] if t.get("avg_ns") else [])) if x)
+    return ns[len(ns) // 2] / 1e9 if ns else None
 
 
 def _is_oom_text(text: str) -> bool:
@@ -499,7 +500,7 @@ def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, t
             "error: llama-bench prefill: no pp test in its output"
         rec["prefill_status"] = rec["decode_status"] = status
         return finish(status, run["stderr"] or run["stdout"])
-    rec.update(prefill_status="ok", prefill_s=secs, prefill_tok_s=context / secs,
+    rec.update(prefill_status="ok", prefill_s=secs, prefill_tok_s=context / secs, prefill_samples_ns=pp.get("samples_ns"),
                prefill_peak_rss_bytes=run["maxrss"], rss_before_prefill_bytes=None,
                prefill_peak_over_loaded_bytes=None, prefill_wall_s=run["wall_s"],
                llama_bench={k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends",
@@ -524,6 +525,7 @@ def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, t
         rec["decode_status"] = status
         return finish("partial: decode " + status, run["stderr"] or run["stdout"])
     rec.update(decode_status="ok", decode_tokens=decode_tokens, decode_s=secs, decode_tok_s=decode_tokens / secs,
+               decode_samples_ns=tg.get("samples_ns"),
                decode_peak_rss_bytes=run["maxrss"], decode_wall_s=run["wall_s"])
     return finish("ok")
 

@@ -75,7 +75,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "source dir (default $KVFOLD_LLAMA_CPP)")
     p.add_argument("--llama-bench-args", default="", metavar="ARGS",
                    help="extra llama-bench arguments for every llama.cpp cell, one string, e.g. "
-                        "\"-ctk f32 -ctv f32\" (KV cache in f32 like kvfold's state; llama-bench's default is f16)")
+                        "\"--poll 0\" or \"-r 3\" (then the median repetition is reported)")
     p.add_argument("--decode-tokens", type=_nonneg_int, default=64,
                    help="greedy decode steps after each context (default 64)")
     p.add_argument("--time-limit", type=_pos_float, default=300.0,
