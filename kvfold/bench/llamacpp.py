@@ -21,7 +21,7 @@ checkpoint in what the converter demands, and nothing else:
 * a tokenizer: the bench checkpoint has none. A byte-level BPE tokenizer of exactly `vocab_size`
   tokens is generated (ids 0/1 = bos/eos, then the 256 byte symbols, then two-symbol merges). Its
   pre-tokenizer hash is, of course, in no list of the converter's, which refuses unknown ones; the
-  converter is therefore run through a 6-line driver that sets the pre-tokenizer name to
+  converter is therefore run through a few-line driver (`_DRIVER`) that sets the pre-tokenizer name to
   `deepseek-v3` (DeepSeek's) before calling the script's own `main()`. llama-bench feeds random
   token ids, so the tokenizer only has to exist and have the right size.
 
@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,7 +70,6 @@ class LlamaCpp:
     bench: Path | None = None
     source: Path | None = None  # holds convert_hf_to_gguf.py and gguf-py/
     problem: str | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def converter(self) -> Path | None:
