@@ -140,6 +140,271 @@ def test_cli_hooks_register_bench():
     a = p.parse_args(["bench", "--config", "medium", "--contexts", "512,4096", "--vs", "transformers",
                       "--decode-tokens", "8", "--time-limit", "30", "--out", "x.json"])
     assert a.command == "bench" and a.config == "medium" and a.contexts == [512, 4096]
-    assert a.vs == "transformers" and a.decode_tokens == 8 and a.time_limit == 30.0 and a.out == "x.json"
+    assert a.vs == ["transformers"] and a.decode_tokens == 8 and a.time_limit == 30.0 and a.out == "x.json"
     with pytest.raises(SystemExit):
         p.parse_args(["bench", "--contexts", "0,16"])
+    a = p.parse_args(["bench", "--vs", "llama.cpp,transformers", "--llama-cpp", "/opt/llama.cpp"])
+    assert a.vs == ["transformers", "llama.cpp"] and a.llama_cpp == "/opt/llama.cpp"
+    assert p.parse_args(["bench"]).vs == []
+    with pytest.raises(SystemExit):
+        p.parse_args(["bench", "--vs", "vllm"])
+
+
+# ---- --vs llama.cpp: a fake llama.cpp directory (no real build needed) ------------------------------
+from kvfold.bench import llamacpp as LL  # noqa: E402
+
+# one record of a real llama-bench -o jsonl (build 0c1e570, CPU), cut to the fields the bench reads and a few more
+_JSONL_PP = ('{"build_commit": "abc1234", "build_number": 1, "cpu_info": "fake CPU", "backends": "CPU", '
+             '"model_type": "deepseek4 ?B MXFP4 MoE", "model_size": 18000000, "model_n_params": 7200000, '
+             '"n_batch": 2048, "n_ubatch": 512, "n_threads": 1, "type_k": "f16", "type_v": "f16", '
+             '"flash_attn": -1, "n_prompt": 512, "n_gen": 0, "n_depth": 0, "test_time": "2025-01-01T00:00:00Z", '
+             '"avg_ns": 250000000, "stddev_ns": 0, "avg_ts": 2048.0, "stddev_ts": 0.0, '
+             '"samples_ns": [ 250000000 ],"samples_ts": [ 2048 ]}')
+
+_FAKE_BENCH = '''#!{python}
+# a stand-in for llama-bench: parses the arguments the bench passes, prints one -o jsonl record whose
+# times follow from them (prefill 4 ms/token, decode 10 ms/token), or misbehaves on request
+import json, os, sys, time
+a = sys.argv[1:]
+opt = {{a[i]: a[i + 1] for i in range(0, len(a) - 1) if a[i].startswith("-")}}
+p, n, d, t = int(opt["-p"]), int(opt["-n"]), int(opt["-d"]), int(opt["-t"])
+mode = os.environ.get("FAKE_LLAMA_MODE", "ok")
+log = open(os.path.join(os.path.dirname(__file__), "calls.log"), "a")
+log.write(" ".join(a) + "\\n")
+log.close()
+print("load_tensors: loading model", file=sys.stderr)
+if not os.path.isfile(opt["-m"]) or open(opt["-m"], "rb").read(4) != b"GGUF":
+    print("error: failed to load model", file=sys.stderr); sys.exit(1)
+if mode == "fail":
+    print("llama_model_load: error loading model: unknown tensor", file=sys.stderr); sys.exit(1)
+if mode == "slow" and p >= 64:
+    time.sleep(60)
+if mode == "decode-fail" and n > 0:
+    print("test_gen: failed to decode generation batch, res = -3", file=sys.stderr); sys.exit(1)
+if mode == "oom":
+    print("ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 999", file=sys.stderr)
+    sys.exit(1)
+ns = int((p * 4e-3 + n * 10e-3) * 1e9)
+rec = json.loads({pp!r})
+rec.update(n_prompt=p, n_gen=n, n_depth=d, n_threads=t, avg_ns=ns, samples_ns=[ns],
+           avg_ts=(p + n) / ns * 1e9, samples_ts=[(p + n) / ns * 1e9])
+print(json.dumps(rec))
+'''
+
+_FAKE_CONVERTER = '''
+# a stand-in for convert_hf_to_gguf.py: checks the directory it is given as the DeepSeek-V4 converter
+# needs it (official names, FP4 experts with scales, float32 rest, legacy config keys, a tokenizer of
+# vocab_size tokens, the pre-tokenizer patched by the driver) and writes a GGUF-magic file
+import argparse, json, sys
+from pathlib import Path
+from safetensors import safe_open
+import conversion.base as base
+ap = argparse.ArgumentParser()
+ap.add_argument("model"); ap.add_argument("--outfile"); ap.add_argument("--outtype")
+args = ap.parse_args()
+src = Path(args.model)
+if (src / "FAIL").exists() or "FAKE_CONVERT_FAIL" in __import__("os").environ:
+    raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")
+cfg = json.loads((src / "config.json").read_text())
+for k in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling", "architectures"):
+    assert k in cfg, k
+assert base.TextModel().get_vocab_base_pre(None) == "deepseek-v3"
+tok = json.loads((src / "tokenizer.json").read_text())
+n_tok = len(tok["model"]["vocab"])
+assert n_tok == cfg["vocab_size"], (n_tok, cfg["vocab_size"])
+with safe_open(str(src / "model.safetensors"), "pt") as f:
+    keys = set(f.keys())
+    assert "embed.weight" in keys and "head.weight" in keys and "layers.0.ffn.gate.tid2eid" in keys
+    w = f.get_tensor("layers.1.ffn.experts.0.w1.weight")
+    s = f.get_tensor("layers.1.ffn.experts.0.w1.scale")
+    assert w.element_size() == 1 and s.element_size() == 1 and s.shape[-1] * 16 == w.shape[-1], (w.shape, s.shape)
+    assert str(f.get_tensor("layers.1.attn.wq_a.weight").dtype) == "torch.float32"
+Path(args.outfile).write_bytes(b"GGUF" + bytes(60))
+print("INFO:hf-to-gguf:Model successfully exported")
+'''
+
+
+def _fake_llama_cpp(root, *, build_dir: bool = False):
+    """A llama.cpp checkout (convert_hf_to_gguf.py, gguf-py/, conversion/base.py) whose llama-bench is a
+    script. build_dir=True puts llama-bench in a separate CMake build dir whose cache names the checkout."""
+    import sys
+    src = root / "llama.cpp"
+    (src / "gguf-py" / "gguf").mkdir(parents=True)
+    (src / "gguf-py" / "gguf" / "__init__.py").write_text("")
+    (src / "conversion").mkdir()
+    (src / "conversion" / "__init__.py").write_text("")
+    (src / "conversion" / "base.py").write_text(
+        "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n        raise NotImplementedError\n")
+    (src / "convert_hf_to_gguf.py").write_text(_FAKE_CONVERTER)
+    bindir = (root / "build" / "bin") if build_dir else (src / "build" / "bin")
+    bindir.mkdir(parents=True)
+    exe = bindir / "llama-bench"
+    exe.write_text(_FAKE_BENCH.format(python=sys.executable, pp=_JSONL_PP))
+    exe.chmod(0o755)
+    if build_dir:
+        (root / "build" / "CMakeCache.txt").write_text(f"# cache\nCMAKE_HOME_DIRECTORY:INTERNAL={src}\n")
+        return root / "build"
+    return src
+
+
+def test_parse_llama_bench_output():
+    pp = json.loads(_JSONL_PP)
+    # -o json: one array (pretty-printed); -o jsonl: one object a line, with log lines around
+    as_json = json.dumps([pp, dict(pp, n_prompt=0, n_gen=64, n_depth=512)], indent=2)
+    assert [t["n_gen"] for t in LL.parse_llama_bench(as_json)] == [0, 64]
+    as_jsonl = "main: loading\n" + _JSONL_PP + "\n" + json.dumps(dict(pp, n_gen=64)) + "\nllama_perf: done\n"
+    tests = LL.parse_llama_bench(as_jsonl)
+    assert len(tests) == 2 and tests[0]["n_prompt"] == 512
+    assert LL._test_seconds(tests[0]) == pytest.approx(0.25)
+    assert LL.parse_llama_bench("error: failed to load model\n") == []
+    assert LL._test_seconds(dict(pp, samples_ns=[3e8, 1e8, 2e8])) == pytest.approx(0.2)  # -r 3: the median
+
+
+def test_locate_checkout_and_build_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv(LL.ENV_VAR, raising=False)
+    assert "no llama.cpp given" in LL.locate(None).problem
+    src = _fake_llama_cpp(tmp_path / "a")
+    found = LL.locate(src)
+    assert found.problem is None and found.bench.name == "llama-bench" and found.source == src.resolve()
+    build = _fake_llama_cpp(tmp_path / "b", build_dir=True)  # a build dir elsewhere: source from CMakeCache
+    found = LL.locate(build)
+    assert found.problem is None and found.source == (tmp_path / "b" / "llama.cpp").resolve()
+    monkeypatch.setenv(LL.ENV_VAR, str(build))
+    assert LL.locate(None).bench == found.bench
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    why = LL.locate(empty).problem
+    assert "no llama-bench binary" in why and "no convert_hf_to_gguf.py" in why
+    assert "not a directory" in LL.locate(tmp_path / "nope").problem
+
+
+def test_generated_tokenizer_has_exactly_vocab_size_tokens(tmp_path):
+    from tokenizers import Tokenizer
+    LL.write_tokenizer(tmp_path, 600, bos_id=0, eos_id=1)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 600
+    assert tok.token_to_id("<｜begin▁of▁sentence｜>") == 0 and tok.token_to_id("<｜end▁of▁sentence｜>") == 1
+    ids = tok.encode("hello, wörld").ids
+    assert all(2 <= i < 600 for i in ids) and tok.decode(ids) == "hello, wörld"
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    with pytest.raises(ValueError):
+        LL.tokenizer_vocab(100)
+
+
+def test_gguf_source_config_has_the_converters_keys():
+    cfg = C.build_config("bench")
+    d = LL.gguf_source_config(cfg)
+    assert d["compress_ratios"] == [0, 4, 128, 4] and d["num_hash_layers"] == 1
+    assert d["qk_rope_head_dim"] == 32 and d["architectures"] == ["DeepseekV4ForCausalLM"]
+    assert d["rope_scaling"]["type"] == "yarn" and d["rope_scaling"]["factor"] == 16
+    assert d["rope_scaling"]["original_max_position_embeddings"] == 65536
+
+
+def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
+    monkeypatch.delenv("FAKE_LLAMA_MODE", raising=False)
+    build = _fake_llama_cpp(tmp_path, build_dir=True)
+    rc = R.run_bench(_args(tmp_path, "--contexts", "16,40", "--vs", "llama.cpp", "--llama-cpp", str(build),
+                           "--time-limit", "120", "--llama-bench-args", "-ctk q8_0 -ctv q8_0"), log=None)
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert rc == 0 and res["settings"]["engines"] == ["kvfold", "llama.cpp"]
+    assert [(c["context"], c["engine"]) for c in res["cells"]] == [
+        (16, "kvfold"), (16, "llama.cpp"), (40, "kvfold"), (40, "llama.cpp")]
+    info = res["llama_cpp"]
+    assert info["problem"] is None and info["gguf_cached"] is False
+    gguf = tmp_path / "cache" / "bench-tiny-bench" / "llama.cpp"
+    assert info["gguf"].startswith(str(gguf)) and open(info["gguf"], "rb").read(4) == b"GGUF"
+    by = {(c["context"], c["engine"]): c for c in res["cells"]}
+    for ctx in (16, 40):
+        lc = by[(ctx, "llama.cpp")]
+        assert lc["status"] == "ok"
+        # the fake's clock: prefill 4 ms/token, decode 10 ms/token
+        assert lc["prefill_tok_s"] == pytest.approx(250.0) and lc["decode_tok_s"] == pytest.approx(100.0)
+        assert lc["prefill_peak_rss_bytes"] > 0 and lc["llama_bench"]["build_commit"] == "abc1234"
+        assert lc["llama_bench"]["n_threads"] == 1  # the bench's --threads reached llama-bench
+        row = next(r for r in res["rows"] if r["context"] == ctx)
+        kv = by[(ctx, "kvfold")]
+        assert row["llama_prefill_ratio"] == pytest.approx(kv["prefill_tok_s"] / 250.0)
+        assert row["llama_decode_ratio"] == pytest.approx(kv["decode_tok_s"] / 100.0)
+    calls = (build / "bin" / "calls.log").read_text().splitlines()
+    assert [c.split(" -t ")[0].split(" -p ")[1] for c in calls] == [
+        "16 -n 0 -d 0", "0 -n 4 -d 16", "40 -n 0 -d 0", "0 -n 4 -d 40"]
+    assert all(c.endswith(" -r 1 -o jsonl -ctk q8_0 -ctv q8_0") for c in calls)
+    rep = res["report"]
+    assert "llama.cpp prefill tok/s" in rep and "llama.cpp decode tok/s" in rep and "kv/llama" in rep
+    assert "build abc1234" in rep and "MXFP4" in rep
+    # a second run reuses the GGUF
+    R.run_bench(_args(tmp_path, "--contexts", "16", "--vs", "llama.cpp", "--llama-cpp", str(build),
+                      "--decode-tokens", "0"), log=None)
+    again = json.loads((tmp_path / "out.json").read_text())
+    assert again["llama_cpp"]["gguf_cached"] is True and again["llama_cpp"]["gguf"] == info["gguf"]
+    assert again["cells"][1]["status"] == "ok" and again["cells"][1]["decode_status"].startswith("not run")
+
+
+def test_vs_llama_cpp_unavailable_says_why_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.delenv(LL.ENV_VAR, raising=False)
+    rc = R.run_bench(_args(tmp_path, "--contexts", "16", "--vs", "llama.cpp", "--time-limit", "120"), log=None)
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert rc == 0
+    kv, lc = res["cells"]
+    assert kv["status"] == "ok"
+    assert lc["status"].startswith("unavailable: no llama.cpp given") and lc["not_run"]
+    assert res["llama_cpp"]["problem"].startswith("no llama.cpp given")
+    assert "unavailable" in report.format_table(res) and "llama.cpp: no llama.cpp given" in res["report"]
+
+
+def test_llama_cpp_conversion_failure_is_reported(tmp_path, monkeypatch):
+    src = _fake_llama_cpp(tmp_path)
+    ckpt = C.ensure_checkpoint("tiny-bench", tmp_path / "cache", 0)
+    monkeypatch.setenv("FAKE_CONVERT_FAIL", "1")
+    g = LL.ensure_gguf(ckpt, LL.locate(src))
+    assert g.path is None and g.problem == (
+        "conversion failed: NotImplementedError: BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")
+    assert not list((ckpt / "llama.cpp").glob("*.gguf")) and not list((ckpt / "llama.cpp").glob(".gguf-src-*"))
+
+
+@pytest.mark.parametrize("mode,expect", [("fail", "error: llama-bench prefill: llama_model_load: error loading model"),
+                                         ("oom", R.OOM), ("slow", R.SKIP_TIME)])
+def test_llama_cpp_cell_failures(tmp_path, monkeypatch, mode, expect):
+    src = _fake_llama_cpp(tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("FAKE_LLAMA_MODE", mode)
+    rec = LL.run_cell(LL.locate(src), gguf, 64, decode_tokens=4, threads=1, time_limit=3.0)
+    assert rec["status"].startswith(expect) and rec["prefill_status"] == rec["status"]
+    assert report._prefill_cell(rec) == {"fail": "error", "oom": "OOM", "slow": "skipped (time)"}[mode]
+    if mode == "slow":
+        assert rec["wall_s"] < 30  # killed at the limit
+
+
+def test_llama_cpp_decode_failure_keeps_the_prefill(tmp_path, monkeypatch):
+    src = _fake_llama_cpp(tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("FAKE_LLAMA_MODE", "decode-fail")
+    rec = LL.run_cell(LL.locate(src), gguf, 16, decode_tokens=4, threads=1, time_limit=30.0)
+    assert rec["status"] == "partial: decode error: llama-bench decode: test_gen: failed to decode generation batch, res = -3"
+    assert rec["prefill_status"] == "ok" and rec["prefill_tok_s"] == pytest.approx(250.0)
+    assert report._decode_cell(rec) == "error" and report._prefill_cell(rec) == "250.0"
+    monkeypatch.delenv("FAKE_LLAMA_MODE")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE")
+    rec = LL.run_cell(LL.locate(src), bad, 16, decode_tokens=4, threads=1, time_limit=30.0)
+    assert rec["status"] == "error: llama-bench prefill: error: failed to load model"
+
+
+def test_llama_cpp_peak_rss_is_the_programs_own(tmp_path):
+    # Linux keeps a process's peak RSS across execve, so a program started straight from this big test
+    # process would report at least this process's RSS; the bench's wrapper reports the program's own
+    import os
+    import resource
+    import sys
+    prog = tmp_path / "alloc.py"
+    prog.write_text("b = bytearray(48 << 20)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\n")
+    big = bytearray(160 << 20)  # make sure this process is well above what the program uses
+    big[::4096] = b"\1" * len(big[::4096])
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > (160 << 20)
+    run = LL._run_limited([sys.executable, "-S", str(prog)], 60, 0, dict(os.environ))
+    assert run["returncode"] == 0 and run["stderr"] == ""
+    assert (48 << 20) < run["maxrss"] < (100 << 20)
+    del big

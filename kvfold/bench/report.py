@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-ENGINES = ("kvfold", "transformers")
+ENGINES = ("kvfold", "transformers", "llama.cpp")
+LLAMA = "llama.cpp"
 SKIP_TIME = "skipped: > time limit"
 OOM = "out of memory"
 _MIB = 1024 * 1024
@@ -34,7 +35,13 @@ def summarize(result: dict[str, Any]) -> None:
     for ctx in result["settings"]["contexts"]:
         kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
         hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
+        lc = next((c for c in cells if c["engine"] == LLAMA and c["context"] == ctx), None)
         row: dict[str, Any] = {"context": ctx}
+        if lc is not None and kv is not None:  # kvfold / llama.cpp
+            row["llama_prefill_ratio"] = _ratio(kv.get("prefill_tok_s"), lc.get("prefill_tok_s"))
+            row["llama_decode_ratio"] = _ratio(kv.get("decode_tok_s"), lc.get("decode_tok_s"))
+            row["llama_prefill_peak_rss_ratio"] = _ratio(kv.get("prefill_peak_rss_bytes"),
+                                                         lc.get("prefill_peak_rss_bytes"))
         if hf is not None and kv is not None:
             row["prefill_ratio"] = _ratio(kv.get("prefill_tok_s"), hf.get("prefill_tok_s"))
             row["decode_ratio"] = _ratio(kv.get("decode_tok_s"), hf.get("decode_tok_s"))
@@ -54,6 +61,8 @@ def summarize(result: dict[str, Any]) -> None:
     bw = result.get("bandwidth")
     if bw and bw.get("bytes_per_s"):
         for c in cells:
+            if c["engine"] == LLAMA:  # its experts are MXFP4: not the bytes counted for the checkpoint
+                continue
             per_tok = result["decode_bytes_per_token"].get(str(c["context"]), {}).get("total")
             if c.get("decode_tok_s") and per_tok:
                 c["decode_achieved_bytes_per_s"] = per_tok * c["decode_tok_s"]
@@ -78,6 +87,8 @@ def _short_status(s: str | None) -> str:
         return "OOM"
     if s.startswith("partial"):
         return "partial"
+    if s.startswith("unavailable"):
+        return "unavailable"
     return "error"
 
 
@@ -102,6 +113,8 @@ def _rss_cell(c: dict | None) -> str:
         return "n/a"
     if c.get("prefill_status") != "ok":
         return "-"
+    if not isinstance(c.get("prefill_peak_rss_bytes"), (int, float)):
+        return "-"
     d = c.get("prefill_peak_over_loaded_bytes")
     return f"{_mib(c['prefill_peak_rss_bytes'])} (+{_mib(d)})" if d is not None else _mib(c["prefill_peak_rss_bytes"])
 
@@ -109,31 +122,45 @@ def _rss_cell(c: dict | None) -> str:
 def format_table(result: dict[str, Any]) -> str:
     cells = result["cells"]
     vs = "transformers" in result["settings"]["engines"]
+    lv = LLAMA in result["settings"]["engines"]
     head = ["context", "kvfold prefill tok/s"]
     if vs:
         head += ["hf prefill tok/s", "ratio"]
+    if lv:
+        head += ["llama.cpp prefill tok/s", "kv/llama"]
     head += ["kvfold prefill peak RSS MiB"]
     if vs:
         head += ["hf prefill peak RSS MiB"]
+    if lv:
+        head += ["llama.cpp prefill peak RSS MiB"]
     head += ["kvfold decode tok/s"]
     if vs:
         head += ["hf decode tok/s", "ratio", "greedy agree"]
+    if lv:
+        head += ["llama.cpp decode tok/s", "kv/llama"]
     lines = []
     for row in result["rows"]:
         ctx = row["context"]
         kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
         hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
+        lc = next((c for c in cells if c["engine"] == LLAMA and c["context"] == ctx), None)
         r = [str(ctx), _prefill_cell(kv)]
         if vs:
             r += [_prefill_cell(hf), _f(row.get("prefill_ratio"), "{:.2f}")]
+        if lv:
+            r += [_prefill_cell(lc), _f(row.get("llama_prefill_ratio"), "{:.2f}")]
         r += [_rss_cell(kv)]
         if vs:
             r += [_rss_cell(hf)]
+        if lv:
+            r += [_rss_cell(lc)]
         r += [_decode_cell(kv)]
         if vs:
             agree = (f"{row['greedy_tokens_agree']}/{row['greedy_tokens_compared']}"
                      if "greedy_tokens_agree" in row else "-")
             r += [_decode_cell(hf), _f(row.get("decode_ratio"), "{:.2f}"), agree]
+        if lv:
+            r += [_decode_cell(lc), _f(row.get("llama_decode_ratio"), "{:.2f}")]
         lines.append(r)
     widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(head)]
     out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
@@ -156,6 +183,23 @@ def format_noise_table(result: dict[str, Any]) -> str:
     out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
     out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
+
+
+def _llama_line(result: dict[str, Any], lc: dict[str, Any]) -> str:
+    if lc.get("problem"):
+        return f"llama.cpp: {lc['problem']}"
+    build = next((c.get("llama_bench") for c in result["cells"] if c.get("llama_bench")), None) or {}
+    line = (f"llama.cpp: {lc.get('llama_bench')} (build {build.get('build_commit') or '?'}"
+            f"{', ' + build['backends'] if build.get('backends') else ''}), GGUF {lc.get('gguf')} "
+            f"(routed experts MXFP4, everything else F32; converted by {lc.get('converter')}"
+            f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r 1"
+            f"{' ' + ' '.join(lc['llama_bench_args']) if lc.get('llama_bench_args') else ''}, "
+            f"KV cache {build.get('type_k') or '?'}/{build.get('type_v') or '?'}, its own warm-up "
+            f"(the prompt once, 1 decode step); prefill = -p CONTEXT -n 0, decode = -p 0 -n N -d CONTEXT")
+    if result["settings"].get("prefill_logits") != "last":
+        line += ("; note: llama.cpp's prefill makes logits for the last token only, kvfold's here for every "
+                 "position (--prefill-logits last compares like with like)")
+    return line
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -186,10 +230,15 @@ def format_report(result: dict[str, Any]) -> str:
                 + f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
         else:
             lines.append(f"sanity: {san.get('status')}")
+    lc = result.get("llama_cpp")
+    if lc is not None:
+        lines.append(_llama_line(result, lc))
     lines += ["", format_table(result), ""]
     lines.append("peak RSS = max resident set of the cell process during the prefill (model loaded, state/cache "
                  "and logits included); (+N) = growth over the loaded model."
-                 + (" ratio = kvfold / transformers." if "transformers" in s["engines"] else ""))
+                 + (" ratio = kvfold / transformers." if "transformers" in s["engines"] else "")
+                 + (" kv/llama = kvfold / llama.cpp; llama.cpp's peak RSS is its prefill process's ru_maxrss "
+                    "(load, warm-up and prefill; mmap'd weights it touched count)." if LLAMA in s["engines"] else ""))
     for e, fl in result["flatness"].items():
         if fl:
             best = fl.get("flatness_best_step")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import configs as C
+from . import llamacpp as LL
 from .protocol import MARK
 from .report import OOM, SKIP_TIME, _GIB, format_report, summarize
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
@@ -40,6 +41,18 @@ def _contexts(text: str) -> list[int]:
     return vals
 
 
+VS_ENGINES = ("transformers", "llama.cpp")
+
+
+def _vs(text: str) -> list[str]:
+    """`--vs`: one or more of VS_ENGINES, comma-separated, in a fixed order (transformers first)."""
+    names = [x for x in text.replace(" ", "").split(",") if x]
+    bad = [x for x in names if x not in VS_ENGINES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--vs takes {' and/or '.join(VS_ENGINES)} (comma-separated), got {text!r}")
+    return [e for e in VS_ENGINES if e in names]
+
+
 def _config_name(text: str) -> str:
     if text not in C.config_names(include_test=True):
         raise argparse.ArgumentTypeError(f"choose one of {', '.join(C.PUBLIC_CONFIGS)}")
@@ -52,8 +65,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison (default bench)")
     p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
                    help="comma-separated context lengths (default 512,4096,16384,32768)")
-    p.add_argument("--vs", choices=("transformers",), default=None,
-                   help="also run transformers' DeepseekV4ForCausalLM (eager) on the same checkpoint")
+    p.add_argument("--vs", type=_vs, default=[], metavar="{transformers,llama.cpp}",
+                   help="also run transformers' DeepseekV4ForCausalLM (eager) and/or llama.cpp (llama-bench, "
+                        "on a GGUF converted from the same checkpoint) on the same contexts; both: "
+                        "--vs transformers,llama.cpp")
+    p.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="llama.cpp checkout and/or build directory for --vs llama.cpp: llama-bench is looked for "
+                        "in DIR, DIR/bin, DIR/build/bin, convert_hf_to_gguf.py in DIR, its parent or the CMake "
+                        "source dir (default $KVFOLD_LLAMA_CPP)")
+    p.add_argument("--llama-bench-args", default="", metavar="ARGS",
+                   help="extra llama-bench arguments for every llama.cpp cell, one string, e.g. "
+                        "\"--poll 0\" or \"-r 3\" (then the median repetition is reported)")
     p.add_argument("--decode-tokens", type=_nonneg_int, default=64,
                    help="greedy decode steps after each context (default 64)")
     p.add_argument("--time-limit", type=_pos_float, default=300.0,
@@ -246,6 +268,15 @@ def _cell_record(engine: str, context: int, raw: dict[str, Any]) -> dict[str, An
     return rec
 
 
+def _cell_message(rec: dict[str, Any]) -> str:
+    msg = f"{rec['engine']} @ {rec['context']}: {rec['status']} in {rec['wall_s']:.1f} s"
+    if rec.get("prefill_tok_s"):
+        msg += f", prefill {rec['prefill_tok_s']:.1f} tok/s"
+    if rec.get("decode_tok_s"):
+        msg += f", decode {rec['decode_tok_s']:.1f} tok/s"
+    return msg
+
+
 # ---- main --------------------------------------------------------------------------------------------
 def _machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "processor": None,
@@ -302,7 +333,9 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
     if getattr(args, "mode", None) == "serve":
         from .serve import run_bench_serve
         return run_bench_serve(args, log=log)
-    engines = ["kvfold"] + (["transformers"] if args.vs == "transformers" else [])
+    vs = args.vs or []
+    vs = _vs(vs) if isinstance(vs, str) else list(vs)
+    engines = ["kvfold"] + vs
     contexts = list(args.contexts)
     started = _dt.datetime.now(_dt.timezone.utc)
     ckpt = C.ensure_checkpoint(args.config, args.cache_dir, args.seed, log=log)
@@ -322,7 +355,9 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                          "kvfold": "model.forward(ids, state" + (", last_only=True)" if args.prefill_logits == "last"
                                                                  else ")  # all T rows of logits"),
                          "transformers": "model(input_ids, past_key_values=DynamicCache, use_cache=True"
-                                         + (", logits_to_keep=1)" if args.prefill_logits == "last" else ")")}},
+                                         + (", logits_to_keep=1)" if args.prefill_logits == "last" else ")"),
+                         "llama.cpp": "llama-bench -p CONTEXT -n 0 -r 1 -t THREADS  # logits of the last token "
+                                      "only, whatever --prefill-logits"}},
         "checkpoint": str(ckpt),
         "model": {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_hf_dict().items()},
                   "parameters": sum(_numel(s) for s, _ in tensors.values()),
@@ -364,6 +399,26 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         result["sanity"] = san
         log(f"sanity: {san['status']}" + (f", max diff {san['max_abs_diff']:.2e}" if "max_abs_diff" in san else ""))
 
+    llama_why: str | None = None  # why no llama.cpp cell can run
+    llama = gguf = None
+    if LL.ENGINE in engines:
+        llama = LL.locate(getattr(args, "llama_cpp", None))
+        info: dict[str, Any] = llama.describe()
+        info["llama_bench_args"] = shlex.split(getattr(args, "llama_bench_args", "") or "")
+        if llama.problem:
+            llama_why = llama.problem
+        else:
+            gguf = LL.ensure_gguf(ckpt, llama, time_limit=max(args.time_limit, 900.0), log=log)
+            info.update(gguf=str(gguf.path) if gguf.path else None, gguf_cached=gguf.cached,
+                        convert_s=gguf.convert_s, pre_tokenizer=LL.PRE_TOKENIZER)
+            if gguf.problem:
+                llama_why = gguf.problem
+                info["conversion_detail"] = gguf.detail
+        info["problem"] = llama_why
+        result["llama_cpp"] = info
+        if llama_why:
+            log(f"llama.cpp: {llama_why}")
+
     want_bw = args.bandwidth == "on" or (args.bandwidth == "auto" and args.config == "medium")
     if want_bw:
         log("measuring copy bandwidth (512 MiB fp32)")
@@ -381,6 +436,24 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                 result["cells"].append(rec)
                 log(f"{eng} @ {ctx}: {failed_at[eng]}")
                 continue
+            if eng == LL.ENGINE:
+                if llama_why:
+                    rec = LL.unavailable_record(ctx, llama_why)
+                    result["cells"].append(rec)
+                    log(f"{eng} @ {ctx}: {rec['status']}")
+                    continue
+                log(f"{eng} @ {ctx}: running llama-bench (limit {args.time_limit:g} s)")
+                rec = LL.run_cell(llama, gguf.path, ctx, decode_tokens=args.decode_tokens, threads=args.threads,
+                                  time_limit=args.time_limit, mem_limit_bytes=cell_mem_limit(),
+                                  env=_child_env(args.threads), pressure=_cpu_pressure_us,
+                                  extra=shlex.split(getattr(args, "llama_bench_args", "") or ""))
+                result["cells"].append(rec)
+                log(_cell_message(rec))
+                hit = next((s for s in (rec.get("prefill_status"), rec.get("decode_status")) if s in (SKIP_TIME, OOM)),
+                           None)
+                if hit:
+                    failed_at[eng] = f"{hit} (not run: hit at context {ctx})"
+                continue
             log(f"{eng} @ {ctx}: running (limit {args.time_limit:g} s)")
             raw = run_subprocess_cell(eng, checkpoint=str(ckpt), context=ctx, decode_tokens=args.decode_tokens,
                                       threads=args.threads, seed=args.seed, warmup=args.warmup,
@@ -389,12 +462,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                                       extra=["--dtype", args.dtype] if eng == "kvfold" else None)
             rec = _cell_record(eng, ctx, raw)
             result["cells"].append(rec)
-            msg = f"{eng} @ {ctx}: {rec['status']} in {rec['wall_s']:.1f} s"
-            if rec.get("prefill_tok_s"):
-                msg += f", prefill {rec['prefill_tok_s']:.1f} tok/s"
-            if rec.get("decode_tok_s"):
-                msg += f", decode {rec['decode_tok_s']:.1f} tok/s"
-            log(msg)
+            log(_cell_message(rec))
             if raw["status"] in (SKIP_TIME, OOM):  # longer contexts only get worse
                 failed_at[eng] = f"{raw['status']} (not run: hit at context {ctx})"
     result["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
