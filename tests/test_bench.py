@@ -65,6 +65,7 @@ def test_end_to_end_sanity_and_report(e2e):
     rep = res["report"]
     assert "kvfold prefill tok/s" in rep and "hf decode tok/s" in rep and "decode flatness kvfold" in rep
     assert res["machine"]["cpu_count"] >= 1 and res["machine"]["torch"]
+    assert res["machine"]["kvfold_native"] is True and "kvfold native CPU kernels on" in rep
     assert res["command"] == "pytest"
 
 

@@ -214,7 +214,8 @@ def format_report(result: dict[str, Any]) -> str:
              f"command: {result['command']}",
              f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
              f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
-             f"load avg at start {m['loadavg_start']}",
+             f"load avg at start {m['loadavg_start']}"
+             + (f", kvfold native CPU kernels {'on' if m['kvfold_native'] else 'off'}" if "kvfold_native" in m else ""),
              f"checkpoint: {result['checkpoint']}"]
     san = result.get("sanity")
     if san:

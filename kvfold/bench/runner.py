@@ -303,6 +303,8 @@ def _machine_info() -> dict[str, Any]:
         info["loadavg_start"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     import torch
     info["torch"] = torch.__version__
+    from ..numerics import native
+    info["kvfold_native"] = native.available()  # the cells' processes build/load the same kernels
     try:
         from importlib.metadata import version
         info["transformers"] = version("transformers")
