@@ -153,10 +153,9 @@ def test_one_row_moe_native_matches_the_torch_experts(scoring):
 
 def _reference_attend(q, keys_w, keys_c, sinks):
     """softmax over [window logits | compressed logits | sink] per head; K = V."""
-    h = q.shape[0]
     logits = torch.cat([q @ keys_w.t(), q @ keys_c.t(), sinks[:, None]], dim=-1)
     p = torch.softmax(logits, dim=-1)
-    return p[:, :-1] @ torch.cat([keys_w, keys_c]) if keys_c.shape[0] else p[:, :-1] @ keys_w
+    return p[:, :-1] @ torch.cat([keys_w, keys_c])
 
 
 def test_decode_attention_native_matches_the_softmax_with_sink():

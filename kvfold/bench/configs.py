@@ -17,6 +17,8 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
+from ..paths import cache_root
+
 # Bump when the way random weights are made changes: cached checkpoints are then rebuilt.
 GENERATOR_VERSION = 2
 
@@ -93,11 +95,7 @@ def build_config(name: str):
 
 
 def default_cache_root() -> Path:
-    env = os.environ.get("KVFOLD_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfold"
+    return cache_root()
 
 
 def checkpoint_key(name: str, seed: int) -> str:

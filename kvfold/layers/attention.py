@@ -227,7 +227,7 @@ class Attention(nn.Module):
         """`_attend` of one query (decode), scaled q [1, h, d], in 2-D matmuls: its window is exactly
         the last min(W, start + 1) local rows, and it sees every compressed entry (HCA) or every pick."""
         _, h, d = q.shape
-        lib = native.kernels()
+        lib = native.library()
         if lib is not None:
             out = _native_attend_one(lib, q, local, pool, selected, n_comp, sinks, self.kind)
             if out is not None:

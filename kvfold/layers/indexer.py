@@ -67,7 +67,7 @@ class Indexer(Compressor):
             keys = keys.to(q.dtype)
         block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
         if t == 1 and scale is None:  # one query (decode): it sees every entry
-            lib = native.kernels()
+            lib = native.library()
             source = plain_rows(st.pool) if lib is not None else None
             if source is not None and native.fp32_cpu(q, w):
                 data, phys = source

@@ -265,7 +265,7 @@ def _cached_native_weights(moe: MoE) -> tuple | None:
 
 
 def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
-    lib = native.kernels()
+    lib = native.library()
     if lib is None or not native.fp32_cpu(x) or token_ids.dtype != torch.int64 or not token_ids.is_contiguous():
         return None
     ws = _cached_native_weights(moe)

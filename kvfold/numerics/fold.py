@@ -16,7 +16,7 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: boo
     slots) would pool to 0.
     """
     c_total = kv.shape[-1]
-    lib = native.kernels()
+    lib = native.library()
     if lib is not None and native.fp32_cpu(kv, score) and kv.dim() == 2 and score.shape == kv.shape:
         n_w = kv.shape[0] // ratio - (1 if overlap else 0)
         out = torch.empty(max(n_w, 0), c_total // 2 if overlap else c_total, dtype=torch.float32)

@@ -62,7 +62,7 @@ def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     """streams [T, hc, d] -> (sum_k pre_k * stream_k [T, d], post [T, hc], comb [T, hc, hc]): the mHC
     weights (`hc_weights`) and the collapse in one native call where the kernels serve it."""
     t, hc, d = streams.shape
-    lib = native.kernels()
+    lib = native.library()
     if lib is not None and native.fp32_cpu(streams, fn, base, scale) and _native_hc(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         post = torch.empty(t, hc, dtype=torch.float32)
@@ -78,7 +78,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     """The final collapse sum_k pre_k * stream_k [T, d], pre from `hc_head_weights`."""
     t, hc, d = streams.shape
-    lib = native.kernels()
+    lib = native.library()
     if lib is not None and native.fp32_cpu(streams, fn, base, scale) and _native_hc(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         if lib.kv_hc_head(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
@@ -91,7 +91,7 @@ def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb
     """X'_k = post_k * out + sum_j comb[j, k] X_j, in the streams' dtype."""
     dt = streams.dtype
     if dt == torch.float32 and out.dtype == dt:
-        lib = native.kernels()
+        lib = native.library()
         if lib is not None and native.fp32_cpu(streams, out, post, comb):
             t, hc, d = streams.shape
             res = torch.empty_like(streams)

@@ -195,6 +195,16 @@ void kv_hc_expand(const float *streams, const float *y, const float *post, const
  * scoring: 0 softmax, 1 sigmoid, 2 sqrt(softplus). Returns 0, or -1 on a bad argument (nothing written). */
 #define MOE_MAX_K 64
 
+/* act = silu(min(gate, L)) * clamp(up, -L, L) for gu = [gate | up] of n each */
+static void swiglu(const float *gu, float *act, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float g = gu[i] < limit ? gu[i] : limit;
+        float u = gu[n + i];
+        u = u < -limit ? -limit : (u > limit ? limit : u);
+        act[i] = silu_f(g) * u;
+    }
+}
+
 int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
                const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
                const float *w13, const float *w2, int64_t inter, float limit,
@@ -258,24 +268,14 @@ int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int 
     for (int64_t j = 0; j < k; j++) {
         const float *wa = w13 + ids[j] * 2 * inter * h, *wb = w2 + ids[j] * h * inter;
         gemv(wa, x, gu, 2 * inter, h);
-        for (int64_t i = 0; i < inter; i++) {
-            float g = gu[i] < limit ? gu[i] : limit;
-            float u = gu[inter + i];
-            u = u < -limit ? -limit : (u > limit ? limit : u);
-            act[i] = silu_f(g) * u;
-        }
+        swiglu(gu, act, inter, limit);
         gemv(wb, act, y, h, inter);
         for (int64_t i = 0; i < h; i++) out[i] += wts[j] * y[i];
     }
     if (shared_gate) {
         gemv(shared_gate, x, gu, shared_inter, h);
         gemv(shared_up, x, gu + shared_inter, shared_inter, h);
-        for (int64_t i = 0; i < shared_inter; i++) {
-            float g = gu[i] < limit ? gu[i] : limit;
-            float u = gu[shared_inter + i];
-            u = u < -limit ? -limit : (u > limit ? limit : u);
-            act[i] = silu_f(g) * u;
-        }
+        swiglu(gu, act, shared_inter, limit);
         gemv(shared_down, act, y, h, shared_inter);
         for (int64_t i = 0; i < h; i++) out[i] += y[i];
     }

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from ..paths import cache_root
+
 _SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
 _TUNE = ["-march=native"]  # dropped on a retry where the compiler rejects it
@@ -53,18 +55,6 @@ _tried = False
 _enabled = os.environ.get("KVFOLD_NATIVE", "1") != "0"
 
 
-class NativeError(RuntimeError):
-    """A native kernel refused its arguments (a shape it does not handle)."""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KVFOLD_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfold"
-
-
 def _cpu_key() -> str:
     """What -march=native depends on: the CPU's flags (the build is not portable across CPUs)."""
     try:
@@ -87,7 +77,7 @@ def _build(compiler: str) -> Path:
 def _build_with(compiler: str, flags: list[str]) -> Path:
     src = _SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([compiler, *flags, _cpu_key()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"native-{key}.so"
+    target = cache_root() / f"native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -155,9 +145,4 @@ def fp32_cpu(*tensors: torch.Tensor) -> bool:
 
 
 _F32 = torch.float32
-
-
-def kernels() -> ctypes.CDLL | None:
-    """The library if native kernels are on and built (the fast check callers make per op)."""
-    return _lib if (_enabled and _tried) else library()
 

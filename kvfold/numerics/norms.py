@@ -24,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, multiplied by the (fp32) weight, cast once to the input dtype."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         if x.device.type == "cpu":
-            lib = native.kernels()
+            lib = native.library()
             if lib is not None and native.fp32_cpu(x, weight):
                 return _native_norm(lib, x, weight, eps)
             return torch.mul(x, _inv_rms(x, eps)).mul_(weight)
@@ -38,7 +38,7 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-row RMS normalisation without a weight (V4's per-head q norm and mHC input norm)."""
     if x.dtype == torch.float32:
         if x.device.type == "cpu":
-            lib = native.kernels()
+            lib = native.library()
             if lib is not None and x.is_contiguous():
                 return _native_norm(lib, x, None, eps)
             return x * _inv_rms(x, eps)

@@ -51,7 +51,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     half = cos.shape[-1]
     rd = 2 * half
     if x.dtype == torch.float32 and x.device.type == "cpu":
-        lib = native.kernels()
+        lib = native.library()
         if (lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0]
                 and x.shape[-1] >= rd and native.fp32_cpu(x, cos, sin)):
             out = torch.empty_like(x)
