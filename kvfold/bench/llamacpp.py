@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shlex
 import shutil
 import signal
@@ -402,17 +401,13 @@ def _run_limited(cmd: list[str], time_limit: float, mem_limit_bytes: int, env: d
     """Run `cmd` in its own process group under RLIMIT_AS and a wall-clock limit; returns its output,
     return code (negative = signal), peak RSS (ru_maxrss of `cmd`'s process, see _RSS_WRAPPER; None when
     it was killed) and wall time."""
-    def _limit() -> None:
-        if mem_limit_bytes > 0:
-            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-            lim = mem_limit_bytes if hard == resource.RLIM_INFINITY else min(mem_limit_bytes, hard)
-            resource.setrlimit(resource.RLIMIT_AS, (lim, hard))
+    from .cell import _set_mem_limit
 
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.perf_counter()
         try:
             proc = subprocess.Popen([sys.executable, "-S", "-c", _RSS_WRAPPER, *cmd], stdout=out, stderr=err, text=True, env=env, start_new_session=True,
-                                    preexec_fn=_limit)
+                                    preexec_fn=lambda: _set_mem_limit(mem_limit_bytes))
         except OSError as e:
             return {"returncode": None, "stdout": "", "stderr": str(e), "timed_out": False, "wall_s": 0.0,
                     "maxrss": None, "start_error": f"{type(e).__name__}: {e}"}
