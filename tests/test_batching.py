@@ -1,17 +1,35 @@
-"""One model call advances many sequences, and each gets exactly the bits it would get alone."""
+"""One model call advances many sequences, and each gets exactly the bits it would get alone.
+
+Batch-invariant mode rests on native.c's fixed-order arithmetic, not on a measured property of
+MKL or ATen; `make test` runs this file a second time with MKL and ATen held to AVX2, so one
+machine checks both instruction sets' kernels around it.
+"""
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 
 from helpers import random_ids
-from kvfold.errors import CapacityError
-from kvfold.numerics.rows import ROW_MULTIPLE, ROW_TILE, invariant_rows, pad_index, padded_count, row_mm
+from kvfold.errors import CapacityError, ConfigError
+from kvfold.numerics.rows import invariant_mm, invariant_rows, row_mm, swiglu
 
 
-def prefill(model, ids, capacity=600, kv_dtype=None):
+def prefill(model, ids, capacity=700, kv_dtype=None):
     st = model.new_state(capacity=capacity, kv_dtype=kv_dtype)
     if len(ids):
         model.forward(ids, st, last_only=True)
     return st
+
+
+@contextlib.contextmanager
+def threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture
@@ -21,76 +39,120 @@ def invariant(tiny):
     tiny.set_batch_invariant(False)
 
 
-@pytest.mark.parametrize("rows", [4, 8, 12, 100, 256, 260, 600])
-def test_row_mm_gives_each_row_the_same_bits_in_any_padded_batch(rows):
-    g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(700, 64, generator=g), torch.randn(96, 64, generator=g)
+def fixed_order_dot(a: np.ndarray, b: np.ndarray, lanes: int = 8) -> np.float32:
+    """native.c's `dot` by hand, in float32 numpy: lane j sums a[i] b[i] for i = j (mod lanes) in
+    ascending i, the tail in ascending i, then lanes 0..7 in order and the tail last."""
+    n = a.shape[0] - a.shape[0] % lanes
+    acc = np.zeros(lanes, dtype=np.float32)
+    for i in range(0, n, lanes):
+        acc = acc + a[i:i + lanes] * b[i:i + lanes]
+    tail = np.float32(0)
+    for i in range(n, a.shape[0]):
+        tail = np.float32(tail + a[i] * b[i])
+    s = np.float32(0)
+    for j in range(lanes):
+        s = np.float32(s + acc[j])
+    return np.float32(s + tail)
+
+
+@pytest.mark.parametrize("k", [5, 64, 77, 256])
+def test_invariant_matmul_is_the_fixed_order_dot_computed_by_hand(k):
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(6, k, generator=g), torch.randn(5, k, generator=g)
+    got = invariant_mm(x, w)
+    xs, ws = x.numpy(), w.numpy()
+    want = np.array([[fixed_order_dot(xs[i], ws[j]) for j in range(5)] for i in range(6)], dtype=np.float32)
+    assert np.array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (128, 256), (256, 1024), (1024, 256), (37, 5)])
+def test_invariant_matmul_gives_a_row_the_same_bits_in_any_batch_and_thread_count(k, n):
+    g = torch.Generator().manual_seed(k + n)
+    x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g)
+    alone = torch.cat([invariant_mm(x[i:i + 1], w) for i in range(300)])
+    for t in (1, 2):
+        with threads(t):
+            for rows in (1, 2, 3, 4, 5, 11, 16, 33, 100, 300):
+                for offset in (0, 3) if rows < 300 else (0,):
+                    part = x[offset:offset + rows]
+                    assert torch.equal(invariant_mm(part, w), alone[offset:offset + part.shape[0]])
+    # and rows read through a stride (a column slice of a wider tensor) are the same rows
+    wide = torch.cat([x, torch.randn(300, 3, generator=g)], dim=1)
+    assert torch.equal(invariant_mm(wide[:, :k], w), alone)
+    assert (alone - x @ w.t()).abs().max() <= 1e-4 * (x.abs() @ w.abs().t()).max()
+
+
+def test_row_mm_takes_the_invariant_kernel_only_inside_invariant_rows():
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 77, generator=g), torch.randn(12, 77, generator=g)
+    assert torch.equal(row_mm(x, w), torch.nn.functional.linear(x, w))
     with invariant_rows():
-        for offset in (0, 3):  # each row as the top row of a 4-row call vs inside a call of `rows` rows
-            want = torch.cat([row_mm(x[i:i + 4], w)[:1] for i in range(offset, offset + rows)])
-            assert torch.equal(row_mm(x[offset:offset + rows], w), want)
+        assert torch.equal(row_mm(x, w), invariant_mm(x, w))
 
 
-def test_row_tiles_only_inside_invariant_rows():
-    x, w = torch.randn(600, 32), torch.randn(16, 32)
-    calls = []
-    real = torch.nn.functional.linear
-
-    def spy(a, b):
-        calls.append(a.shape[0])
-        return real(a, b)
-    torch.nn.functional.linear = spy
-    try:
-        row_mm(x, w)
-        with invariant_rows():
-            row_mm(x, w)
-        row_mm(x, w)
-    finally:
-        torch.nn.functional.linear = real
-    assert calls == [600, ROW_TILE, ROW_TILE, 600 - 2 * ROW_TILE, 600]
+def test_invariant_swiglu_is_per_row_and_matches_the_formula():
+    g = torch.Generator().manual_seed(4)
+    gu = torch.randn(40, 2, 33, generator=g) * 6
+    want = torch.nn.functional.silu(gu[:, 0].clamp(max=5.0)) * gu[:, 1].clamp(-5.0, 5.0)
+    with invariant_rows():
+        got = swiglu(gu[:, 0], gu[:, 1], 5.0)
+        assert torch.equal(torch.cat([swiglu(gu[i:i + 1, 0], gu[i:i + 1, 1], 5.0) for i in range(40)]), got)
+    assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
 
 
-def test_padding_rules():
-    assert [padded_count(n) for n in (1, 7, 8, 9, 17)] == [8, 8, 8, 16, 24]
-    assert [padded_count(n, 4) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
-    assert pad_index(torch.tensor([7, 2, 5])).tolist() == [7, 2, 5, 7]
-    assert pad_index(torch.tensor([1, 2, 3, 4])).tolist() == [1, 2, 3, 4]
-    assert ROW_TILE % ROW_MULTIPLE == 0
+def test_a_lone_row_and_a_batch_take_the_same_moe_bits(invariant):
+    """The one-row native MoE (kv_moe_one) and the batched invariant path (route, matmuls, swiglu,
+    ascending combination) are two paths to the same bits, for hash and top-k layers."""
+    g = torch.Generator().manual_seed(5)
+    hidden = invariant.config.hidden_size
+    x = torch.randn(7, hidden, generator=g)
+    tokens = torch.randint(0, invariant.config.vocab_size, (7,), generator=g)
+    with invariant_rows():
+        for layer in invariant.model.layers[:2]:  # layer 0: hash routing, layer 1: biased top-k
+            moe = layer.mlp
+            batched = moe(x, tokens)
+            for i in range(7):
+                one = moe._native_one(x[i:i + 1], tokens[i:i + 1])
+                assert one is not None and torch.equal(one, batched[i:i + 1])
 
 
-def test_mixed_batch_of_prefills_and_decodes_is_bit_identical_to_each_alone(invariant):
+def feeds_and_states(model, lengths, feeds, seed):
+    v = model.config.vocab_size
+    prompts = [random_ids(n, v, seed=seed + n) for n in lengths]
+    chunks = [random_ids(n, v, seed=seed + 1000 + n) for n in feeds]
+    return prompts, chunks
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_mixed_batch_of_prefills_and_decodes_is_bit_identical_to_each_alone(invariant, n_threads):
     tiny = invariant
     v = tiny.config.vocab_size
-    # sequences at different positions: fresh, mid-window, past fold and window edges
-    prompts = [random_ids(n, v, seed=n) for n in (0, 5, 37, 130, 200)]
-    feeds = [random_ids(n, v, seed=100 + n) for n in (3, 1, 1, 17, 1)]
-    alone_states = [prefill(tiny, p) for p in prompts]
-    batch_states = [prefill(tiny, p) for p in prompts]
-    alone = [tiny.forward(f, st, last_only=False) for f, st in zip(feeds, alone_states)]
-    batched = tiny.forward_batch(list(zip(feeds, batch_states)), last_only=False)
-    for a, b, sa, sb in zip(alone, batched, alone_states, batch_states):
-        assert torch.equal(a, b)
-        assert sa.pos == sb.pos and sa.snapshot() == sb.snapshot()
-    # and decoding on, in batches of changing composition, stays identical to decoding alone
-    for step in range(6):
-        tok = [[(step * 7 + i) % v] for i in range(len(prompts))]
-        members = [i for i in range(len(prompts)) if (i + step) % 3]  # who joins this step's batch
-        got = tiny.forward_batch([(tok[i], batch_states[i]) for i in members])
-        for i, lg in zip(members, got):
-            assert torch.equal(lg, tiny.forward(tok[i], alone_states[i], last_only=True))
+    # sequences at different positions (fresh, mid-window, past fold and window edges), fed prefill
+    # chunks of 1-300 tokens beside decode rows
+    lengths = (0, 5, 37, 130, 200, 301, 64, 3)
+    feeds = (3, 1, 1, 17, 1, 260, 300, 1)
+    prompts, chunks = feeds_and_states(tiny, lengths, feeds, seed=7)
+    with threads(n_threads):
+        alone_states = [prefill(tiny, p) for p in prompts]
+        alone = [tiny.forward(f, st, last_only=False) for f, st in zip(chunks, alone_states)]
+        # several compositions and orders of the same sequences
+        for members in ([0, 1, 2, 3, 4, 5, 6, 7], [7, 5, 3, 1], [6, 2], [4, 0, 5]):
+            states = [prefill(tiny, prompts[i]) for i in members]
+            got = tiny.forward_batch([(chunks[i], st) for i, st in zip(members, states)], last_only=False)
+            for i, lg, st in zip(members, got, states):
+                assert torch.equal(lg, alone[i]), f"sequence {i} in batch {members}"
+                assert st.snapshot() == alone_states[i].snapshot()
+        # decoding on, in batches of changing composition, stays identical to decoding alone
+        batch_states = [prefill(tiny, p) for p in prompts]
+        for st, f in zip(batch_states, chunks):
+            tiny.forward(f, st)
+        for step in range(4):
+            tok = [[(step * 7 + i) % v] for i in range(len(prompts))]
+            members = [i for i in range(len(prompts)) if (i + step) % 3]
+            got = tiny.forward_batch([(tok[i], batch_states[i]) for i in members])
+            for i, lg in zip(members, got):
+                assert torch.equal(lg, tiny.forward(tok[i], alone_states[i], last_only=True))
     assert all(sa.snapshot() == sb.snapshot() for sa, sb in zip(alone_states, batch_states))
-
-
-def test_long_prefill_in_a_batch_runs_in_invariant_tiles(invariant):
-    tiny = invariant
-    v = tiny.config.vocab_size
-    long_feed = random_ids(300, v, seed=3)  # > ROW_TILE rows with the decode rows beside it
-    s_alone, s_batch = prefill(tiny, []), prefill(tiny, [])
-    d_alone, d_batch = prefill(tiny, random_ids(20, v, seed=4)), prefill(tiny, random_ids(20, v, seed=4))
-    want = [tiny.forward(long_feed, s_alone, last_only=False), tiny.forward([9], d_alone, last_only=False)]
-    got = tiny.forward_batch([(long_feed, s_batch), ([9], d_batch)], last_only=False)
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
-    assert s_alone.snapshot() == s_batch.snapshot()
 
 
 def test_fp8_and_plain_states_share_a_batch(invariant):
@@ -107,40 +169,46 @@ def test_fp8_and_plain_states_share_a_batch(invariant):
 
 def test_a_batch_is_one_pass_over_the_weights(tiny):
     """Every layer's projections run once per call, whatever the number of sequences."""
-    tiny.set_batch_invariant(False)  # (an Engine built earlier on this model may have turned it on)
     calls = []
     hooks = [layer.self_attn.q_a_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
              for layer in tiny.model.layers]
     hooks.append(tiny.lm_head.register_forward_hook(lambda m, i, o: calls.append(-i[0].shape[0])))
     try:
-        states = [prefill(tiny, random_ids(9 + i, tiny.config.vocab_size, seed=i)) for i in range(6)]
-        calls.clear()
-        tiny.forward_batch([([1], st) for st in states])
+        for on in (False, True):
+            tiny.set_batch_invariant(on)
+            states = [prefill(tiny, random_ids(9 + i, tiny.config.vocab_size, seed=i)) for i in range(6)]
+            calls.clear()
+            tiny.forward_batch([([1], st) for st in states])
+            n_layers = tiny.config.num_hidden_layers
+            assert calls == [6] * n_layers + [-6]  # 6 decode rows: one call per layer, one lm_head call
     finally:
+        tiny.set_batch_invariant(False)
         for h in hooks:
             h.remove()
-    n_layers = tiny.config.num_hidden_layers
-    assert calls == [6] * n_layers + [-6]  # 6 decode rows: one call per layer, one lm_head call
 
 
-def test_invariant_mode_pads_rows_and_default_mode_matches_within_rounding(tiny, invariant):
+def test_invariant_and_default_mode_agree_within_fp32_rounding(tiny):
     v = tiny.config.vocab_size
     prompts = [random_ids(n, v, seed=n) for n in (3, 50, 129)]
-    alone = [prefill(tiny, p) for p in prompts]
-    want = [tiny.forward([5], st, last_only=True) for st in alone]  # invariant mode (fixture)
-    tiny.set_batch_invariant(False)
-    states = [prefill(tiny, p) for p in prompts]
-    got = tiny.forward_batch([([5], st) for st in states])
-    assert all((a - b).abs().max() < 1e-5 for a, b in zip(want, got))
-    seen = []
-    hook = tiny.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
+    tiny.set_batch_invariant(True)
     try:
-        tiny.forward_batch([([6], st) for st in states])
-        tiny.set_batch_invariant(True)
-        tiny.forward_batch([([7], st) for st in states])
+        want = [tiny.forward([5], prefill(tiny, p), last_only=True) for p in prompts]
     finally:
-        hook.remove()
-    assert seen == [3, ROW_MULTIPLE]
+        tiny.set_batch_invariant(False)
+    got = tiny.forward_batch([([5], prefill(tiny, p)) for p in prompts])
+    for a, b in zip(want, got):
+        # two fp32 summation orders through 4 layers: a few hundred ulps of the logits' scale
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_batch_invariance_is_refused_where_it_cannot_hold():
+    import kvfold
+    bf16 = kvfold.load_model("tiny", dtype=torch.bfloat16)
+    assert not bf16.supports_batch_invariance
+    with pytest.raises(ConfigError, match="fp32"):
+        bf16.set_batch_invariant(True)
+    assert not bf16.batch_invariant
+    bf16.set_batch_invariant(False)  # turning it off is always fine
 
 
 def test_a_refused_batch_changes_no_state(tiny):

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import CSA, HCA, SLIDING, Dsv4Config
 from ..numerics import apply_rope, native, unweighted_rms_norm
-from ..numerics.rows import row_tile
+from ..numerics.rows import grouped_row_mm, own_rows, rows_invariant
 from ..state.dsv4_state import LayerState
 from ..state.kv_rows import fp8_roundtrip, plain_rows
 from .basic import Linear, Norm, QuantizedWeight, _param
@@ -39,16 +39,13 @@ class GroupedLinear(nn.Module):
         self.weight = _param(out_total, in_per_group, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
+        if rows_invariant():
+            weight = self.weight.dequant() if isinstance(self.weight, QuantizedWeight) else self.weight
+            return grouped_row_mm(x.to(weight.dtype), weight, self.groups)
         w_t = self._grouped_t()  # [G, in, R]
         if x.dtype != w_t.dtype:
             x = x.to(w_t.dtype)
-        x = x.transpose(0, 1)  # [G, T, in]
-        tile = row_tile()
-        if tile is None or x.shape[1] <= tile:
-            y = torch.bmm(x, w_t)
-        else:  # batch-invariant row tiles (numerics/rows.py)
-            y = torch.cat([torch.bmm(x[:, i:i + tile], w_t) for i in range(0, x.shape[1], tile)], dim=1)
-        return y.transpose(0, 1).flatten(1)
+        return torch.bmm(x.transpose(0, 1), w_t).transpose(0, 1).flatten(1)  # [G, T, in] @ [G, in, R]
 
     def _grouped_t(self) -> torch.Tensor:
         weight = self.weight
@@ -119,12 +116,15 @@ class Attention(nn.Module):
                 idx_q = idx.queries(x, q_lora, cos, sin)
 
         # per sequence: fold its compressors, select, attend to its own state, write its window
-        out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if t > batch.n_real \
-            or len(batch.segments) > 1 else None
+        out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
+        invariant = rows_invariant()
         for seg in batch.segments:
             ls: LayerState = seg.state.layers[self.layer_idx]
             rows, start = seg.rows, seg.start
-            if seg.length == t:  # the only segment, no pad rows: its rows are the whole tensors
+            if invariant:  # each sequence's rows in a fresh buffer, as when it runs alone
+                def take(a: torch.Tensor) -> torch.Tensor:
+                    return own_rows(a, rows)
+            elif seg.length == t:  # the only segment: its rows are the whole tensors
                 def take(a: torch.Tensor) -> torch.Tensor:
                     return a
             else:

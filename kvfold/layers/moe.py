@@ -11,7 +11,7 @@ from torch import nn
 from ..config import Dsv4Config
 from ..numerics import native
 from ..numerics.quant import act_quant_fp8
-from ..numerics.rows import pad_index, row_mm, rows_invariant
+from ..numerics.rows import SCORING, combine_experts, route_rows, row_mm, rows_invariant, swiglu
 from .basic import Linear, QuantizedWeight, _param, matmul_weight
 
 
@@ -21,10 +21,6 @@ def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "sigmoid":
         return torch.sigmoid(logits)
     return torch.softmax(logits, dim=-1)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Router(nn.Module):
@@ -40,7 +36,11 @@ class Router(nn.Module):
                                  torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (weights [T, k] fp32, expert ids [T, k])."""
+        """-> (weights [T, k] fp32, expert ids [T, k]; ascending per row in batch-invariant mode)."""
+        if rows_invariant():
+            table = dict(tid2eid=self.tid2eid, token_ids=token_ids) if self.is_hash \
+                else dict(bias=self.e_score_correction_bias)
+            return route_rows(x, self.weight, self.scoring, self.k, self.scale, **table)
         scores = _score(row_mm(x if x.dtype == torch.float32 else x.float(), self.weight), self.scoring)
         if x.shape[0] == 1:
             return self._route_one(scores, token_ids)
@@ -86,37 +86,43 @@ class Experts(nn.Module):
         self.down_proj = _param(e, h, i, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` may cover only the first rows of x (the rest are a batch's pad rows). In
-        batch-invariant mode each expert's row count is padded so a row's bits never depend on
-        its batch."""
+        """sum over each row's k experts of weight * expert(row), fp32 [T, hidden]."""
         k = ids.shape[1]
         invariant = rows_invariant()
         if x.shape[0] == 1 and not invariant:
             return self._forward_one(x, sorted(zip(ids.tolist()[0], weights.tolist()[0])))
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        tok = order // k
-        wts = weights.reshape(-1)[order]
+        # batch-invariant: each (row, slot) output kept apart, then combined in slot order (ascending ids)
+        per_slot = torch.empty(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
+        out = None if invariant else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         offset = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = tok[offset:offset + n]
-            xe = x[pad_index(rows) if invariant else rows]
-            if self.act_quant:
-                xe = act_quant_fp8(xe, 128)
-            w13 = matmul_weight(self.gate_up_proj, e)
-            gate, up = row_mm(xe.to(w13.dtype), w13).chunk(2, dim=-1)
-            h = swiglu(gate, up, self.limit)
-            if self.act_quant:
-                h = act_quant_fp8(h, 128)
-            w2 = matmul_weight(self.down_proj, e)
-            ye = row_mm(h.to(w2.dtype), w2)[:n]
-            out.index_add_(0, rows, ye.float() * wts[offset:offset + n, None])
+            slots = order[offset:offset + n]
+            rows = slots // k
+            ye = self._expert(e, x[rows])
+            if invariant:
+                per_slot[slots] = ye
+            else:
+                out.index_add_(0, rows, ye * weights.reshape(-1)[slots, None])
             offset += n
-        return out
+        return combine_experts(per_slot.view(*ids.shape, -1), weights) if invariant else out
+
+    def _expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows xe [n, hidden] -> fp32 [n, hidden]."""
+        if self.act_quant:
+            xe = act_quant_fp8(xe, 128)
+        w13 = matmul_weight(self.gate_up_proj, e)
+        gate, up = row_mm(xe.to(w13.dtype), w13).chunk(2, dim=-1)
+        h = swiglu(gate, up, self.limit)
+        if self.act_quant:
+            h = act_quant_fp8(h, 128)
+        w2 = matmul_weight(self.down_proj, e)
+        ye = row_mm(h.to(w2.dtype), w2)
+        return ye if ye.dtype == torch.float32 else ye.float()
 
     def _forward_one(self, x: torch.Tensor, routes: list[tuple[int, float]]) -> torch.Tensor:
         """`forward` for one row x [1, H], experts in ascending id order, each read as a view of the
@@ -198,16 +204,14 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
-        """x [T, hidden]; only the first `n_routed` rows (default all) go to the routed experts:
-        the rest are a batch's pad rows."""
-        if x.shape[0] == 1 and n_routed in (None, 1) and not rows_invariant():
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]. A lone fp32 row runs as one native call, whose bits equal the
+        batch-invariant path's (native.c's kv_moe_one)."""
+        if x.shape[0] == 1:
             y = self._native_one(x, token_ids)
             if y is not None:
                 return y
         weights, ids = self.gate(x, token_ids)
-        if n_routed is not None and n_routed < x.shape[0]:
-            weights, ids = weights[:n_routed], ids[:n_routed]
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
@@ -220,7 +224,6 @@ class MoE(nn.Module):
         return _native_moe_one(self, x, token_ids)
 
 
-_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 _NATIVE_MAX_BYTES = 4 << 20  # past this much weight per token, several threads' GEMVs win
 
 
@@ -228,7 +231,7 @@ def _native_weights(moe: MoE) -> tuple | None:
     """The fp32 weights the native one-row MoE reads, or None when it cannot serve this layer
     (quantized or non-fp32 weights, FP8 activations, an unknown scoring)."""
     gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-    if ex.act_quant or gate.scoring not in _SCORING:
+    if ex.act_quant or gate.scoring not in SCORING:
         return None
     w13, w2 = ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj")
     tables = [gate.weight, w13, w2, gate.tid2eid if gate.is_hash else gate.e_score_correction_bias]
@@ -276,12 +279,12 @@ def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch
     k, inter = moe.gate.k, w2.shape[2]
     s_inter = 0 if sg is None else sg.shape[0]
     if torch.get_num_threads() > 1 and 4 * (k * 3 * inter * h + 3 * s_inter * h) > _NATIVE_MAX_BYTES:
-        return None
+        return None  # several threads' GEMMs win (in batch-invariant mode with the same bits)
     out = torch.empty(1, h, dtype=torch.float32)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     is_hash = moe.gate.is_hash
-    rc = lib.kv_moe_one(x.data_ptr(), h, router.data_ptr(), e, _SCORING[moe.gate.scoring],
+    rc = lib.kv_moe_one(x.data_ptr(), h, router.data_ptr(), e, SCORING[moe.gate.scoring],
                         None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
-                        token_ids.data_ptr(), k, moe.gate.scale, w13.data_ptr(), w2.data_ptr(), inter,
+                        token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, w13.data_ptr(), w2.data_ptr(), inter,
                         moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, out.data_ptr())
     return out if rc == 0 else None

@@ -3,18 +3,14 @@
 Token-parallel work (embedding, mHC, norms, projections, MoE, lm_head) runs once over all rows,
 reading each weight once for the whole batch; only what reads or writes a sequence's state
 (compressors, indexer, attention, window ring) loops over the segments. A single sequence is a
-batch of one segment: one code path.
-
-In batch-invariant mode (numerics/rows.py) the rows are padded to a multiple of ROW_MULTIPLE:
-pad rows carry token 0 at position 0, attend to nothing and are never routed to experts.
+batch of one segment: one code path. In batch-invariant mode (numerics/rows.py) the
+token-parallel ops give every row the bits it would get alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-
-from ..numerics.rows import padded_count
 
 @dataclass
 class Segment:
@@ -35,18 +31,14 @@ class Segment:
 
 @dataclass
 class RowBatch:
-    token_ids: torch.Tensor  # [R] (pad rows: 0)
-    positions: torch.Tensor  # [R] (pad rows: 0)
-    n_real: int
+    token_ids: torch.Tensor  # [R]
+    positions: torch.Tensor  # [R]
     segments: list[Segment]
-    invariant: bool = False  # rows padded for batch-invariant numerics
     rope: dict = field(default_factory=dict)  # kind -> (RopeTable, cos [R, rd/2], sin [R, rd/2])
 
     @classmethod
-    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device,
-              invariant: bool = False) -> "RowBatch":
-        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order.
-        `invariant` pads the rows to a multiple of ROW_MULTIPLE."""
+    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device) -> "RowBatch":
+        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order."""
         segments, ids, pos_parts, r = [], [], [], 0
         for tok, st in pieces:
             t = tok.numel()
@@ -54,22 +46,15 @@ class RowBatch:
             ids.append(tok)
             pos_parts.append(torch.arange(st.pos, st.pos + t, device=device))
             r += t
-        extra = padded_count(r) - r if invariant else 0
-        if extra:
-            ids.append(torch.zeros(extra, dtype=torch.long, device=device))
-            pos_parts.append(torch.zeros(extra, dtype=torch.long, device=device))
         return cls(torch.cat(ids) if len(ids) > 1 else ids[0],
-                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], r, segments, invariant)
+                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], segments)
 
     @property
     def rows(self) -> int:
         return self.token_ids.shape[0]
 
     def last_rows(self) -> torch.Tensor | slice:
-        """Index of each segment's last row (padded like the batch's rows in invariant mode)."""
-        if len(self.segments) == 1 and not self.invariant:
-            return slice(self.n_real - 1, self.n_real)  # a view, no gather
-        idx = [s.r1 - 1 for s in self.segments]
-        if self.invariant:
-            idx += idx[:1] * (padded_count(len(idx)) - len(idx))
-        return torch.tensor(idx, device=self.token_ids.device)
+        """Index of each segment's last row."""
+        if len(self.segments) == 1:
+            return slice(self.rows - 1, self.rows)  # a view, no gather
+        return torch.tensor([s.r1 - 1 for s in self.segments], device=self.token_ids.device)

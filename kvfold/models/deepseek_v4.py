@@ -19,7 +19,7 @@ from ..layers.mhc import HyperConnection, HyperHead
 from ..layers.moe import MoE
 from ..layers.rows import RowBatch
 from ..numerics import RopeTable
-from ..numerics.rows import invariant_rows
+from ..numerics.rows import invariance_unsupported, invariant_rows
 from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
 from ..state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
 from ..state.rings import PositionRing
@@ -62,7 +62,7 @@ class Block(nn.Module):
         y = self.self_attn(self.input_layernorm(x), batch)
         streams = HyperConnection.expand(streams, y, post, comb)
         x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids, batch.n_real)
+        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids)
         return HyperConnection.expand(streams, y, post, comb)
 
 
@@ -142,10 +142,17 @@ class Dsv4Model(nn.Module):
 
     def set_batch_invariant(self, on: bool = True) -> None:
         """On: every row's logits are bit-identical whatever other sequences share its
-        `forward_batch` call (rows padded for invariant kernels, see numerics/rows.py); the
-        serving engine turns it on. Off (default): a lone sequence takes the fastest kernels
-        (a 1-row GEMV) and batched rows may differ from lone ones in the last bits."""
+        `forward_batch` call (token-parallel ops in native.c's fixed-order kernels, see
+        numerics/rows.py); the serving engine turns it on. Off (default): torch's kernels, whose
+        last bits may change with the batch. fp32 CPU models only: others raise ConfigError."""
+        why = invariance_unsupported(self.dtype, self.device) if on else None
+        if why is not None:
+            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
         self.batch_invariant = bool(on)
+
+    @property
+    def supports_batch_invariance(self) -> bool:
+        return invariance_unsupported(self.dtype, self.device) is None
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -283,7 +290,7 @@ class Dsv4Model(nn.Module):
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams [R, hc, hidden] incl. pad rows)."""
         with invariant_rows(self.batch_invariant):
-            return self._run_rows(RowBatch.build(pieces, self.device, self.batch_invariant), last_only)
+            return self._run_rows(RowBatch.build(pieces, self.device), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))

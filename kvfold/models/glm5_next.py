@@ -27,11 +27,20 @@ from ..layers.mhc import HyperConnection
 from ..layers.mla import GlmRMSNorm, IndexedMLA
 from ..layers.moe import Experts, SharedExpert, SwiGluMLP
 from ..layers.rows import RowBatch
-from ..numerics.rows import invariant_rows, row_mm
+from ..numerics.rows import invariance_unsupported, invariant_rows, own_rows, route_rows, row_mm, rows_invariant
 from ..state.glm5_dsa_state import Glm5NextDsaState
 from ..state.glm5_state import Glm5State, KdaLayerState, MlaLayerState
 from .chunks import run_batch_in_rounds, run_in_chunks
 from .deepseek_v4 import Embedding, as_token_ids
+
+
+def stream_mean(streams: torch.Tensor) -> torch.Tensor:
+    """The mean of [T, hc, d] over its hc streams, summed left to right: elementwise IEEE adds, so a
+    row's bits never depend on its batch (a reduction kernel may split the sum by tensor size)."""
+    acc = streams[:, 0]
+    for k in range(1, streams.shape[1]):
+        acc = acc + streams[:, k]
+    return acc / streams.shape[1]
 
 
 class Glm5Router(nn.Module):
@@ -46,6 +55,9 @@ class Glm5Router(nn.Module):
                              torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows_invariant():
+            return route_rows(x, self.weight, "sigmoid", self.k, self.scale, bias=self.e_score_correction_bias,
+                              n_group=self.n_group, topk_group=self.topk_group, renorm=self.norm)
         scores = torch.sigmoid(row_mm(x.float(), self.weight.float()))
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
@@ -69,11 +81,8 @@ class Glm5MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
 
-    def forward(self, x: torch.Tensor, n_routed: int | None = None) -> torch.Tensor:
-        """Rows past `n_routed` (a batch's pad rows) skip the routed experts."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if n_routed is not None and n_routed < x.shape[0]:
-            weights, ids = weights[:n_routed], ids[:n_routed]
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
@@ -126,8 +135,15 @@ class Glm5Model(nn.Module):
     batch_invariant = False
 
     def set_batch_invariant(self, on: bool = True) -> None:
-        """As Dsv4Model.set_batch_invariant: rows padded so batching never changes a row's bits."""
+        """As Dsv4Model.set_batch_invariant: batching never changes a row's bits (fp32 CPU only)."""
+        why = invariance_unsupported(self.dtype, self.device) if on else None
+        if why is not None:
+            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
         self.batch_invariant = bool(on)
+
+    @property
+    def supports_batch_invariance(self) -> bool:
+        return invariance_unsupported(self.dtype, self.device) is None
 
     # ---- state --------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
@@ -198,7 +214,7 @@ class Glm5Model(nn.Module):
         """One model call over the concatenated rows of every (ids, state) piece (layers/rows.py):
         mHC, norms and MLPs run on all rows at once, attention per sequence on its own state."""
         with invariant_rows(self.batch_invariant):
-            return self._run_rows(RowBatch.build(pieces, self.device, self.batch_invariant), last_only)
+            return self._run_rows(RowBatch.build(pieces, self.device), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         for seg in batch.segments:
@@ -209,9 +225,11 @@ class Glm5Model(nn.Module):
         for i, block in enumerate(self.model.layers):
             x, post, comb = block.attn_hc.collapse(streams)
             x = block.input_layernorm(x)
-            y = x.new_zeros(x.shape) if batch.rows > batch.n_real or len(batch.segments) > 1 else None
+            y = x.new_zeros(x.shape) if len(batch.segments) > 1 else None
+            invariant = rows_invariant()
             for s, seg in enumerate(batch.segments):
-                ys = self._attend(block, x[seg.rows], seg, seg.state.layers[i], sels, s)
+                xs = own_rows(x, seg.rows) if invariant else x[seg.rows]
+                ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s)
                 if y is None:
                     y = ys
                 else:
@@ -219,12 +237,12 @@ class Glm5Model(nn.Module):
             streams = HyperConnection.expand(streams, y, post, comb)
             x, post, comb = block.ffn_hc.collapse(streams)
             x = block.post_attention_layernorm(x)
-            y = block.mlp(x, batch.n_real) if isinstance(block.mlp, Glm5MoE) else block.mlp(x)
+            y = block.mlp(x)
             streams = HyperConnection.expand(streams, y, post, comb)
         for seg in batch.segments:
             seg.state.pos = seg.state.written_until = seg.start + seg.length
         last = streams[batch.last_rows()] if last_only else streams
-        logits = self.lm_head(self.model.norm(last.mean(dim=1))).float()
+        logits = self.lm_head(self.model.norm(stream_mean(last))).float()
         if last_only:
             return [logits[i:i + 1] for i in range(len(batch.segments))], streams
         return [logits[seg.rows] for seg in batch.segments], streams

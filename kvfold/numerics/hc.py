@@ -21,15 +21,13 @@ from .norms import unweighted_rms_norm
 from .rows import row_mm, rows_invariant
 
 # The native collapse computes the mixing matmul row by row on one thread. With several torch
-# threads, large non-invariant calls (prefill chunks) keep the threaded GEMM; batch-invariant
-# calls never switch on the row count (a row's bits must not depend on its batch).
+# threads, large calls (prefill chunks) keep the threaded GEMM, except in batch-invariant mode,
+# where every row takes the native kernel (a row's bits must not depend on its batch).
 _NATIVE_SERIAL_MACS = 1 << 24
 
 
 def _native_hc(t: int, fn: torch.Tensor) -> bool:
-    if torch.get_num_threads() == 1:
-        return True
-    return not rows_invariant() and t * fn.numel() <= _NATIVE_SERIAL_MACS
+    return rows_invariant() or torch.get_num_threads() == 1 or t * fn.numel() <= _NATIVE_SERIAL_MACS
 
 
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

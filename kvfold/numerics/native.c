@@ -1,9 +1,12 @@
-/* kvfold native kernels: fp32 CPU row kernels for the ops whose cost on the CPU is per-call
- * overhead, not arithmetic (a decode step runs each on one row).
+/* kvfold native kernels: fp32 CPU row kernels. They serve two purposes: the ops whose cost on the
+ * CPU is per-call overhead, not arithmetic (a decode step runs each on one row), and the
+ * batch-invariant arithmetic of numerics/rows.py.
  *
  * Every kernel treats each row on its own, with a fixed order of operations, so a row's result
- * never depends on how many rows share the call (batch-invariant by construction). Reductions
- * use fixed partial sums (no reassociation flags), so results are deterministic per build.
+ * never depends on how many rows share the call, where the row sits in it, or how many threads
+ * run it (batch-invariant by construction). The build uses -ffp-contract=off and no
+ * reassociation flags, so each expression is evaluated exactly as written: vectorising the
+ * fixed-lane loops below changes no bits, only how many lanes one instruction computes.
  * Loaded through ctypes by native.py, which compiles this file once per machine.
  */
 #include <math.h>
@@ -11,19 +14,43 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#define LANES 8
 
-/* sum_i a[i] * b[i] with LANES fixed partial sums (vectorizes without -ffast-math) */
+/* The one dot product every kernel uses. For each output pair (row r of a, row c of b): lane j
+ * accumulates a[i] * b[i] over i = j (mod LANES) in ascending i, the n % LANES tail accumulates
+ * in ascending i, then the lanes are summed 0..LANES-1 and the tail added last. That sequence of
+ * roundings depends on n only, so an MR x NR tile computes each of its outputs exactly as a
+ * lone 1 x 1 call does; the tiles only share the loads. */
+#define DOT_TILE(MR, NR)                                                                           \
+    static inline void dot_tile_##MR##x##NR(const float *a, int64_t lda, const float *b, int64_t ldb, \
+                                            int64_t n, float *out, int64_t ldo) {                  \
+        float acc[MR][NR][LANES];                                                                  \
+        memset(acc, 0, sizeof acc);                                                                \
+        int64_t i = 0;                                                                             \
+        for (; i + LANES <= n; i += LANES)                                                         \
+            for (int r = 0; r < MR; r++)                                                           \
+                for (int c = 0; c < NR; c++)                                                       \
+                    for (int j = 0; j < LANES; j++)                                                \
+                        acc[r][c][j] += a[r * lda + i + j] * b[c * ldb + i + j];                   \
+        for (int r = 0; r < MR; r++)                                                               \
+            for (int c = 0; c < NR; c++) {                                                         \
+                float tail = 0.0f;                                                                 \
+                for (int64_t t = i; t < n; t++) tail += a[r * lda + t] * b[c * ldb + t];           \
+                float s = 0.0f;                                                                    \
+                for (int j = 0; j < LANES; j++) s += acc[r][c][j];                                 \
+                out[r * ldo + c] = s + tail;                                                       \
+            }                                                                                      \
+    }
+DOT_TILE(1, 1)
+DOT_TILE(1, 4)
+DOT_TILE(4, 1)
+DOT_TILE(4, 2)
+
+/* sum_i a[i] * b[i] */
 static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    float tail = 0.0f;
-    for (; i < n; i++) tail += a[i] * b[i];
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return s + tail;
+    float out;
+    dot_tile_1x1(a, 0, b, 0, n, &out, 0);
+    return out;
 }
 
 static inline double sum_squares(const float *x, int64_t n) {
@@ -36,9 +63,42 @@ static inline double sum_squares(const float *x, int64_t n) {
     return (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail;
 }
 
+/* out[m, j] = dot(x row m, w row j) for x [M, K] (row stride ldx), w [N, K], out (row stride ldo),
+ * over columns [n0, n1). Tiles of 4 rows x 2 columns (1 x 4 for a single row) share their loads;
+ * every output is still the one `dot` above. */
+static void matmul_cols(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m,
+                        int64_t n0, int64_t n1, int64_t k) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) {
+        int64_t c = n0;
+        for (; c + 2 <= n1; c += 2) dot_tile_4x2(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
+        for (; c < n1; c++) dot_tile_4x1(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
+    }
+    for (; r < m; r++) {
+        int64_t c = n0;
+        for (; c + 4 <= n1; c += 4) dot_tile_1x4(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, 1);
+        for (; c < n1; c++) dot_tile_1x1(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, 1);
+    }
+}
+
 /* y[N] = W[N, K] @ x[K] */
 static void gemv(const float *w, const float *x, float *y, int64_t n, int64_t k) {
-    for (int64_t j = 0; j < n; j++) y[j] = dot(w + j * k, x, k);
+    matmul_cols(x, k, w, y, n, 1, 0, n, k);
+}
+
+/* ---- batch-invariant matmul: out [M, N] = x [M, K] @ w [N, K]^T ------------------------------------
+ * Threads split the columns into blocks of about 64 KiB of weights (each block's weights stay in
+ * cache while every row passes over them); which thread computes an output changes nothing. */
+void kv_matmul(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m, int64_t n,
+               int64_t k, int64_t threads) {
+    int64_t block = (16384 / (k > 0 ? k : 1)) & ~(int64_t)3;
+    if (block < 4) block = 4;
+    int64_t n_blocks = (n + block - 1) / block;
+    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1 && n_blocks > 1)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        int64_t n0 = b * block, n1 = n0 + block < n ? n0 + block : n;
+        matmul_cols(x, ldx, w, out, ldo, m, n0, n1, k);
+    }
 }
 
 static inline double sigmoid_d(double z) {
@@ -188,98 +248,155 @@ void kv_hc_expand(const float *streams, const float *y, const float *post, const
     }
 }
 
-/* ---- MoE for one row --------------------------------------------------------------------------------
- * scores = score(router_w @ x); ids = tid2eid[token] (hash layers) or the top k of scores + bias (ties
- * to the lower id); weights = scores[ids] / (sum + 1e-20) * route_scale (float64, rounded to fp32);
- * y = sum over ids in ascending order of w_e * down_e(silu(min(g, L)) * clamp(u, -L, L)) + shared(x).
- * scoring: 0 softmax, 1 sigmoid, 2 sqrt(softplus). Returns 0, or -1 on a bad argument (nothing written). */
+/* ---- MoE routing, SwiGLU, and the whole layer for one row -----------------------------------------
+ * scores = score(router_w @ x) (0 softmax, 1 sigmoid, 2 sqrt(softplus)); the experts are tid2eid[token]
+ * (hash layers), else the top k of scores + bias (ties to the lower id), within the topk_group best
+ * groups when n_group > 1 (a group's score: the sum of its two best biased scores); their weights
+ * are scores[ids] / (sum + 1e-20) (float64, with `renorm`) * route_scale, rounded to fp32. Experts
+ * come out in ascending id order (a stable sort keeps equal ids in routing order). */
 #define MOE_MAX_K 64
+#define MOE_MAX_GROUPS 64
 
-/* act = silu(min(gate, L)) * clamp(up, -L, L) for gu = [gate | up] of n each */
-static void swiglu(const float *gu, float *act, int64_t n, float limit) {
-    for (int64_t i = 0; i < n; i++) {
-        float g = gu[i] < limit ? gu[i] : limit;
-        float u = gu[n + i];
-        u = u < -limit ? -limit : (u > limit ? limit : u);
-        act[i] = silu_f(g) * u;
+static void score_experts(float *s, int64_t e, int scoring) {
+    if (scoring == 0) {
+        float mx = -INFINITY, z = 0.0f;
+        for (int64_t i = 0; i < e; i++) if (s[i] > mx) mx = s[i];
+        for (int64_t i = 0; i < e; i++) { s[i] = expf(s[i] - mx); z += s[i]; }
+        for (int64_t i = 0; i < e; i++) s[i] /= z;
+    } else if (scoring == 1) {
+        for (int64_t i = 0; i < e; i++) s[i] = 1.0f / (1.0f + expf(-s[i]));
+    } else {
+        for (int64_t i = 0; i < e; i++) s[i] = sqrtf(s[i] > 20.0f ? s[i] : log1pf(expf(s[i])));
     }
 }
 
-int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
-               const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
-               const float *w13, const float *w2, int64_t inter, float limit,
-               const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
-               float *out) {
-    if (k < 1 || k > MOE_MAX_K || k > e) return -1;
-    float *scores = malloc(sizeof(float) * (size_t)e);
-    int64_t buf = 2 * (inter > shared_inter ? inter : shared_inter);
-    float *gu = malloc(sizeof(float) * (size_t)buf);
-    float *act = malloc(sizeof(float) * (size_t)(buf / 2 + 1));
-    float *y = malloc(sizeof(float) * (size_t)h);
-    if (!scores || !gu || !act || !y) { free(scores); free(gu); free(act); free(y); return -1; }
-
-    gemv(router_w, x, scores, e, h);
-    if (scoring == 0) {
-        float mx = -INFINITY, z = 0.0f;
-        for (int64_t i = 0; i < e; i++) if (scores[i] > mx) mx = scores[i];
-        for (int64_t i = 0; i < e; i++) { scores[i] = expf(scores[i] - mx); z += scores[i]; }
-        for (int64_t i = 0; i < e; i++) scores[i] /= z;
-    } else if (scoring == 1) {
-        for (int64_t i = 0; i < e; i++) scores[i] = 1.0f / (1.0f + expf(-scores[i]));
-    } else {
+/* k passes of argmax over v[0..e) where allowed (NULL: all), ties to the lower id */
+static void top_k_ids(const float *v, const unsigned char *allowed, int64_t e, int64_t k, int64_t *ids) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        float bv = 0.0f;
         for (int64_t i = 0; i < e; i++) {
-            float z = scores[i];
-            scores[i] = sqrtf(z > 20.0f ? z : log1pf(expf(z)));
+            if (allowed && !allowed[i]) continue;
+            int taken = 0;
+            for (int64_t q = 0; q < j; q++) taken |= ids[q] == i;
+            if (taken) continue;
+            if (best < 0 || v[i] > bv) { best = i; bv = v[i]; }
         }
+        ids[j] = best;
     }
+}
 
-    int64_t ids[MOE_MAX_K];
-    if (tid2eid) {
-        for (int64_t j = 0; j < k; j++) ids[j] = tid2eid[token[0] * k + j];
-    } else { /* k passes of argmax over biased scores, ties to the lower id */
-        for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            float bv = 0.0f;
-            for (int64_t i = 0; i < e; i++) {
-                int taken = 0;
-                for (int64_t q = 0; q < j; q++) taken |= ids[q] == i;
-                if (taken) continue;
-                float v = scores[i] + bias[i];
-                if (best < 0 || v > bv) { best = i; bv = v; }
+/* one row's routing; scratch holds 2 e floats + e bytes. Returns 0, or -1 on a bad expert id. */
+static int route_row(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
+                     const int64_t *hash_row, int64_t k, double route_scale, int64_t n_group, int64_t topk_group,
+                     int renorm, float *scratch, int64_t *ids, float *wts) {
+    float *scores = scratch, *biased = scratch + e;
+    gemv(router_w, x, scores, e, h);
+    score_experts(scores, e, scoring);
+    if (hash_row) {
+        for (int64_t j = 0; j < k; j++) ids[j] = hash_row[j];
+    } else {
+        for (int64_t i = 0; i < e; i++) biased[i] = scores[i] + bias[i];
+        unsigned char *allowed = NULL;
+        if (n_group > 1) {
+            int64_t per = e / n_group, best2 = per < 2 ? per : 2, gids[MOE_MAX_GROUPS];
+            float gscore[MOE_MAX_GROUPS];
+            for (int64_t g = 0; g < n_group; g++) {
+                int64_t top[2] = {0, 0};
+                top_k_ids(biased + g * per, NULL, per, best2, top);
+                gscore[g] = biased[g * per + top[0]];
+                if (best2 > 1) gscore[g] += biased[g * per + top[1]];
             }
-            ids[j] = best;
+            top_k_ids(gscore, NULL, n_group, topk_group, gids);
+            allowed = (unsigned char *)(scratch + 2 * e);
+            memset(allowed, 0, (size_t)e);
+            for (int64_t g = 0; g < topk_group; g++) memset(allowed + gids[g] * per, 1, (size_t)per);
         }
+        top_k_ids(biased, allowed, e, k, ids);
     }
     for (int64_t j = 0; j < k; j++)
-        if (ids[j] < 0 || ids[j] >= e) { free(scores); free(gu); free(act); free(y); return -1; }
+        if (ids[j] < 0 || ids[j] >= e) return -1;
     double total = 0.0;
     for (int64_t j = 0; j < k; j++) total += scores[ids[j]];
     total += 1e-20;
-    float wts[MOE_MAX_K];
-    for (int64_t j = 0; j < k; j++) wts[j] = (float)((double)scores[ids[j]] / total * route_scale);
-    /* experts in ascending id order (a stable insertion sort keeps equal ids in routing order) */
+    for (int64_t j = 0; j < k; j++)
+        wts[j] = (float)(renorm ? (double)scores[ids[j]] / total * route_scale : (double)scores[ids[j]] * route_scale);
     for (int64_t j = 1; j < k; j++)
         for (int64_t q = j; q > 0 && ids[q - 1] > ids[q]; q--) {
             int64_t ti = ids[q]; ids[q] = ids[q - 1]; ids[q - 1] = ti;
             float tw = wts[q]; wts[q] = wts[q - 1]; wts[q - 1] = tw;
         }
+    return 0;
+}
 
-    memset(out, 0, sizeof(float) * (size_t)h);
+/* routing of `rows` rows: ids [rows, k] ascending per row, weights [rows, k]. Returns 0, or -1 on a
+ * bad argument or expert id (what was written is then meaningless). */
+int kv_route(const float *x, int64_t rows, int64_t h, const float *router_w, int64_t e, int scoring,
+             const float *bias, const int64_t *tid2eid, const int64_t *tokens, int64_t k, double route_scale,
+             int64_t n_group, int64_t topk_group, int renorm, int64_t *ids, float *wts) {
+    if (k < 1 || k > MOE_MAX_K || k > e || n_group < 1 || n_group > MOE_MAX_GROUPS || e % n_group
+        || topk_group < 1 || topk_group > n_group) return -1;
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * e));
+    if (!scratch) return -1;
+    int rc = 0;
+    for (int64_t r = 0; r < rows && rc == 0; r++)
+        rc = route_row(x + r * h, h, router_w, e, scoring, bias, tid2eid ? tid2eid + tokens[r] * k : NULL, k,
+                       route_scale, n_group, topk_group, renorm, scratch, ids + r * k, wts + r * k);
+    free(scratch);
+    return rc;
+}
+
+/* act = silu(min(gate, L)) * clamp(up, -L, L), elementwise */
+static void swiglu(const float *gate, const float *up, float *act, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i] < limit ? gate[i] : limit;
+        float u = up[i] < -limit ? -limit : (up[i] > limit ? limit : up[i]);
+        act[i] = silu_f(g) * u;
+    }
+}
+
+/* out [rows, n] = swiglu of rows of gate and up (each row at stride ld) */
+void kv_swiglu(const float *gate, const float *up, int64_t ld, float *out, int64_t rows, int64_t n, float limit) {
+    for (int64_t r = 0; r < rows; r++) swiglu(gate + r * ld, up + r * ld, out + r * n, n, limit);
+}
+
+/* The whole MoE layer for one row: y = sum over the routed experts, ascending, of
+ * w_e * down_e(swiglu(gate_e x, up_e x)), starting from the first term, then + shared(x): the
+ * operations, in order, of kv_route + kv_matmul + kv_swiglu + numerics/rows.py's combination, so
+ * the one-row path and the batched one give the same bits. Returns 0, or -1 on a bad argument. */
+int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
+               const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
+               int64_t n_group, int64_t topk_group, int renorm,
+               const float *w13, const float *w2, int64_t inter, float limit,
+               const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
+               float *out) {
+    int64_t ids[MOE_MAX_K];
+    float wts[MOE_MAX_K];
+    if (kv_route(x, 1, h, router_w, e, scoring, bias, tid2eid, token, k, route_scale, n_group, topk_group,
+                 renorm, ids, wts) != 0) return -1;
+    int64_t buf = 2 * (inter > shared_inter ? inter : shared_inter);
+    float *gu = malloc(sizeof(float) * (size_t)buf);
+    float *act = malloc(sizeof(float) * (size_t)(buf / 2 + 1));
+    float *y = malloc(sizeof(float) * (size_t)h);
+    if (!gu || !act || !y) { free(gu); free(act); free(y); return -1; }
     for (int64_t j = 0; j < k; j++) {
         const float *wa = w13 + ids[j] * 2 * inter * h, *wb = w2 + ids[j] * h * inter;
         gemv(wa, x, gu, 2 * inter, h);
-        swiglu(gu, act, inter, limit);
+        swiglu(gu, gu + inter, act, inter, limit);
         gemv(wb, act, y, h, inter);
-        for (int64_t i = 0; i < h; i++) out[i] += wts[j] * y[i];
+        if (j == 0)
+            for (int64_t i = 0; i < h; i++) out[i] = y[i] * wts[0];
+        else
+            for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i] * wts[j];
     }
     if (shared_gate) {
         gemv(shared_gate, x, gu, shared_inter, h);
         gemv(shared_up, x, gu + shared_inter, shared_inter, h);
-        swiglu(gu, act, shared_inter, limit);
+        swiglu(gu, gu + shared_inter, act, shared_inter, limit);
         gemv(shared_down, act, y, h, shared_inter);
-        for (int64_t i = 0; i < h; i++) out[i] += y[i];
+        for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i];
     }
-    free(scores); free(gu); free(act); free(y);
+    free(gu); free(act); free(y);
     return 0;
 }
 

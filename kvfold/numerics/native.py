@@ -30,8 +30,11 @@ import torch
 from ..paths import cache_root
 
 _SOURCE = Path(__file__).with_name("native.c")
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
-_TUNE = ["-march=native"]  # dropped on a retry where the compiler rejects it
+# -ffp-contract=off: every C expression is evaluated as written (no fused multiply-adds chosen by the
+# compiler), so the kernels' arithmetic is fixed by the source (native.c's header).
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11", "-ffp-contract=off"]
+# tried in order: a compiler without -march=native or OpenMP still builds the kernels (single-threaded)
+_VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -42,8 +45,11 @@ _SIGNATURES = {
     "kv_hc_collapse": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _P, _P, _P]),
     "kv_hc_head": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _D, _D, _P]),
     "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
-    "kv_moe_one": (ctypes.c_int, [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _P, _P, _I, ctypes.c_float,
-                                  _P, _P, _P, _I, _P]),
+    "kv_moe_one": (ctypes.c_int, [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int,
+                                  _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _P]),
+    "kv_route": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int, _P, _P]),
+    "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
+    "kv_matmul": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _I]),
     "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
     "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
     "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
@@ -68,10 +74,12 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str) -> Path:
-    try:
-        return _build_with(compiler, _FLAGS + _TUNE)
-    except subprocess.CalledProcessError:
-        return _build_with(compiler, _FLAGS)  # e.g. a compiler without -march=native
+    for extra in _VARIANTS[:-1]:
+        try:
+            return _build_with(compiler, _FLAGS + extra)
+        except subprocess.CalledProcessError:
+            pass
+    return _build_with(compiler, _FLAGS + _VARIANTS[-1])
 
 
 def _build_with(compiler: str, flags: list[str]) -> Path:

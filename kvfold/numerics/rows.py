@@ -2,19 +2,25 @@
 
 In batch-invariant mode a row's result must not depend on which other rows share a call: a
 sequence's tokens must not change with the server's load, and a prefix-cache hit must be
-bit-identical to a cold run. Two CPU effects break that, both measured here (torch 2.13, MKL,
-AVX2, 1 and 2 threads):
-  * GEMM kernels: a row gets the same bits for any row count that is a multiple of 4 between 4
-    and 256, and other bits at 1-3 rows or past 256 (other kernels, other blocking);
-  * vectorised elementwise kernels (sigmoid, exp, silu, ...) compute the last numel % 16 elements
-    of a tensor with a scalar routine whose bits differ from the SIMD one.
-So invariant batches pad their rows to a multiple of ROW_MULTIPLE = 8 (every [rows, n] tensor
-with even n then has numel % 16 == 0), the routed experts' rows to a multiple of 4
-(`pad_index`), and `row_mm` runs more than ROW_TILE rows in tiles while `invariant_rows()` is
-active (outside it, a prefill GEMM reads each weight once for all its rows).
+bit-identical to a cold run. Third-party CPU kernels give no such promise: MKL and ATen pick
+other GEMM kernels and blockings by row count, instruction set and thread count, and ATen's
+vectorised elementwise and reduction kernels compute tails and thread chunks with other code
+than the body. So inside `invariant_rows()` every token-parallel op (the ones that run on the
+concatenated rows of several sequences) goes through native.c, whose arithmetic the program
+fixes:
+  * `row_mm` (projections, experts, router, lm_head, the grouped output projection): every
+    output is native.c's one `dot`, a fixed sequence of roundings that depends on K only, not
+    on the row count, the row's place in its tile, the thread count or the vector width;
+  * `row_swiglu` and `route_rows` (the MoE's activations and routing): each row on its own,
+    transcendental functions as scalar libm calls;
+  * RMSNorm, rope and the mHC collapse, head and expand are native per-row kernels already.
+The MoE combines its experts with elementwise IEEE adds and multiplies in ascending expert
+order, which are exact whatever kernel runs them. What runs per sequence (compressor folds,
+indexer, attention, KDA) sees only that sequence's rows, in a fresh buffer of the same shape it
+would have alone (`own_rows`).
 
-The price is the small-batch GEMM: on this CPU a 4-row GEMM costs 3-7x a 1-row GEMV, so a lone
-decode step runs slower in this mode; it is the serving engine's default, not the library's.
+The native kernels are fp32 CPU code: `invariance_unsupported` says why a model cannot use the
+mode (other dtypes, other devices, no C compiler).
 """
 from __future__ import annotations
 
@@ -24,53 +30,144 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
-ROW_MULTIPLE = 8
-EXPERT_ROW_MULTIPLE = 4
-ROW_TILE = 256
+from ..errors import ConfigError
+from . import native
 
-
-def padded_count(n: int, multiple: int = ROW_MULTIPLE) -> int:
-    """The smallest positive multiple of `multiple` that holds n rows."""
-    return max(multiple, -(-n // multiple) * multiple)
-
-
-def pad_index(index: torch.Tensor, multiple: int = EXPERT_ROW_MULTIPLE) -> torch.Tensor:
-    """Row indices padded (by repeating the first) to a row count a matmul gives invariant bits for."""
-    n = index.shape[0]
-    extra = padded_count(n, multiple) - n
-    if extra == 0:
-        return index
-    return torch.cat([index, index[:1].expand(extra)])
-
-
-_TILE: contextvars.ContextVar[int | None] = contextvars.ContextVar("kvfold_row_tile", default=None)
+_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
+_SERIAL_MACS = 1 << 17  # below this a matmul runs on one thread (the thread count changes no bits)
 
 
 @contextlib.contextmanager
 def invariant_rows(on: bool = True):
-    """Within: `row_mm` (and `row_tile()` readers) split long inputs into ROW_TILE-row tiles."""
-    token = _TILE.set(ROW_TILE if on else None)
+    """Within: token-parallel ops take the batch-invariant native kernels."""
+    token = _ON.set(bool(on))
     try:
         yield
     finally:
-        _TILE.reset(token)
-
-
-def row_tile() -> int | None:
-    """The row tile in force (None: whole inputs)."""
-    return _TILE.get()
+        _ON.reset(token)
 
 
 def rows_invariant() -> bool:
     """Whether the current model call runs in batch-invariant mode (inside `invariant_rows()`)."""
-    return _TILE.get() is not None
+    return _ON.get()
+
+
+def invariance_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why a model of this dtype and device cannot run batch-invariant, or None if it can."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return f"batch-invariant mode runs fp32 models on the CPU (this one is {dtype} on {device})"
+    if native.library() is None:
+        return "batch-invariant mode needs kvfold's native CPU kernels (a C compiler, and KVFOLD_NATIVE not 0)"
+    return None
+
+
+def _lib():
+    lib = native.library()
+    if lib is None:
+        raise ConfigError("batch-invariant mode needs kvfold's native CPU kernels, which are off "
+                          "(use_native(False) or KVFOLD_NATIVE=0); turn the mode off first")
+    return lib
+
+
+def _threads(macs: int) -> int:
+    return 1 if macs < _SERIAL_MACS else torch.get_num_threads()
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32 [M, K] rows with unit stride along K (a view where possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32 or x2.device.type != "cpu":
+        raise TypeError(f"batch-invariant matmul takes fp32 CPU rows, got {x2.dtype} on {x2.device}")
+    return x2 if x2.stride(-1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= x2.shape[1]) else x2.contiguous()
+
+
+def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T with native.c's fixed-order dot for every output."""
+    x2, w = _rows_of(x), weight if weight.is_contiguous() else weight.contiguous()
+    if w.dtype != torch.float32:
+        raise TypeError(f"batch-invariant matmul takes fp32 weights, got {w.dtype}")
+    m, k = x2.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m and n:
+        _lib().kv_matmul(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), out.data_ptr(), n, m, n, k,
+                         _threads(m * n * k))
+    return out.view(*x.shape[:-1], n)
 
 
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T; inside `invariant_rows()`, rows in tiles of ROW_TILE."""
-    tile = _TILE.get()
-    if tile is None or x.numel() <= tile * x.shape[-1]:
-        return F.linear(x, weight)
-    if x.dim() != 2:
-        return row_mm(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
-    return torch.cat([F.linear(x[i:i + tile], weight) for i in range(0, x.shape[0], tile)])
+    """x [..., K] @ weight[N, K]^T: `invariant_mm` inside `invariant_rows()`, else torch's GEMM."""
+    if _ON.get():
+        return invariant_mm(x, weight)
+    return F.linear(x, weight)
+
+
+def grouped_row_mm(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [T, G, in] -> [T, G*R] with group g's rows of weight [G*R, in] applied to x[:, g]; in
+    batch-invariant mode (each group one `invariant_mm` into its columns)."""
+    t, g, k = x.shape
+    per = weight.shape[0] // groups
+    x = x if x.is_contiguous() else x.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(t, g * per, dtype=torch.float32)
+    lib = _lib()
+    for i in range(groups):
+        lib.kv_matmul(x.data_ptr() + 4 * i * k, g * k, w.data_ptr() + 4 * i * per * k, out.data_ptr() + 4 * i * per,
+                      g * per, t, per, k, _threads(t * per * k))
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L); inside `invariant_rows()` per row in native.c."""
+    if not _ON.get():
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    n = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1 or g2.stride(0) != u2.stride(0) or g2.dtype != torch.float32:
+        g2, u2 = g2.float().contiguous(), u2.float().contiguous()
+    out = torch.empty(g2.shape[0], n, dtype=torch.float32)
+    _lib().kv_swiglu(g2.data_ptr(), u2.data_ptr(), g2.stride(0) if g2.shape[0] > 1 else n, out.data_ptr(),
+                     g2.shape[0], n, limit)
+    return out.view(*gate.shape)
+
+
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, scale: float, *,
+               bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
+               token_ids: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+               renorm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's experts in native.c (batch-invariant): -> (weights [T, k] fp32, ids [T, k]
+    ascending per row). Hash routing (tid2eid[token]) or biased top-k (ties to the lower id,
+    within the topk_group best of n_group groups); weights scores[ids] / sum * scale (float64),
+    or scores[ids] * scale without `renorm`."""
+    x2 = _rows_of(x).contiguous()
+    t, h = x2.shape
+    e = router_w.shape[0]
+    ids = torch.empty(t, k, dtype=torch.int64)
+    wts = torch.empty(t, k, dtype=torch.float32)
+    args = [None if a is None else a.contiguous() for a in (router_w.float(), bias, tid2eid, token_ids)]
+    w_ptr, bias_ptr, table_ptr, tok_ptr = (None if a is None else a.data_ptr() for a in args)
+    rc = _lib().kv_route(x2.data_ptr(), t, h, w_ptr, e, SCORING[scoring], bias_ptr, table_ptr, tok_ptr, k, scale,
+                         n_group, topk_group, int(renorm), ids.data_ptr(), wts.data_ptr())
+    if rc != 0:
+        raise ValueError(f"routing refused: k={k} of {e} experts, {n_group} groups (top {topk_group}), "
+                         f"or an expert id out of range in tid2eid")
+    return wts, ids
+
+
+def combine_experts(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[:, j] * per_slot[:, j] for per_slot [T, k, H] whose slots are in ascending
+    expert order, left to right from the first term: elementwise IEEE operations, the same ones
+    and in the same order as native.c's kv_moe_one."""
+    out = per_slot[:, 0] * weights[:, :1]
+    for j in range(1, per_slot.shape[1]):
+        out = out + per_slot[:, j] * weights[:, j:j + 1]
+    return out
+
+
+def own_rows(a: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    """A sequence's rows of a batch tensor in a fresh buffer: the shape, strides and alignment it
+    would have if the sequence ran alone (per-sequence kernels then see the same input)."""
+    return (a if rows is None else a[rows]).clone(memory_format=torch.contiguous_format)
