@@ -5,6 +5,7 @@ MKL or ATen; `make test` runs this file a second time with MKL and ATen held to 
 machine checks both instruction sets' kernels around it.
 """
 import contextlib
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ import torch
 from helpers import random_ids
 from kvfold.errors import CapacityError, ConfigError
 from kvfold.numerics.rows import invariant_mm, invariant_rows, row_mm, swiglu
+
+
+pytestmark = pytest.mark.batch_invariance
 
 
 def prefill(model, ids, capacity=700, kv_dtype=None):
@@ -39,20 +43,29 @@ def invariant(tiny):
     tiny.set_batch_invariant(False)
 
 
+def fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """a * b + c rounded once to float32 (to nearest, ties to even), from the exact rational value."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    guess = np.float32(float(exact))
+    cands = [guess, np.nextafter(guess, np.float32(np.inf)), np.nextafter(guess, np.float32(-np.inf))]
+    return min(cands, key=lambda f: (abs(Fraction(float(f)) - exact), int(f.view(np.uint32)) & 1))
+
+
 def fixed_order_dot(a: np.ndarray, b: np.ndarray, lanes: int = 8) -> np.float32:
-    """native.c's `dot` by hand, in float32 numpy: lane j sums a[i] b[i] for i = j (mod lanes) in
-    ascending i, the tail in ascending i, then lanes 0..7 in order and the tail last."""
+    """native.c's `dot` by hand: lane j accumulates a[i] b[i] for i = j (mod lanes) in ascending i
+    with fused multiply-adds, the tail likewise, then the lanes summed by halving, the tail last."""
     n = a.shape[0] - a.shape[0] % lanes
-    acc = np.zeros(lanes, dtype=np.float32)
+    acc = [np.float32(0)] * lanes
     for i in range(0, n, lanes):
-        acc = acc + a[i:i + lanes] * b[i:i + lanes]
+        acc = [fma32(a[i + j], b[i + j], acc[j]) for j in range(lanes)]
     tail = np.float32(0)
     for i in range(n, a.shape[0]):
-        tail = np.float32(tail + a[i] * b[i])
-    s = np.float32(0)
-    for j in range(lanes):
-        s = np.float32(s + acc[j])
-    return np.float32(s + tail)
+        tail = fma32(a[i], b[i], tail)
+    half = lanes // 2
+    while half:
+        acc = [np.float32(acc[j] + acc[j + half]) for j in range(half)]
+        half //= 2
+    return np.float32(acc[0] + tail)
 
 
 @pytest.mark.parametrize("k", [5, 64, 77, 256])

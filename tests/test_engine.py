@@ -273,3 +273,55 @@ def test_async_engine_streams_cancels_and_shuts_down(tiny):
     aeng.shutdown()  # ends the request still running, frees its state
     m = aeng.metrics()
     assert (m["live_states"], m["requests_cancelled"]) == (0, 2)
+
+
+def record_logits(monkeypatch, model, engine):
+    """Every row of logits the engine's model calls return, per request: {request id: [(pos, logits)]}."""
+    seen: dict[str, list] = {}
+    real = model.forward_batch
+
+    def spy(batch, last_only=True):
+        owners = {id(s.state): s.request_id for s in engine.scheduler.running if s.state is not None}
+        before = [(owners[id(st)], st.pos + len(ids)) for ids, st in batch]
+        out = real(batch, last_only=last_only)
+        for (rid, pos), lg in zip(before, out):
+            seen.setdefault(rid, []).append((pos, lg.clone()))
+        return out
+
+    monkeypatch.setattr(model, "forward_batch", spy)
+    return seen
+
+
+@pytest.mark.batch_invariance
+def test_a_requests_logits_do_not_depend_on_the_servers_load(tiny, monkeypatch):
+    """Bit for bit: the logits of every step of a request, alone and beside seven others (long
+    prefills, decodes, a prefix-cache hit of its own prompt), sampled with temperature."""
+    target = long_ids(tiny, 300, "T")
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, stop_token_ids=[])
+    solo = Engine(tiny, max_seq_len=1024, prefix_cache_bytes=0)
+    assert tiny.batch_invariant  # the engine's default on an fp32 CPU model
+    alone = record_logits(monkeypatch, tiny, solo)
+    (want,) = solo.generate([target], sp)
+    monkeypatch.undo()
+
+    loaded = Engine(tiny, max_seq_len=1024, max_batch_tokens=300)
+    seen = record_logits(monkeypatch, tiny, loaded)
+    others = [long_ids(tiny, n, f"O{n}") for n in (1, 7, 129, 260, 2)] + [target[:200], target]
+    rids = [loaded.add_request(p, SamplingParams(max_tokens=6 + i, temperature=1.0, seed=i))
+            for i, p in enumerate(others[:6])]
+    rid_t = loaded.add_request(target, sp)  # its prompt's first blocks may be cached by then
+    rid_t2 = None
+    outs: dict[str, list[int]] = {}
+    while loaded.has_unfinished():
+        for o in loaded.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.request_id == rids[2] and o.finished and rid_t2 is None:
+                rid_t2 = loaded.add_request(target, sp)  # the same request again, under load, from the cache
+    assert outs[rid_t] == want.token_ids == outs[rid_t2]
+    assert loaded.metrics()["prefix_cache_hit_tokens"] >= 256  # the second run started from the cache
+    ref = dict(alone[next(iter(alone))])
+    for rid in (rid_t, rid_t2):
+        got = seen[rid]
+        assert len(got) >= 12 and all(pos in ref for pos, _ in got)
+        for pos, lg in got:
+            assert torch.equal(lg, ref[pos]), f"request {rid}: logits at position {pos} differ under load"

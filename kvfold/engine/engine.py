@@ -44,7 +44,7 @@ class Engine:
     def __init__(self, model: Any, *, max_seq_len: int = 4096, max_running: int = 16, max_queue: int = 256,
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
                  prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool | None = None):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
@@ -56,8 +56,9 @@ class Engine:
         max_seq_len tokens (at most max_state_bytes, at least one such sequence); 0: private
         per-sequence pools, no page sharing. `batch_invariant`: switch the model (for every user
         of this model object) to batch-invariant numerics, so a request's tokens never depend on
-        what else is running; False keeps the fastest kernels, whose last bits may change with
-        the batch."""
+        what else is running; None (default) does so where the model supports it (fp32 on the
+        CPU with the native kernels), True insists (ConfigError where it cannot hold), False
+        keeps torch's kernels, whose last bits may change with the batch."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -72,7 +73,7 @@ class Engine:
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
         self.model = model
-        if batch_invariant and hasattr(model, "set_batch_invariant"):
+        if batch_invariant or (batch_invariant is None and model.supports_batch_invariance):
             model.set_batch_invariant(True)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.max_seq_len = max_seq_len

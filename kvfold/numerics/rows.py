@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from . import native
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
+_F32 = torch.float32
 _SERIAL_MACS = 1 << 17  # below this a matmul runs on one thread (the thread count changes no bits)
 
 
@@ -83,16 +84,17 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
 
 def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T with native.c's fixed-order dot for every output."""
-    x2, w = _rows_of(x), weight if weight.is_contiguous() else weight.contiguous()
-    if w.dtype != torch.float32:
+    x2 = x if x.dim() == 2 and x.is_contiguous() and x.dtype is _F32 and x.is_cpu else _rows_of(x)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    if w.dtype is not _F32:
         raise TypeError(f"batch-invariant matmul takes fp32 weights, got {w.dtype}")
     m, k = x2.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
+    out = torch.empty(m, n, dtype=_F32)
     if m and n:
         _lib().kv_matmul(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), out.data_ptr(), n, m, n, k,
                          _threads(m * n * k))
-    return out.view(*x.shape[:-1], n)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-page-bytes", type=_int_at_least(0), default=None,
                    help="bytes of the shared compressed-KV page pool, 0 for private per-sequence pools "
                         "(default: room for max-running sequences of max-seq-len)")
-    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                   help="fastest kernels: a request's last logit bits (and, at near-ties, its tokens) may then "
-                        "depend on what else is running (default: batch-invariant, see README)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,
+                   help="torch's kernels: a request's last logit bits (and, at near-ties, its tokens) may then "
+                        "depend on what else is running (default: batch-invariant wherever the model supports "
+                        "it, fp32 on the CPU; see README)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
     return p
