@@ -332,13 +332,14 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
         raise CheckpointError("save_checkpoint writes float weights, but this model keeps its FP8 / FP4 weights "
                               "quantized (loaded with weights='quantized'); load it with weights='dequant' to save "
                               "it, or use `kvfold convert` to rewrite its checkpoint files without decoding them")
+    config = model.config.to_hf_dict()  # ConfigError, before anything is written, if the layout can't hold it
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
     if model.mtp is not None:
         tensors.update({k: v.cpu() for k, v in official_mtp_weights(model.mtp).items()})
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 
 

@@ -4,6 +4,8 @@ Accepts the transformers layout (`layer_types`, `compress_rates`, `mlp_layer_typ
 `rope_parameters`) and the legacy/official keys (`compress_ratios`, `num_hash_layers`,
 `qk_rope_head_dim`, `rope_scaling`). The layer type always comes from the explicit schedule;
 a config without one is refused rather than guessed (HF's fallback is wrong for V4-Pro).
+Official `compress_ratios` read as the release's inference code reads them: 0 sliding window,
+4 CSA, any other positive ratio HCA.
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
-_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,20 @@ class Dsv4Config:
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def compress_rates(self) -> dict[str, int]:
+        """The one compress rate of each compressed layer type present (the transformers layout's
+        `compress_rates`). ConfigError when one type runs at several ratios (the official layout allows
+        that, e.g. HCA layers at 16 and 128; the transformers layout cannot say it)."""
+        rates: dict[str, set[int]] = {}
+        for t, r in zip(self.layer_types, self.compress_ratios):
+            if t != SLIDING:
+                rates.setdefault(t, set()).add(r)
+        mixed = {t: sorted(rs) for t, rs in rates.items() if len(rs) > 1}
+        if mixed:
+            raise ConfigError(f"the transformers layout has one compress rate per layer type; this config has "
+                              f"{mixed} (keep it in the official layout)")
+        return {t: rs.pop() for t, rs in rates.items()}
+
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-style `config.json` dictionary (used to save tiny checkpoints)."""
         rope_compress: dict[str, Any] = {
@@ -119,7 +134,7 @@ class Dsv4Config:
             "o_lora_rank": self.o_lora_rank,
             "sliding_window": self.sliding_window,
             "layer_types": list(self.layer_types),
-            "compress_rates": {t: r for t, r in zip(self.layer_types, self.compress_ratios) if t != SLIDING},
+            "compress_rates": self.compress_rates(),
             "mlp_layer_types": list(self.mlp_layer_types),
             "index_n_heads": self.index_n_heads,
             "index_head_dim": self.index_head_dim,
@@ -175,6 +190,28 @@ def _yarn_from(d: dict | None) -> YarnParams | None:
     )
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _official_schedule(compress_ratios: Any, n: int, csa_rate: int) -> tuple[list[str], tuple[int, ...]]:
+    """The layer schedule of the official `compress_ratios` (one int per layer, then one per MTP block), read
+    as the release's inference code reads it: 0 is a sliding-window-only layer, 4 a CSA layer (overlapping
+    compressor plus lightning indexer), any other positive ratio an HCA layer (non-overlapping, no indexer).
+    A config that also sets `compress_rate_csa` (or `compress_rates`' CSA entry) moves CSA to that ratio."""
+    if not isinstance(compress_ratios, (list, tuple)):
+        raise ConfigError(f"compress_ratios must be a list of integers, got {compress_ratios!r}")
+    bad = [r for r in compress_ratios if not _is_int(r) or r < 0]
+    if bad:
+        raise ConfigError(f"compress_ratios {list(compress_ratios)} has entries that are not integers >= 0: {bad} "
+                          f"(0 = sliding window, {csa_rate} = CSA, any other positive ratio = HCA)")
+    if len(compress_ratios) < n:
+        raise ConfigError(f"compress_ratios lists {len(compress_ratios)} entries; the model has {n} layers")
+    ratios = tuple(compress_ratios[:n])
+    types = [SLIDING if r == 0 else CSA if r == csa_rate else HCA for r in ratios]
+    return types, ratios
+
+
 def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
     """Build a validated config from a `config.json` dictionary (HF or legacy keys)."""
     n = int(_require(d, "num_hidden_layers", "n_layers"))
@@ -195,29 +232,25 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
 
     rates = dict(d.get("compress_rates") or {})
     if d.get("compress_rate_csa") is not None:
-        rates[CSA] = int(d["compress_rate_csa"])
+        rates[CSA] = d["compress_rate_csa"]
     if d.get("compress_rate_hca") is not None:
-        rates[HCA] = int(d["compress_rate_hca"])
+        rates[HCA] = d["compress_rate_hca"]
     rates.setdefault(CSA, 4)
     rates.setdefault(HCA, 128)
+    for t in (CSA, HCA):
+        if not (_is_int(rates[t]) and rates[t] > 0):
+            raise ConfigError(f"the compress rate of {t} must be a positive integer, got {rates[t]!r}")
 
-    if d.get("layer_types") is not None:
+    if d.get("layer_types") is not None:  # transformers layout: one compress rate per layer type
         layer_types = list(d["layer_types"])[:n]
-    elif d.get("compress_ratios") is not None:
-        try:
-            layer_types = [_RATIO_TO_TYPE[int(r)] if int(r) in _RATIO_TO_TYPE else
-                           (CSA if int(r) == rates[CSA] else HCA if int(r) == rates[HCA] else None)
-                           for r in d["compress_ratios"][:n]]
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"bad compress_ratios: {e}") from None
-        if None in layer_types:
-            raise ConfigError(f"compress_ratios {d['compress_ratios']} has values other than 0, 4, 128")
+        if len(layer_types) != n or any(t not in LAYER_TYPES for t in layer_types):
+            raise ConfigError(f"layer_types must list {n} entries from {LAYER_TYPES}; got {layer_types}")
+        ratios = tuple(0 if t == SLIDING else rates[t] for t in layer_types)
+    elif d.get("compress_ratios") is not None:  # official layout: one ratio per layer
+        layer_types, ratios = _official_schedule(d["compress_ratios"], n, rates[CSA])
     else:
         raise ConfigError("config.json has neither `layer_types` nor `compress_ratios`; "
                           "kvfold takes the layer schedule from the config and will not guess it")
-    if len(layer_types) != n or any(t not in LAYER_TYPES for t in layer_types):
-        raise ConfigError(f"layer_types must list {n} entries from {LAYER_TYPES}; got {layer_types}")
-    ratios = tuple(0 if t == SLIDING else int(rates[t]) for t in layer_types)
 
     if d.get("mlp_layer_types") is not None:
         mlp_types = list(d["mlp_layer_types"])[:n]
@@ -302,8 +335,10 @@ def _validate(c: Dsv4Config) -> None:
         problems.append(f"n_shared_experts={c.n_shared_experts}: only 0 or 1 shared expert is supported")
     if c.sliding_window < 1:
         problems.append("sliding_window must be >= 1")
-    if any(r < 0 for r in c.compress_ratios):
-        problems.append("compress ratios must be positive")
+    if len(c.compress_ratios) != len(c.layer_types) or any(
+            not _is_int(r) or (r != 0 if t == SLIDING else r < 1) for t, r in zip(c.layer_types, c.compress_ratios)):
+        problems.append(f"compress ratios {c.compress_ratios} must be 0 on sliding layers and a positive integer "
+                        f"on compressed ones ({c.layer_types})")
     if problems:
         raise ConfigError("invalid DeepSeek-V4 config: " + "; ".join(problems))
 

@@ -44,8 +44,8 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0
 
 def official_config_dict(cfg: Dsv4Config, quantized: bool = True, expert_fp4: bool = True) -> dict:
     """`cfg` in the official config.json keys (what the release's `inference/config.json` uses), plus the
-    bos/eos ids and, when the schedule needs them, the explicit layer types. `config_from_dict` reads it
-    back to an equal config."""
+    bos/eos ids and, when the schedule needs them (a CSA ratio other than 4, or an HCA ratio of 4), the
+    explicit layer types. `config_from_dict` reads it back to an equal config."""
     yarn = cfg.compress_yarn
     n_hash = sum(1 for t in cfg.mlp_layer_types if t == "hash_moe")
     d = {
@@ -72,8 +72,9 @@ def official_config_dict(cfg: Dsv4Config, quantized: bool = True, expert_fp4: bo
     }
     if cfg.mlp_layer_types != tuple(["hash_moe"] * n_hash + ["moe"] * (cfg.num_hidden_layers - n_hash)):
         d["mlp_layer_types"] = list(cfg.mlp_layer_types)
-    rates = {t: r for t, r in zip(cfg.layer_types, cfg.compress_ratios) if t != SLIDING}
-    if rates.get(CSA, 4) != 4 or rates.get(HCA, 128) != 128:
+    # the release's code reads ratio 4 as CSA and any other as HCA; a schedule it would misread keeps its types
+    if any((t == CSA) != (r == 4) for t, r in zip(cfg.layer_types, cfg.compress_ratios) if t != SLIDING):
+        rates = cfg.compress_rates()  # ConfigError if one type has several ratios: not expressible then
         d["layer_types"] = list(cfg.layer_types)
         d["compress_rate_csa"], d["compress_rate_hca"] = rates.get(CSA, 4), rates.get(HCA, 128)
     if quantized:
@@ -182,6 +183,8 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
     if dst.exists() and any(dst.iterdir()):
         raise ConfigError(f"{dst} exists and is not empty; convert writes a new directory")
     cfg = load_config(src)
+    # a layer schedule the target layout cannot hold is refused before anything is written
+    _ = cfg.to_hf_dict() if to == "hf" else official_config_dict(cfg)
     try:
         settings = QuantSettings.from_config_dict(read_config_dict(src))
     except ValueError as e:

@@ -246,12 +246,24 @@ def test_invariant_collapse_is_native_per_row_at_any_thread_count():
         torch.set_num_threads(before)
 
 
-def test_a_compiler_without_march_native_still_builds_the_kernels(tmp_path):
+_MM_PROBE = ("import hashlib, torch\n"
+             "from kvfold.numerics import native\n"
+             "from kvfold.numerics.rows import invariant_mm\n"
+             "g = torch.Generator().manual_seed(0)\n"
+             "x, w = torch.randn(9, 203, generator=g), torch.randn(7, 203, generator=g)\n"
+             "print(native.available(), hashlib.sha256(invariant_mm(x, w).numpy().tobytes()).hexdigest())\n")
+
+
+def test_a_compiler_without_march_native_still_builds_the_kernels_with_the_same_bits(tmp_path):
+    """Without -march=native the fixed-order dot runs lane by lane with fmaf instead of AVX2
+    fused multiply-adds: the same IEEE operations in the same order, so the same bits."""
     fake = tmp_path / "cc-no-march"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\nexec cc "$@"\n')
     fake.chmod(0o755)
-    r = _fresh_python("from kvfold.numerics import native; print(native.available())", CC=str(fake),
-                      KVFOLD_CACHE_DIR=str(tmp_path / "cache"))
+    r = _fresh_python(_MM_PROBE, CC=str(fake), KVFOLD_CACHE_DIR=str(tmp_path / "cache"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "True"
+    here = _fresh_python(_MM_PROBE)
+    assert here.returncode == 0, here.stderr
+    assert r.stdout.split()[0] == "True"
+    assert r.stdout == here.stdout
     assert len(list((tmp_path / "cache").glob("native-*.so"))) == 1

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 import kvfold
 from kvfold.checkpoint import checkpoint_dtype_breakdown, load_weights, save_checkpoint
 from kvfold.checkpoint_names import hf_key_for_official, is_mtp_key, mtp_target, to_kvfold_name, to_official_names
-from kvfold.config import config_from_dict, load_config
+from kvfold.config import CSA, HCA, SLIDING, config_from_dict, load_config
 from kvfold.convert import convert, official_config_dict
-from kvfold.errors import CheckpointError
+from kvfold.errors import CheckpointError, ConfigError
 from kvfold.models.deepseek_v4 import Dsv4Model
 from kvfold.models.mtp import MtpModule
 from kvfold.models.tiny import init_random_, tiny_config
@@ -30,9 +30,9 @@ E8M0 = torch.float8_e8m0fnu
 IDS = [256, 5, 77, 3, 200, 9, 14, 250, 1, 33, 64, 128] * 4  # 48 tokens: CSA (r=4) and HCA (r=32) entries
 
 
-def tiny_v4():
+def tiny_v4(**overrides):
     # hidden 256: full 128x128 blocks; q_lora 192, heads*dim 256, kv 64, o 64x128, moe 80: partial blocks too
-    cfg = tiny_config(hidden_size=256, q_lora_rank=192, moe_intermediate_size=80)
+    cfg = tiny_config(hidden_size=256, q_lora_rank=192, moe_intermediate_size=80, **overrides)
     model = Dsv4Model(cfg)
     model.mtp = MtpModule(cfg, model.dtype, model.device)
     init_random_(model, 11)
@@ -339,3 +339,101 @@ def test_convert_refuses_foreign_tensors_before_writing(stored, original, tmp_pa
     with pytest.raises(CheckpointError, match="mystery"):
         convert(src, tmp_path / "dst", "hf")
     assert not (tmp_path / "dst").exists()
+
+
+# ---- official compress ratios: 0 sliding window, 4 CSA, any other positive ratio HCA --------------
+
+ODD_SCHEDULE = dict(layer_types=(CSA, HCA, SLIDING, CSA), compress_ratios=(4, 16, 0, 4))
+LONG_IDS = [256] + [(37 * i + 11) % 256 for i in range(79)]  # 80 tokens: 5 entries of the ratio-16 layer
+
+
+def official_dict_with(ratios, **extra):
+    d = official_config_dict(tiny_config(hidden_size=256, q_lora_rank=192, moe_intermediate_size=80))
+    for k in ("layer_types", "compress_rate_csa", "compress_rate_hca"):  # the release's keys only
+        d.pop(k, None)
+    d.update(compress_ratios=ratios, **extra)
+    return d
+
+
+def test_official_compress_ratio_16_loads_in_both_layouts_with_identical_logits(tmp_path):
+    original = tiny_v4(**ODD_SCHEDULE)
+    official_dir = write_official(tmp_path / "off", official_tensors(original), original.config)
+    raw = json.loads((official_dir / "inference" / "config.json").read_text())
+    assert raw["compress_ratios"] == [4, 16, 0, 4, 0] and "layer_types" not in raw  # the release's keys only
+    off = kvfold.load_model(official_dir)
+    assert off.config == original.config and off.page_tokens == 128
+    hf = kvfold.load_model(save_checkpoint(off, tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["compress_rates"] == {CSA: 4, HCA: 16}
+    assert hf.config == off.config
+    st = off.new_state(capacity=len(LONG_IDS))
+    ref = off.forward(LONG_IDS, st)
+    entries = st.layers[1].compressor.pool[:]  # the HCA layer: one entry per 16 tokens
+    assert entries.shape[0] == 5 and bool((entries.abs().sum(-1) > 0).all())
+    assert st.layers[1].indexer is None and st.layers[2].compressor is None and st.layers[3].indexer is not None
+    assert torch.equal(ref, hf.forward(LONG_IDS, hf.new_state(capacity=len(LONG_IDS))))
+    # paged state: pages of lcm(128, 4, 16) tokens hold the ratio-16 entries as well
+    pool = off.new_page_pool(1)
+    assert torch.equal(ref, off.forward(LONG_IDS, off.new_state(capacity=len(LONG_IDS), pages=pool)))
+    # convert round-trips the schedule: to hf (quantized bytes kept) and back to the official keys
+    conv = convert(official_dir, tmp_path / "conv", "hf")
+    back = convert(conv, tmp_path / "back", "official")
+    assert json.loads((back / "config.json").read_text())["compress_ratios"] == raw["compress_ratios"]
+    for d in (conv, back):
+        m = kvfold.load_model(d)
+        assert m.config == original.config, d
+        assert torch.equal(ref, m.forward(LONG_IDS, m.new_state(capacity=len(LONG_IDS)))), d
+
+
+def test_official_compress_ratios_follow_the_release_code():
+    c = config_from_dict(official_dict_with([4, 16, 0, 4, 0]))
+    assert c.layer_types == (CSA, HCA, SLIDING, CSA) and c.compress_ratios == (4, 16, 0, 4)
+    # several HCA ratios in one model: per layer in the official layout, inexpressible in the transformers one
+    c = config_from_dict(official_dict_with([4, 48, 128, 0]))
+    assert c.layer_types == (CSA, HCA, HCA, SLIDING) and c.compress_ratios == (4, 48, 128, 0)
+    assert config_from_dict(official_config_dict(c)) == c
+    with pytest.raises(ConfigError, match="one compress rate per layer type"):
+        c.to_hf_dict()
+    m = Dsv4Model(c)
+    assert m.page_tokens == 384  # lcm(128, 4, 48, 128)
+    st = m.new_state(capacity=2 * m.page_tokens)  # pools grow by state_bytes_per_token per token
+    pools = sum(x.pool.nbytes for ls in st.layers for x in (ls.compressor, ls.indexer) if x is not None)
+    assert pools == m.state_bytes_per_token() * 2 * m.page_tokens
+    assert st.layers[1].compressor.pool.shape[0] == 16 and st.layers[1].indexer is None
+    # a CSA ratio other than 4 keeps its explicit layer types when written in the official keys
+    c = config_from_dict(official_dict_with([8, 16, 0, 8], compress_rate_csa=8))
+    assert c.layer_types == (CSA, HCA, SLIDING, CSA) and c.compress_ratios == (8, 16, 0, 8)
+    d = official_config_dict(c)
+    assert d["layer_types"] == list(c.layer_types) and config_from_dict(d) == c
+
+
+def test_several_hca_ratios_run_from_the_official_layout_and_are_not_written_as_transformers(tmp_path):
+    original = tiny_v4(layer_types=(CSA, HCA, HCA, SLIDING), compress_ratios=(4, 16, 48, 0))
+    official_dir = write_official(tmp_path / "off", official_tensors(original), original.config)
+    off = kvfold.load_model(official_dir)
+    assert off.config.compress_ratios == (4, 16, 48, 0) and off.page_tokens == 384
+    ids = LONG_IDS + LONG_IDS[1:20]  # 99 tokens: 6 entries at ratio 16, 2 at ratio 48 (rows ceil(99 / r))
+    st = off.new_state(capacity=len(ids))
+    ref = off.forward(ids, st)
+    assert [st.layers[i].compressor.pool.shape[0] for i in (1, 2)] == [7, 3]
+    assert torch.equal(ref, off.forward(ids, off.new_state(capacity=len(ids), pages=off.new_page_pool(1))))
+    for write in (lambda: save_checkpoint(off, tmp_path / "hf"), lambda: convert(official_dir, tmp_path / "hf", "hf")):
+        with pytest.raises(ConfigError, match="one compress rate per layer type"):
+            write()
+        assert not (tmp_path / "hf").exists()
+    m = kvfold.load_model(convert(official_dir, tmp_path / "again", "official"))
+    assert m.config == original.config and torch.equal(ref, m.forward(ids, m.new_state(capacity=len(ids))))
+
+
+@pytest.mark.parametrize("ratios", [[4, -16, 0, 4], [4, 16.5, 0, 4], [4, "16", 0, 4], [4, True, 0, 4],
+                                    [4, 16, 0, None], [4, 16, 0, 4, -1], [4, 16, 0], "4,16,0,4"])
+def test_negative_or_odd_official_compress_ratios_are_refused(ratios):
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        config_from_dict(official_dict_with(ratios))
+
+
+def test_non_integer_compress_rates_are_refused():
+    base = tiny_config().to_hf_dict()
+    for bad in ({"compress_rates": {CSA: 4, HCA: 0}}, {"compress_rates": {CSA: 4.0, HCA: 16}},
+                {"compress_rate_hca": -128}, {"compress_rate_csa": "4"}):
+        with pytest.raises(ConfigError, match="compress rate"):
+            config_from_dict({**base, **bad})
