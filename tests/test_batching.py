@@ -36,11 +36,20 @@ def threads(n):
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def batch_invariance(model, on):
+    before = model.batch_invariant
+    model.set_batch_invariant(on)
+    try:
+        yield model
+    finally:
+        model.set_batch_invariant(before)
+
+
 @pytest.fixture
 def invariant(tiny):
-    tiny.set_batch_invariant(True)
-    yield tiny
-    tiny.set_batch_invariant(False)
+    with batch_invariance(tiny, True):
+        yield tiny
 
 
 def fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
@@ -188,14 +197,13 @@ def test_a_batch_is_one_pass_over_the_weights(tiny):
     hooks.append(tiny.lm_head.register_forward_hook(lambda m, i, o: calls.append(-i[0].shape[0])))
     try:
         for on in (False, True):
-            tiny.set_batch_invariant(on)
-            states = [prefill(tiny, random_ids(9 + i, tiny.config.vocab_size, seed=i)) for i in range(6)]
-            calls.clear()
-            tiny.forward_batch([([1], st) for st in states])
+            with batch_invariance(tiny, on):
+                states = [prefill(tiny, random_ids(9 + i, tiny.config.vocab_size, seed=i)) for i in range(6)]
+                calls.clear()
+                tiny.forward_batch([([1], st) for st in states])
             n_layers = tiny.config.num_hidden_layers
             assert calls == [6] * n_layers + [-6]  # 6 decode rows: one call per layer, one lm_head call
     finally:
-        tiny.set_batch_invariant(False)
         for h in hooks:
             h.remove()
 
@@ -203,19 +211,18 @@ def test_a_batch_is_one_pass_over_the_weights(tiny):
 def test_invariant_and_default_mode_agree_within_fp32_rounding(tiny):
     v = tiny.config.vocab_size
     prompts = [random_ids(n, v, seed=n) for n in (3, 50, 129)]
-    tiny.set_batch_invariant(True)
-    try:
+    with batch_invariance(tiny, True):
         want = [tiny.forward([5], prefill(tiny, p), last_only=True) for p in prompts]
-    finally:
-        tiny.set_batch_invariant(False)
-    got = tiny.forward_batch([([5], prefill(tiny, p)) for p in prompts])
+    with batch_invariance(tiny, False):
+        got = tiny.forward_batch([([5], prefill(tiny, p)) for p in prompts])
     for a, b in zip(want, got):
         # two fp32 summation orders through 4 layers: a few hundred ulps of the logits' scale
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
-def test_batch_invariance_is_refused_where_it_cannot_hold():
+def test_batch_invariance_is_the_default_where_it_holds_and_refused_elsewhere(tiny):
     import kvfold
+    assert kvfold.load_model("tiny").batch_invariant  # fp32 on the CPU with the native kernels
     bf16 = kvfold.load_model("tiny", dtype=torch.bfloat16)
     assert not bf16.supports_batch_invariance
     with pytest.raises(ConfigError, match="fp32"):

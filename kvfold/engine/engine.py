@@ -58,7 +58,7 @@ class Engine:
         of this model object) to batch-invariant numerics, so a request's tokens never depend on
         what else is running; None (default) does so where the model supports it (fp32 on the
         CPU with the native kernels), True insists (ConfigError where it cannot hold), False
-        keeps torch's kernels, whose last bits may change with the batch."""
+        switches it off: torch's kernels, whose last bits may change with the batch."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -73,8 +73,7 @@ class Engine:
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
         self.model = model
-        if batch_invariant or (batch_invariant is None and model.supports_batch_invariance):
-            model.set_batch_invariant(True)
+        model.set_batch_invariant(model.supports_batch_invariance if batch_invariant is None else batch_invariant)
         self.tokenizer = getattr(model, "tokenizer", None)
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk

@@ -105,6 +105,8 @@ class Dsv4Model(nn.Module):
         self.mtp = None  # MtpModule, built from `mtp.0.*` when the checkpoint has them
         self.tokenizer = None
         self.fingerprint = cfg.fingerprint()
+        # on by default wherever it can hold: it costs little (bench/RESULTS.md)
+        self.batch_invariant = self.supports_batch_invariance
 
     # ---- numerics ----------------------------------------------------------------------------
     numerics = "hf"
@@ -138,13 +140,12 @@ class Dsv4Model(nn.Module):
         self.fingerprint = self.config.fingerprint() + ("" if mode == "hf" else "-ref")
 
     # ---- batch invariance --------------------------------------------------------------------
-    batch_invariant = False
-
     def set_batch_invariant(self, on: bool = True) -> None:
         """On: every row's logits are bit-identical whatever other sequences share its
         `forward_batch` call (token-parallel ops in native.c's fixed-order kernels, see
-        numerics/rows.py); the serving engine turns it on. Off (default): torch's kernels, whose
-        last bits may change with the batch. fp32 CPU models only: others raise ConfigError."""
+        numerics/rows.py). The default wherever it can hold: fp32 CPU models with the native
+        kernels; turning it on elsewhere raises ConfigError. Off: torch's kernels, whose last
+        bits may change with the batch."""
         why = invariance_unsupported(self.dtype, self.device) if on else None
         if why is not None:
             raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")

@@ -127,12 +127,12 @@ class Glm5Model(nn.Module):
         self.tokenizer = None
         self.mtp = None
         self.fingerprint = cfg.fingerprint()
+        # on by default wherever it can hold: it costs little (bench/RESULTS.md)
+        self.batch_invariant = self.supports_batch_invariance
 
     def set_numerics(self, mode: str) -> None:
         if mode != "hf":
             raise ConfigError(f"glm5_next supports numerics 'hf' only, got {mode!r}")
-
-    batch_invariant = False
 
     def set_batch_invariant(self, on: bool = True) -> None:
         """As Dsv4Model.set_batch_invariant: batching never changes a row's bits (fp32 CPU only)."""
