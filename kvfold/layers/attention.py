@@ -121,7 +121,7 @@ class Attention(nn.Module):
         for seg in batch.segments:
             ls: LayerState = seg.state.layers[self.layer_idx]
             rows, start = seg.rows, seg.start
-            if invariant:  # each sequence's rows in a fresh buffer, as when it runs alone
+            if invariant and seg.length > 1:  # a chunk's rows in a fresh buffer, as when it runs alone
                 def take(a: torch.Tensor) -> torch.Tensor:
                     return own_rows(a, rows)
             elif seg.length == t:  # the only segment: its rows are the whole tensors

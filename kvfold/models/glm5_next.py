@@ -228,7 +228,7 @@ class Glm5Model(nn.Module):
             y = x.new_zeros(x.shape) if len(batch.segments) > 1 else None
             invariant = rows_invariant()
             for s, seg in enumerate(batch.segments):
-                xs = own_rows(x, seg.rows) if invariant else x[seg.rows]
+                xs = own_rows(x, seg.rows) if invariant and seg.length > 1 else x[seg.rows]
                 ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s)
                 if y is None:
                     y = ys

@@ -16,8 +16,10 @@ fixes:
   * RMSNorm, rope and the mHC collapse, head and expand are native per-row kernels already.
 The MoE combines its experts with elementwise IEEE adds and multiplies in ascending expert
 order, which are exact whatever kernel runs them. What runs per sequence (compressor folds,
-indexer, attention, KDA) sees only that sequence's rows, in a fresh buffer of the same shape it
-would have alone (`own_rows`).
+indexer, attention, KDA) sees only that sequence's rows. A decode row's per-sequence arithmetic
+is native or exact copies; a chunk of several rows, whose attention runs torch's kernels, gets
+its rows in a fresh buffer of the shape, strides and alignment it would have alone (`own_rows`:
+MKL may take other code paths for other alignments).
 
 The native kernels are fp32 CPU code: `invariance_unsupported` says why a model cannot use the
 mode (other dtypes, other devices, no C compiler).
