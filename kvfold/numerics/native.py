@@ -144,6 +144,13 @@ def use_native(on: bool):
         _enabled = before
 
 
+def serving(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The one dispatch guard: the loaded kernels when they can serve these tensors (all
+    contiguous fp32 CPU tensors, kernels on and built), else None (the caller runs torch)."""
+    lib = library()
+    return lib if lib is not None and fp32_cpu(*tensors) else None
+
+
 def fp32_cpu(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is a contiguous fp32 CPU tensor (what the kernels read)."""
     for t in tensors:
