@@ -11,7 +11,11 @@ Per token t (C = heads x head_dim channels each for q, k, v):
 
 Two exact forms of step 5: `kda_recurrent` (token by token, and it yields the state after every
 token) and `kda_chunked` (chunks of 64 in closed form: U = (I + A)^-1 (beta V - beta K Gamma S0),
-O = Q Gamma S0 + B U). They agree to fp32 rounding (~1e-6). The layer always runs the chunked form (chunks
+O = Q Gamma S0 + B U). Both are within a few fp32 units of roundoff of the exact recurrence
+(tests/test_glm5_next.py), independent of the chunk length: the chunked form builds every decay
+exp(G_t - G_s) as the product of the per-step factors exp(g_j), s < j <= t, like the recurrence,
+never as exp of a difference of two cumulative log-decays G = cumsum(g), whose rounding (~|G_t| eps,
+|G_t| up to chunk * |lb| = 320) lands in every decay. The layer always runs the chunked form (chunks
 start at the call's first token), so a call's outputs and final state depend only on its tokens
 and the state it starts from, never on how many per-token states the caller keeps for rewinding;
 those come from the same chunk quantities in closed form.
@@ -52,22 +56,25 @@ def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, chunk: int = KDA_CHUNK, keep
     """The same recurrence in closed form per chunk of `chunk` tokens (see the module docstring).
     Returns (o [T, H, dv], final state, states): `states` lists the state after each token
     t >= keep_from (none if keep_from is None), the intermediate ones in closed form
-    S_t = diag(exp G_t) S0 + sum_{s<=t} (k_s * exp(G_t - G_s)) u_s^T and the last one the final
-    state itself, so the state at the end of a call never depends on keep_from."""
+    S_t = diag(exp G_t) S0 + sum_{s<=t} (k_s * exp(G_t - G_s)) u_s^T (G_t: the sum of g from the
+    chunk start through t) and the last one the final state itself, so the state at the end of a
+    call never depends on keep_from."""
     t_all = q.shape[0]
     s = s0
     outs, states = [], []
     for a in range(0, t_all, chunk):
         qc, kc, vc, gc, bc = (x[a:a + chunk].transpose(0, 1) for x in (q, k, v, g, beta))  # [H, L, .]
         L = qc.shape[1]
-        G = gc.cumsum(dim=1)  # [H, L, dk] log-decay from the chunk start through t
-        # pairwise decay exp(G_t - G_s) for s <= t (masked above the diagonal before exp)
-        diff = G[:, :, None, :] - G[:, None, :, :]  # [H, t, s, dk]
+        # every decay is a product of the per-step factors exp(g_j), as in the recurrence (module
+        # docstring): eg_t = exp(G_t) = prod_{j<=t}, decay[t, s] = exp(G_t - G_s) = prod_{s<j<=t}
+        # (a cumprod over t of exp(g_t) masked to t > s), zero above the diagonal
+        step = gc.exp()  # [H, L, dk]
+        eg = step.cumprod(dim=1)
         lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        decay = diff.masked_fill(~lower[None, :, :, None], float("-inf")).exp()
+        decay = step[:, :, None, :].expand(-1, -1, L, -1).masked_fill(~lower.tril(-1)[None, :, :, None], 1.0)
+        decay = decay.cumprod(dim=1).masked_fill_(~lower[None, :, :, None], 0.0)  # [H, t, s, dk]
         kk = (kc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1)  # [H, t, s]
         A = (kk * bc[..., None]).masked_fill(~lower.tril(-1)[None], 0.0)
-        eg = G.exp()
         rhs = bc[..., None] * (vc - (kc * eg) @ s)  # [H, L, dv]
         eye = torch.eye(L, dtype=q.dtype, device=q.device)
         u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
@@ -76,8 +83,7 @@ def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, chunk: int = KDA_CHUNK, keep
         if keep_from is not None:
             for i in range(max(keep_from - a, 0), L - 1 if a + L == t_all else L):
                 states.append(s * eg[:, i, :, None] + (kc * decay[:, i]).transpose(1, 2) @ u)
-        last = G[:, -1:, :]  # [H, 1, dk]
-        s = s * last.transpose(1, 2).exp() + (kc * (last - G).exp()).transpose(1, 2) @ u
+        s = s * eg[:, -1, :, None] + (kc * decay[:, -1]).transpose(1, 2) @ u
     if keep_from is not None and keep_from < t_all:
         states.append(s)
     o = torch.cat(outs) if outs else v.new_zeros(v.shape)
