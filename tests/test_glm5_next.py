@@ -9,7 +9,7 @@ import kvfold
 from kvfold import errors
 from kvfold.glm5_config import glm5_config_from_dict
 from kvfold.state import glm5_state as g5s
-from helpers import random_ids
+from helpers import fp32_paths_bound, random_ids
 
 LAYERS = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]
 INDEXERS = ["full", "full", "shared", "full", "full"]  # layer 2 reuses layer 1's selection
@@ -121,7 +121,7 @@ def test_chunked_and_token_by_token_equal_full(pair, seq):
     _, model, _ = pair
     n = 131
     full = model.forward(seq[:n], model.new_state(capacity=n))
-    bound = 2 * 8 * model.config.num_hidden_layers * torch.finfo(torch.float32).eps * full.abs().max().item()
+    bound = fp32_paths_bound(full, model.config.num_hidden_layers)  # helpers.py: the same formula
     for chunks in ([64, 1, 66], [3, 61, 2, 65], [1] * 70 + [61]):
         st = model.new_state(capacity=n, max_rewind=3)
         outs, p = [], 0
