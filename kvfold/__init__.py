@@ -9,7 +9,7 @@ from .errors import (CapacityError, CheckpointError, ConfigError, EngineError, F
                      InvalidRequestError, KvfoldError, QueueFullError, RequestTooLongError, RewindError, SnapshotError,
                      StateError, StateMismatchError)
 
-from .generate import GenerationResult, generate
+from .decoding.generate import GenerationResult, generate
 from .engine import AsyncEngine, Engine, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
@@ -21,7 +21,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     byte-level tokenizer). Keyword options: `numerics` ("hf" | "reference") and `weights`
     ("dequant", the default, decodes FP8 / FP4 weights at load; "quantized" keeps them as stored and
     decodes per matmul: FP8 weights take ~1/4 of their fp32 bytes, FP4 experts ~1/7.5)."""
-    from .models.loader import load
+    from .models.registry import load
     return load(path, device=device, dtype=dtype, **kwargs)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from .argtypes import nonneg_float as _nonneg_float, nonneg_int as _nonneg_int, pos_int as _pos_int, top_p as _top_p
 from .errors import KvfoldError
-from .generate import generate, generation_capacity
+from .decoding.generate import generate, generation_capacity
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIB = 1024 * 1024
@@ -197,7 +197,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for n in (4096, 131072, 1048576):
         out.write(f"state at {n} tokens: {_fmt_bytes(fixed + per_tok * n)}\n")
     if args.model != "tiny":
-        from .checkpoint import checkpoint_dtype_breakdown
+        from .models.deepseek_v4.checkpoint import checkpoint_dtype_breakdown
 
         out.write("checkpoint tensors by stored dtype:\n")
         for name, (count, nbytes) in checkpoint_dtype_breakdown(args.model).items():
@@ -206,7 +206,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from .models.deepseek_v4.convert import convert
 
     out = convert(args.src, args.dst, args.to, quantize=args.quantize, dtype=_DTYPES[args.dtype],
                   max_shard_bytes=int(args.shard_size_gib * (1 << 30)))

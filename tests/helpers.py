@@ -13,7 +13,7 @@ def chunked_reference(model, ids: list[int], max_new: int, chunk: int = 128, tem
     model API: the prompt fed in chunks ending at multiples of `chunk` (the engine's split, which
     makes prefix-cache hits exact), then one token per forward, sampled like `kvfold.generate`.
     For prompts up to `chunk` tokens this is exactly `kvfold.generate`."""
-    from kvfold.sampling import sample_next
+    from kvfold.decoding.sampling import sample_next
     stops = set(model.config.eos_ids if stop_ids is None else stop_ids)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     state = model.new_state(capacity=len(ids) + max_new)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import kvfold
 from kvfold.bench import profile as P
 from kvfold.bench.configs import ensure_checkpoint
-from kvfold.layers.attention import Attention
+from kvfold.models.deepseek_v4.attention import Attention
 from kvfold.layers.basic import Norm
 
 

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvfold
-from kvfold.checkpoint import save_checkpoint
-from kvfold.checkpoint_names import Target, to_kvfold_name
+from kvfold.models.deepseek_v4.checkpoint import save_checkpoint
+from kvfold.models.deepseek_v4.names import Target, to_kvfold_name
 
 
 @pytest.fixture()
@@ -43,7 +43,7 @@ def test_missing_unexpected_and_misshaped_tensors_are_all_listed(ckpt):
 
 
 def test_missing_expert_slice_is_reported(tiny, tmp_path):
-    from kvfold.models.deepseek_v4 import Dsv4Model
+    from kvfold.models.deepseek_v4.model import Dsv4Model
     d = save_checkpoint(tiny, tmp_path / "t")
 
     def to_official_experts(t):

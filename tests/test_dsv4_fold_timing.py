@@ -2,7 +2,7 @@
 entries j < (q+1)//r are visible to query q; hash layers follow tid2eid."""
 import torch
 
-from kvfold.config import CSA
+from kvfold.models.deepseek_v4.config import CSA
 from kvfold.numerics import apply_rope, pool_windows
 from helpers import random_ids
 

@@ -4,7 +4,7 @@ import torch
 
 import kvfold
 from kvfold import errors
-from kvfold.state import snapshot as snap
+from kvfold.models.deepseek_v4 import snapshot as snap
 from helpers import random_ids
 from test_dsv4_state import assert_unchanged, snapshot_buffers
 
@@ -100,8 +100,8 @@ def test_refusal_order_reports_the_first_problem(tiny, seq):
 
 
 def test_restore_into_state_of_other_model_is_refused(tiny, seq):
-    from kvfold.models.deepseek_v4 import Dsv4Model
-    from kvfold.models.tiny import tiny_config
+    from kvfold.models.deepseek_v4.model import Dsv4Model
+    from kvfold.models.deepseek_v4.tiny import tiny_config
     other = Dsv4Model(tiny_config(index_topk=8))
     with pytest.raises(kvfold.StateMismatchError):
         other.new_state(capacity=100).restore(make_blob(tiny, seq))

@@ -8,7 +8,7 @@ import torch
 
 import kvfold.cli as cli
 from kvfold.errors import CapacityError, ConfigError, FreedStateError
-from kvfold.generate import GenerationResult, generate
+from kvfold.decoding.generate import GenerationResult, generate
 from kvfold.tokenizer import ByteTokenizer
 
 EOS = 257

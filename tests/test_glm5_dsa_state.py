@@ -20,8 +20,8 @@ from kvfold.errors import (CapacityError, DsaBlobCapacityError, DsaBlobError, Ds
                            DsaBlobTruncatedError, DsaBlobWidthError, DsaCapacityError, DsaFreedError,
                            DsaGeometryError, DsaRewindError, DsaStateError, FreedStateError, RewindError,
                            SnapshotError, StateError)
-from kvfold.numerics.dsa_select import dsa_pool_keys, dsa_select, selection_mask
-from kvfold.state.glm5_dsa_state import (Glm5NextDsaConfig, Glm5NextDsaState, dsa_capacity,
+from kvfold.models.glm5.dsa_select import dsa_pool_keys, dsa_select, selection_mask
+from kvfold.models.glm5.indexer_state import (Glm5NextDsaConfig, Glm5NextDsaState, dsa_capacity,
                                          indexer_state_bytes)
 
 

@@ -7,8 +7,8 @@ import torch
 
 import kvfold
 from kvfold import errors
-from kvfold.glm5_config import glm5_config_from_dict
-from kvfold.state import glm5_state as g5s
+from kvfold.models.glm5.config import glm5_config_from_dict
+from kvfold.models.glm5 import state as g5s
 from helpers import fp32_paths_bound, random_ids
 
 LAYERS = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]
@@ -143,7 +143,7 @@ def test_kda_chunked_form_is_as_accurate_as_the_recurrence():
     (kda.py). Measured: the recurrence 2.0 u here (2.1 u at worst over ten such draws), the
     chunked form 2.9 u (3.8 u). Decays formed as exp(G_t - G_s) from G = cumsum(g) carried the
     rounding of G_t itself (~u |G_t|) into every decay: 50 u here, 19 to 91 u over the draws."""
-    from kvfold.layers.kda import kda_chunked, kda_recurrent, l2norm
+    from kvfold.models.glm5.kda import kda_chunked, kda_recurrent, l2norm
     gen = torch.Generator().manual_seed(0)
     t, h, d = 256, 2, 8
     q = l2norm(torch.randn(t, h, d, generator=gen)) * d ** -0.5
@@ -326,7 +326,7 @@ def test_accounting_and_real_config_bytes(pair):
     assert st.nbytes == pytest.approx(64 * model.state_bytes_per_token() + model.fixed_state_bytes(2), abs=64)
     assert model.num_parameters() > 0
     # GLM-5.3-Flash (glm5-dsa.md §1; index_kpool 4 from its config.json), bf16
-    from kvfold.models.glm5_next import Glm5Model
+    from kvfold.models.glm5.model import Glm5Model
     cfg = glm5_config_from_dict({"model_type": "glm5_next_text", "index_kpool": 4})
     assert len(cfg.dsa_layers) == 11 and len(cfg.kda_layers) == 34
     meta = Glm5Model.__new__(Glm5Model)
@@ -380,7 +380,7 @@ def test_text_only_in_memory_layout_loads_identically(pair, seq, tmp_path):
 def test_shared_selection_is_carried_across_kda_layers(tmp_path, seq):
     """kvfold runs a 'shared' DSA layer after KDA layers (HF only hands a selection to the next
     layer): same results for any chunking, and only full layers own an indexer state."""
-    from kvfold.models.glm5_next import Glm5Model
+    from kvfold.models.glm5.model import Glm5Model
     cfg = glm5_config_from_dict(dict(TEXT, model_type="glm5_next_text", num_hidden_layers=4,
                                      layer_types=LAYERS[:2] + ["linear_attention", "indexed_attention"],
                                      indexer_types=["full", "full", "full", "shared"],

@@ -133,7 +133,7 @@ def test_a_failed_build_warns_once_and_the_model_still_runs(tmp_path):
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
 def test_one_row_moe_native_matches_the_torch_experts(scoring):
     from kvfold.layers.moe import MoE
-    from kvfold.models.tiny import init_random_, tiny_config
+    from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
     cfg = tiny_config(scoring_func=scoring, n_shared_experts=1)
     g = torch.Generator().manual_seed(6)
     for layer in (0, 1):  # hash routing, then biased top-k
@@ -159,7 +159,7 @@ def _reference_attend(q, keys_w, keys_c, sinks):
 
 
 def test_decode_attention_native_matches_the_softmax_with_sink():
-    from kvfold.layers.attention import _native_attend_one
+    from kvfold.models.deepseek_v4.attention import _native_attend_one
     from kvfold.state.kv_rows import KvRows
     g = torch.Generator().manual_seed(7)
     h, d = 4, 64

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kvfold.config import YarnParams
+from kvfold.models.deepseek_v4.config import YarnParams
 from kvfold.numerics import apply_rope, pool_windows, rope_inv_freq, topk_lower_index
 
 

@@ -9,14 +9,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvfold
-from kvfold.checkpoint import checkpoint_dtype_breakdown, load_weights, save_checkpoint
-from kvfold.checkpoint_names import hf_key_for_official, is_mtp_key, mtp_target, to_kvfold_name, to_official_names
-from kvfold.config import CSA, HCA, SLIDING, config_from_dict, load_config
-from kvfold.convert import convert, official_config_dict
+from kvfold.models.deepseek_v4.checkpoint import checkpoint_dtype_breakdown, load_weights, save_checkpoint
+from kvfold.models.deepseek_v4.names import hf_key_for_official, is_mtp_key, mtp_target, to_kvfold_name, to_official_names
+from kvfold.models.deepseek_v4.config import CSA, HCA, SLIDING, config_from_dict, load_config
+from kvfold.models.deepseek_v4.convert import convert, official_config_dict
 from kvfold.errors import CheckpointError, ConfigError
-from kvfold.models.deepseek_v4 import Dsv4Model
-from kvfold.models.mtp import MtpModule
-from kvfold.models.tiny import init_random_, tiny_config
+from kvfold.models.deepseek_v4.model import Dsv4Model
+from kvfold.models.deepseek_v4.mtp import MtpModule
+from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
 from kvfold.numerics.quant import e8m0_to_float, quantize_fp4_blocks, quantize_fp8_blocks
 
 # spec section 10: the release's FP8 weights; routed experts are FP4; everything else bf16 / fp32

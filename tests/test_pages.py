@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvfold import errors
-from kvfold.state import snapshot as snap
+from kvfold.models.deepseek_v4 import snapshot as snap
 from kvfold.state.kv_rows import KvRows
 from kvfold.state.pages import PagePool, PoolSpec
 from helpers import random_ids

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.config import CSA, HCA
+from kvfold.models.deepseek_v4.config import CSA, HCA
 from kvfold.numerics.quant import fp4_e2m1_simulate, fp8_e4m3_simulate
 from helpers import random_ids
 

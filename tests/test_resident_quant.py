@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvfold
-from kvfold.checkpoint import save_checkpoint
-from kvfold.checkpoint_names import to_official_names
+from kvfold.models.deepseek_v4.checkpoint import save_checkpoint
+from kvfold.models.deepseek_v4.names import to_official_names
 from kvfold.errors import CheckpointError, ConfigError
 from kvfold.layers.basic import QuantizedWeight
 from kvfold.layers.moe import Experts

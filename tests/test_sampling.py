@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvfold.sampling import sample_next
+from kvfold.decoding.sampling import sample_next
 
 
 def gen(seed: int) -> torch.Generator:

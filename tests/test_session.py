@@ -10,8 +10,8 @@ import kvfold
 import kvfold.cli as cli
 from kvfold import errors
 from kvfold import session as sess
-from kvfold.generate import generation_capacity
-from kvfold.speculative import Drafter
+from kvfold.decoding.generate import generation_capacity
+from kvfold.decoding.speculative import Drafter
 
 BOS = 256
 PROMPT = [BOS] + list(b"Once upon a time")
@@ -94,8 +94,8 @@ def test_speculative_after_restore_equals_plain(tiny, saved):
 
 
 def test_foreign_model_session_is_refused_before_anything(tiny, saved, monkeypatch):
-    from kvfold.models.deepseek_v4 import Dsv4Model
-    from kvfold.models.tiny import tiny_config
+    from kvfold.models.deepseek_v4.model import Dsv4Model
+    from kvfold.models.deepseek_v4.tiny import tiny_config
     path = saved[0]
     other = Dsv4Model(tiny_config(index_topk=8))
     assert other.fingerprint != tiny.fingerprint

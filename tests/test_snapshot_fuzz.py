@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import kvfold
-from kvfold.state import snapshot as snap
+from kvfold.models.deepseek_v4 import snapshot as snap
 from helpers import random_ids
 from test_dsv4_state import assert_unchanged, snapshot_buffers
 

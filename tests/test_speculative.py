@@ -7,8 +7,8 @@ import torch
 import kvfold
 import kvfold.cli as cli
 from kvfold.errors import MtpUnavailableError
-from kvfold.sampling import sample_next
-from kvfold.speculative import Drafter, NgramDrafter, rejection_step, target_probs, verify_drafts
+from kvfold.decoding.sampling import sample_next
+from kvfold.decoding.speculative import Drafter, NgramDrafter, rejection_step, target_probs, verify_drafts
 
 BOS = 256
 PROMPTS = {
@@ -294,8 +294,8 @@ def test_sampled_speculative_generation_is_reproducible_and_valid(tiny):
 @pytest.fixture(scope="module")
 def no_mtp(tiny):
     """The tiny model's config and weights, but no MTP block (as a checkpoint without mtp.*)."""
-    from kvfold.models.deepseek_v4 import Dsv4Model
-    from kvfold.models.tiny import init_random_
+    from kvfold.models.deepseek_v4.model import Dsv4Model
+    from kvfold.models.deepseek_v4.tiny import init_random_
     m = Dsv4Model(tiny.config)
     init_random_(m, 0)
     m.tokenizer = tiny.tokenizer

@@ -27,8 +27,8 @@ TEST_CONFIGS = ("tiny-bench",)
 
 
 def _bench_config():
-    from ..config import CSA, HCA, SLIDING, YarnParams
-    from ..models.tiny import tiny_config
+    from ..models.deepseek_v4.config import CSA, HCA, SLIDING, YarnParams
+    from ..models.deepseek_v4.tiny import tiny_config
     return tiny_config(
         vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=128,
         qk_rope_head_dim=32, q_lora_rank=128, o_groups=2, o_lora_rank=64, sliding_window=128,
@@ -43,8 +43,8 @@ def _bench_config():
 
 
 def _medium_config():
-    from ..config import CSA, HCA, SLIDING, YarnParams
-    from ..models.tiny import tiny_config
+    from ..models.deepseek_v4.config import CSA, HCA, SLIDING, YarnParams
+    from ..models.deepseek_v4.tiny import tiny_config
     return tiny_config(
         vocab_size=16384, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, head_dim=128,
         qk_rope_head_dim=64, q_lora_rank=512, o_groups=4, o_lora_rank=256, sliding_window=128,
@@ -59,8 +59,8 @@ def _medium_config():
 
 
 def _tiny_bench_config():
-    from ..config import CSA, HCA, SLIDING, YarnParams
-    from ..models.tiny import tiny_config
+    from ..models.deepseek_v4.config import CSA, HCA, SLIDING, YarnParams
+    from ..models.deepseek_v4.tiny import tiny_config
     return tiny_config(
         vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=32,
         qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
@@ -140,9 +140,9 @@ def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, seed: int 
         except (OSError, json.JSONDecodeError):
             pass
     import torch
-    from ..checkpoint import save_checkpoint
-    from ..models.deepseek_v4 import Dsv4Model
-    from ..models.tiny import init_random_
+    from ..models.deepseek_v4.checkpoint import save_checkpoint
+    from ..models.deepseek_v4.model import Dsv4Model
+    from ..models.deepseek_v4.tiny import init_random_
     if log:
         log(f"writing random checkpoint {name!r} (seed {seed}) to {target}")
     cfg = build_config(name)
@@ -213,7 +213,7 @@ def decode_bytes_per_token(cfg, tensors: dict[str, tuple[tuple[int, ...], int]],
         else:
             parts["other"] += nbytes
     state = 0.0
-    from ..config import CSA, SLIDING
+    from ..models.deepseek_v4.config import CSA, SLIDING
     for kind, ratio in zip(cfg.layer_types, cfg.compress_ratios):
         state += min(context, cfg.sliding_window) * cfg.head_dim
         if kind != SLIDING:

@@ -205,8 +205,8 @@ def write_gguf_source(checkpoint: Path, dst: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from ..config import load_config
-    from ..convert import convert
+    from ..models.deepseek_v4.config import load_config
+    from ..models.deepseek_v4.convert import convert
     from ..numerics.quant import quantize_fp4_blocks
     cfg = load_config(checkpoint)
     hash_layers = sum(1 for t in cfg.mlp_layer_types if t == "hash_moe")

@@ -63,10 +63,10 @@ class _Timer:
 def instrumented(model, timer: _Timer):
     """Wrap the model's pieces (classes for the per-layer modules, the instances for lm_head and the
     embedding); restores everything on exit."""
-    from ..layers.attention import Attention
+    from ..models.deepseek_v4.attention import Attention
     from ..layers.basic import Norm
-    from ..layers.compressor import Compressor
-    from ..layers.indexer import Indexer
+    from ..models.deepseek_v4.compressor import Compressor
+    from ..models.deepseek_v4.indexer import Indexer
     from ..layers.mhc import HyperConnection, HyperHead
     from ..layers.moe import MoE
 

@@ -388,7 +388,7 @@ def in_process_server(args: argparse.Namespace, api_key: str | None,
 def _vocab_of(model: str) -> int:
     """The vocabulary size of "tiny" or a checkpoint directory's config.json (no weights loaded)."""
     if model == "tiny":
-        from ..models.tiny import tiny_config
+        from ..models.deepseek_v4.tiny import tiny_config
         return int(tiny_config().vocab_size)
     path = Path(model) / "config.json"
     try:

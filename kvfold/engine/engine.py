@@ -22,7 +22,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
-from ..sampling import sample_next
+from ..decoding.sampling import sample_next
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence

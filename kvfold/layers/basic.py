@@ -10,7 +10,7 @@ from torch import nn
 from ..numerics import rms_norm
 from ..numerics.rows import row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
-from ..quantized import FP4, FP8
+from ..models.deepseek_v4.quant_formats import FP4, FP8
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:

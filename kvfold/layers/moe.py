@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Dsv4Config
+from ..models.deepseek_v4.config import Dsv4Config
 from ..numerics import native
 from ..numerics.quant import act_quant_fp8
 from ..numerics.rows import SCORING, combine_experts, route_rows, row_mm, rows_invariant, swiglu

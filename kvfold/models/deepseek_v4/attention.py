@@ -14,15 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import CSA, HCA, SLIDING, Dsv4Config
-from ..numerics import apply_rope, native, unweighted_rms_norm
-from ..numerics.rows import grouped_row_mm, own_rows, rows_invariant
-from ..state.dsv4_state import LayerState
-from ..state.kv_rows import fp8_roundtrip, plain_rows
-from .basic import Linear, Norm, QuantizedWeight, _param
+from .config import CSA, HCA, SLIDING, Dsv4Config
+from ...numerics import apply_rope, native, unweighted_rms_norm
+from ...numerics.rows import grouped_row_mm, own_rows, rows_invariant
+from .state import LayerState
+from ...state.kv_rows import fp8_roundtrip, plain_rows
+from ...layers.basic import Linear, Norm, QuantizedWeight, _param
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
-from .rows import RowBatch
+from ...layers.rows import RowBatch
 
 _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
 

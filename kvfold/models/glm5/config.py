@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ...errors import ConfigError
 
 KDA = "linear_attention"
 DSA = "indexed_attention"

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..config import CSA, HCA, SLIDING, Dsv4Config, YarnParams
+from .config import CSA, HCA, SLIDING, Dsv4Config, YarnParams
 
 BYTE_VOCAB = 258  # 256 bytes + bos + eos
 

@@ -11,19 +11,19 @@ from math import lcm
 import torch
 from torch import nn
 
-from ..config import CSA, SLIDING, Dsv4Config
-from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError, StateMismatchError  # noqa: F401
-from ..layers.attention import Attention
-from ..layers.basic import Linear, Norm, QuantizedWeight, _param
-from ..layers.mhc import HyperConnection, HyperHead
-from ..layers.moe import MoE
-from ..layers.rows import RowBatch
-from ..numerics import RopeTable
-from ..numerics.rows import invariance_unsupported, invariant_rows
-from ..state.dsv4_state import Dsv4State, LayerState, compressor_state
-from ..state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
-from ..state.rings import PositionRing
-from .chunks import run_batch_in_rounds, run_in_chunks
+from .config import CSA, SLIDING, Dsv4Config
+from ...errors import CapacityError, ConfigError, InvalidInputError, KvfoldError, StateMismatchError  # noqa: F401
+from .attention import Attention
+from ...layers.basic import Linear, Norm, QuantizedWeight, _param
+from ...layers.mhc import HyperConnection, HyperHead
+from ...layers.moe import MoE
+from ...layers.rows import RowBatch
+from ...numerics import RopeTable
+from ...numerics.rows import invariance_unsupported, invariant_rows
+from .state import Dsv4State, LayerState, compressor_state
+from ...state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
+from ...state.rings import PositionRing
+from ..chunks import run_batch_in_rounds, run_in_chunks
 
 
 def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -116,11 +116,11 @@ class Dsv4Model(nn.Module):
         official inference code's roundings: FP8 window/compressed KV (non-rope dims, blocks of 64),
         Hadamard + FP4 indexer queries and keys (blocks of 32), bf16 index scores, and FP8
         per-token activations into the release's FP8/FP4 GEMMs."""
-        from ..layers.attention import Attention
-        from ..layers.compressor import Compressor
-        from ..layers.indexer import Indexer
-        from ..layers.moe import Experts
-        from ..quantized import official_quant_kind
+        from .attention import Attention
+        from .compressor import Compressor
+        from .indexer import Indexer
+        from ...layers.moe import Experts
+        from .quant_formats import official_quant_kind
         if mode not in ("hf", "reference"):
             raise ConfigError(f"numerics must be 'hf' or 'reference', got {mode!r}")
         ref = mode == "reference"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ...errors import ConfigError
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..numerics import rms_norm
-from ..numerics.dsa_select import dsa_select
-from .basic import Linear, _param
+from ...numerics import rms_norm
+from .dsa_select import dsa_select
+from ...layers.basic import Linear, _param
 
 _GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
 

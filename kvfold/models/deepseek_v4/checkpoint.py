@@ -26,10 +26,10 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-from .checkpoint_names import Target, is_mtp_key, mtp_target, to_kvfold_name
-from .errors import CheckpointError
-from .layers.basic import QuantizedWeight
-from .quantized import (FP4, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
+from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
+from ...errors import CheckpointError
+from ...layers.basic import QuantizedWeight
+from .quant_formats import (FP4, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
                         read_config_dict, scale_keys, stored_format)
 
 _PREFIX = "model."
@@ -230,7 +230,7 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
         raise CheckpointError(f"{directory}: {e}") from None
     if getattr(model, "mtp", None) is None and any(is_mtp_key(k) and mtp_target(k) is not None
                                                     for k in reader.weight_keys):
-        from .models.mtp import MtpModule
+        from .mtp import MtpModule
         model.mtp = MtpModule(model.config, model.dtype, model.device)
     if weights == "quantized":
         _keep_quantized_(model, reader, settings)
@@ -327,7 +327,7 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
     official `mtp.0.*` names, which is where checkpoints carry it). Float weights only: a model
     loaded with weights="quantized" is refused (its checkpoint files can be rewritten with `convert`)."""
     from safetensors.torch import save_file
-    from .models.mtp import official_mtp_weights
+    from .mtp import official_mtp_weights
     if any(isinstance(m, QuantizedWeight) for m in model.modules()):
         raise CheckpointError("save_checkpoint writes float weights, but this model keeps its FP8 / FP4 weights "
                               "quantized (loaded with weights='quantized'); load it with weights='dequant' to save "

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..numerics import RopeTable, apply_rope, pool_windows
-from ..numerics.quant import fp4_e2m1_simulate, fp8_e4m3_simulate, hadamard
-from ..state.dsv4_state import CompressorState
-from .basic import Linear, Norm, _param
+from ...numerics import RopeTable, apply_rope, pool_windows
+from ...numerics.quant import fp4_e2m1_simulate, fp8_e4m3_simulate, hadamard
+from .state import CompressorState
+from ...layers.basic import Linear, Norm, _param
 
 
 class Compressor(nn.Module):

@@ -4,7 +4,7 @@ At position t it reads the main model's final streams H_t and the embedding of t
 predicts token t+2:  X_k = e_proj(enorm(embed(x_{t+1}))) + h_proj(hnorm(H_t,k)); then one
 full block (sliding-window attention with the plain-theta RoPE, score-routed MoE), its own
 hc_head and norm, and the shared `lm_head`. It keeps its own sliding-window state, which
-rewinds like the main one. `kvfold.checkpoint` loads the `mtp.0.*` tensors (official layout or
+rewinds like the main one. `checkpoint.py` loads the `mtp.0.*` tensors (official layout or
 transformers block names) straight into this module.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..config import SLIDING, Dsv4Config
-from ..layers.basic import Linear, Norm
-from ..layers.mhc import HyperHead
-from ..layers.rows import RowBatch
-from ..state.dsv4_state import Dsv4State, LayerState
-from ..state.rings import PositionRing
+from .config import SLIDING, Dsv4Config
+from ...layers.basic import Linear, Norm
+from ...layers.mhc import HyperHead
+from ...layers.rows import RowBatch
+from .state import Dsv4State, LayerState
+from ...state.rings import PositionRing
 
 def mtp_block_config(cfg: Dsv4Config) -> Dsv4Config:
     """The MTP block is one sliding-window layer with score-routed MoE."""
@@ -30,7 +30,7 @@ def mtp_block_config(cfg: Dsv4Config) -> Dsv4Config:
 class MtpModule(nn.Module):
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        from .deepseek_v4 import Block  # the same block code as the main model
+        from .model import Block  # the same block code as the main model
         self.cfg = mtp_block_config(cfg)
         self.dtype, self.device = dtype, device
         h = cfg.hidden_size
@@ -53,7 +53,7 @@ class MtpModule(nn.Module):
                 lm_head: nn.Module, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hc, d] (main streams at positions pos..pos+T-1), next_ids [T] (the tokens one
         position later) -> (logits [T, vocab] predicting two positions ahead, output streams [T, hc, d])."""
-        from ..errors import CapacityError
+        from ...errors import CapacityError
         state.check_usable(self.fingerprint, self.device, self.dtype)
         t = next_ids.numel()
         if state.pos + t > state.capacity:
@@ -72,7 +72,7 @@ class MtpModule(nn.Module):
 
 def official_mtp_weights(mtp: MtpModule) -> dict[str, torch.Tensor]:
     """The module's weights under the official `mtp.0.*` names (how checkpoints carry MTP)."""
-    from ..checkpoint_names import to_official_names
+    from .names import to_official_names
     out = {}
     inter = mtp.cfg.moe_intermediate_size
     for name, t in mtp.state_dict().items():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SnapshotPagesError
-from . import blob
-from .blob import DTYPE_CODES, Section
-from .rings import PositionRing
+from ...errors import SnapshotPagesError
+from ...state import blob
+from ...state.blob import DTYPE_CODES, Section
+from ...state.rings import PositionRing
 
 FLAG_FP8_KV = 1  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
 FLAG_NO_POOLS = 0x100  # (layout flags use bits 8-15) pool sections hold 0 rows: their rows live in shared pages

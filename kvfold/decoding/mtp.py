@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import MtpUnavailableError
+from ..errors import MtpUnavailableError
 from .speculative import target_probs
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import (DsaBlobCapacityError, DsaBlobSizeError, DsaBlobTruncatedError, DsaBlobWidthError,
+from ...errors import (DsaBlobCapacityError, DsaBlobSizeError, DsaBlobTruncatedError, DsaBlobWidthError,
                       DsaCapacityError, DsaFreedError, DsaGeometryError, DsaRewindError, DsaStateError)
 
 BLOB_HEADER = struct.Struct("<QQ")  # len, index_head_dim: u64 little-endian each

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PagePoolError, RewindError, SharedPageWriteError
-from .base import SequenceState
-from .kv_rows import KvRows
-from .pages import PagedRows, PagePool
-from .rings import PositionRing
+from ...errors import PagePoolError, RewindError, SharedPageWriteError
+from ...state.base import SequenceState
+from ...state.kv_rows import KvRows
+from ...state.pages import PagedRows, PagePool
+from ...state.rings import PositionRing
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .numerics.quant import FP4_BLOCK, FP8_BLOCK, dequant_fp4_into, dequant_fp8_into
+from ...numerics.quant import FP4_BLOCK, FP8_BLOCK, dequant_fp4_into, dequant_fp8_into
 
 FP8, FP4 = "fp8", "fp4"
 _FP8_STORED = {"F8_E4M3", "float8_e4m3fn"}

@@ -1,9 +1,9 @@
 """GLM-5.3 (`glm5_next`) text model: one `forward(tokens, state)` for any chunk length.
 
-Layers are KDA linear attention (`layers/kda.py`) or indexed MLA with DSA (`layers/mla.py`), each
+Layers are KDA linear attention (`kda.py`) or indexed MLA with DSA (`mla.py`), each
 with mHC residual streams (4 in GLM-5.3-Flash; the final head is a plain mean over the streams) and
 a dense SwiGLU MLP or a sigmoid-routed MoE with a shared expert. All per-sequence data lives in the
-`Glm5State` passed in (`state/glm5_state.py`). Prefill, chunked prefill, decode and verify are the
+`Glm5State` passed in (`state.py`). Prefill, chunked prefill, decode and verify are the
 same code with different T.
 
 Weights are named as the text part of a transformers `Glm5NextForConditionalGeneration` checkpoint
@@ -19,19 +19,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CapacityError, CheckpointError, ConfigError, KvfoldError
-from ..glm5_config import KDA, Glm5Config, load_glm5_config
-from ..layers.basic import Linear, _param
-from ..layers.kda import KdaAttention
-from ..layers.mhc import HyperConnection
-from ..layers.mla import GlmRMSNorm, IndexedMLA
-from ..layers.moe import Experts, SharedExpert, SwiGluMLP
-from ..layers.rows import RowBatch
-from ..numerics.rows import invariance_unsupported, invariant_rows, own_rows, route_rows, row_mm, rows_invariant
-from ..state.glm5_dsa_state import Glm5NextDsaState
-from ..state.glm5_state import Glm5State, KdaLayerState, MlaLayerState
-from .chunks import run_batch_in_rounds, run_in_chunks
-from .deepseek_v4 import Embedding, as_token_ids
+from ...errors import CapacityError, CheckpointError, ConfigError, KvfoldError
+from .config import KDA, Glm5Config, load_glm5_config
+from ...layers.basic import Linear, _param
+from .kda import KdaAttention
+from ...layers.mhc import HyperConnection
+from .mla import GlmRMSNorm, IndexedMLA
+from ...layers.moe import Experts, SharedExpert, SwiGluMLP
+from ...layers.rows import RowBatch
+from ...numerics.rows import invariance_unsupported, invariant_rows, own_rows, route_rows, row_mm, rows_invariant
+from .indexer_state import Glm5NextDsaState
+from .state import Glm5State, KdaLayerState, MlaLayerState
+from ..chunks import run_batch_in_rounds, run_in_chunks
+from ..deepseek_v4.model import Embedding, as_token_ids
 
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:
@@ -148,7 +148,7 @@ class Glm5Model(nn.Module):
     # ---- state --------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later);
-        `max_rewind` KDA states are kept for rewinding (see state/glm5_state.py)."""
+        `max_rewind` KDA states are kept for rewinding (see state.py)."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
         if kv_dtype not in (None, "auto"):
@@ -414,7 +414,7 @@ def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: 
     model = Glm5Model(cfg, dtype=dtype, device=device)
     load_glm5_weights(model, directory)
     try:
-        from ..tokenizer import load_tokenizer
+        from ...tokenizer import load_tokenizer
         model.tokenizer = load_tokenizer(str(directory), cfg.bos_token_id, cfg.eos_ids[0] if cfg.eos_ids else None,
                                          cfg.vocab_size)
     except ConfigError as e:

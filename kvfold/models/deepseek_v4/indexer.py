@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..numerics import apply_rope, native, topk_lower_index
-from ..numerics.quant import fp4_e2m1_simulate, hadamard
-from ..state.dsv4_state import CompressorState
-from ..state.kv_rows import plain_rows
-from .basic import Linear
+from ...numerics import apply_rope, native, topk_lower_index
+from ...numerics.quant import fp4_e2m1_simulate, hadamard
+from .state import CompressorState
+from ...state.kv_rows import plain_rows
+from ...layers.basic import Linear
 from .compressor import Compressor
 
 _SCORE_BUDGET = 1 << 24  # floats per scoring block

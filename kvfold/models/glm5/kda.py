@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .basic import Linear, _param
+from ...layers.basic import Linear, _param
 
 KDA_CHUNK = 64
 

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import WEIGHT_RESIDENCIES, load_weights
-from ..config import load_config
+from .deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, load_weights
+from .deepseek_v4.config import load_config
 from ..errors import ConfigError
-from .deepseek_v4 import Dsv4Model
-from .mtp import MtpModule
-from .tiny import init_random_, tiny_config
+from .deepseek_v4.model import Dsv4Model
+from .deepseek_v4.mtp import MtpModule
+from .deepseek_v4.tiny import init_random_, tiny_config
 
 TINY_SEED = 1234
 
@@ -35,9 +35,9 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     if str(path) != "tiny" and (Path(path) / "config.json").is_file():
-        from ..glm5_config import is_glm5_config, read_config_json
+        from .glm5.config import is_glm5_config, read_config_json
         if is_glm5_config(read_config_json(path)):  # GLM-5.3 (`glm5_next*`): its own model and loader
-            from .glm5_next import load_glm5
+            from .glm5.model import load_glm5
             return load_glm5(path, device=device, dtype=dtype, numerics=numerics, weights=weights)
     if str(path) == "tiny":
         model = Dsv4Model(tiny_config(), dtype=dtype, device=device)

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import RewindError
-from . import blob
-from .blob import DTYPE_CODES, Section
-from .base import SequenceState
-from .glm5_dsa_state import Glm5NextDsaState
+from ...errors import RewindError
+from ...state import blob
+from ...state.blob import DTYPE_CODES, Section
+from ...state.base import SequenceState
+from .indexer_state import Glm5NextDsaState
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Decoding: next-token sampling, speculative drafters and verification, and the generation loop."""
