@@ -190,7 +190,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     per_tok = float(model.state_bytes_per_token())
     fixed = int(model.fixed_state_bytes())
     fp8_note = ""
-    if getattr(model, "supports_fp8_kv", False):
+    if model.capabilities.fp8_kv:
         fp8_note = f"; {model.state_bytes_per_token(kv_dtype='fp8'):.1f} B with --kv-dtype fp8"
     out.write(f"state per token: {per_tok:.1f} B (caches that grow with the sequence{fp8_note})\n")
     out.write(f"fixed state per sequence: {_fmt_bytes(fixed)} (buffers that do not grow with length)\n")

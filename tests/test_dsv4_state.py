@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.models.deepseek_v4.model import Dsv4Model, InvalidInputError
+from kvfold.errors import InvalidInputError
+from kvfold.models.deepseek_v4.model import Dsv4Model
 from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
 from helpers import random_ids
 

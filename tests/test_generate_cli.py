@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvfold.cli as cli
+from kvfold.models.base import Capabilities
 from kvfold.errors import CapacityError, ConfigError, FreedStateError
 from kvfold.decoding.generate import GenerationResult, generate
 from kvfold.tokenizer import ByteTokenizer
@@ -34,6 +35,7 @@ class FakeModel:
 
     def __init__(self, eos_after: int | None = None, fail_at_pos: int | None = None, eos_config=EOS):
         self.device = torch.device("cpu")
+        self.capabilities = Capabilities()
         self.config = SimpleNamespace(eos_token_id=eos_config)
         self.tokenizer = ByteTokenizer()
         self.eos_after = eos_after

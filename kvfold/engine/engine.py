@@ -52,7 +52,7 @@ class Engine:
         128. `max_state_bytes`: bound on the bytes of all live states (None: no bound beyond
         max_running). `prefix_cache_bytes`: budget of the prefix cache: its snapshots plus the pages
         only it still holds (0 disables it). `kv_page_bytes`: size of the shared page pool of
-        compressed KV (models with `new_page_pool`); None: room for max_running sequences of
+        compressed KV (models with the `pages` capability); None: room for max_running sequences of
         max_seq_len tokens (at most max_state_bytes, at least one such sequence); 0: private
         per-sequence pools, no page sharing. `batch_invariant`: switch the model (for every user
         of this model object) to batch-invariant numerics, so a request's tokens never depend on
@@ -79,7 +79,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.eos_ids = frozenset(int(i) for i in model.config.eos_ids)
-        self._fixed_bytes, self._pools = _state_layout(model)
+        self._fixed_bytes, self._pools = model.state_layout()
         self.max_state_bytes = math.inf if max_state_bytes is None else max_state_bytes
         self.scheduler = Scheduler(max_running=max_running, max_queue=max_queue,
                                    max_state_bytes=self.max_state_bytes, max_batch_tokens=max_batch_tokens,
@@ -338,26 +338,11 @@ class Engine:
         return m
 
 
-def _state_layout(model: Any) -> tuple[int, list[tuple[int, int]]]:
-    """(bytes that do not grow with capacity, [(ratio, bytes per pool row)]) of the model's states,
-    read off a probe state so the formula follows the state's real buffers."""
-    if hasattr(model, "state_layout"):  # models whose states are not DeepSeek-V4 pools (glm5_next)
-        return model.state_layout()
-    probe = model.new_state(capacity=1)
-    try:
-        # capacity 1: every pool holds exactly one row, so its nbytes is the bytes per row
-        pools = [(c.ratio, int(c.pool.nbytes)) for ls in probe.layers
-                 for c in (ls.compressor, ls.indexer) if c is not None]
-        return probe.nbytes - sum(row for _, row in pools), pools
-    finally:
-        probe.free()
-
-
 def _page_pool(model: Any, kv_page_bytes: int | None, max_running: int, max_seq_len: int, max_state_bytes: float,
                prefill_chunk: int):
-    """The engine's shared page pool, or None (private pools: models without `new_page_pool`,
-    kv_page_bytes=0, or a prefill chunk that is not a whole number of pages)."""
-    if not hasattr(model, "new_page_pool") or hasattr(model, "state_layout") or kv_page_bytes == 0:
+    """The engine's shared page pool, or None (private pools: models without the `pages`
+    capability, kv_page_bytes=0, or a prefill chunk that is not a whole number of pages)."""
+    if not model.capabilities.pages or kv_page_bytes == 0:
         return None
     if prefill_chunk % model.page_tokens:
         return None  # cache boundaries must fall on page boundaries to share pages

@@ -37,7 +37,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     if str(path) != "tiny" and (Path(path) / "config.json").is_file():
         from .glm5.config import is_glm5_config, read_config_json
         if is_glm5_config(read_config_json(path)):  # GLM-5.3 (`glm5_next*`): its own model and loader
-            from .glm5.model import load_glm5
+            from .glm5.checkpoint import load_glm5
             return load_glm5(path, device=device, dtype=dtype, numerics=numerics, weights=weights)
     if str(path) == "tiny":
         model = Dsv4Model(tiny_config(), dtype=dtype, device=device)

@@ -21,6 +21,12 @@ def fp8_roundtrip(x: torch.Tensor, nope: int) -> torch.Tensor:
     return torch.cat([q, x[..., nope:]], dim=-1)
 
 
+def kv_row_bytes(width: int, dtype: torch.dtype, fp8_nope: int | None = None) -> int:
+    """Bytes of one row: `width` values in `dtype`, or its first `fp8_nope` as FP8 and the rest in `dtype`."""
+    esz = torch.empty(0, dtype=dtype).element_size()
+    return width * esz if fp8_nope is None else fp8_nope + (width - fp8_nope) * esz
+
+
 class KvRows:
     def __init__(self, rows: int, width: int, dtype: torch.dtype, device, fp8_nope: int | None = None,
                  fill: float = 0.0):
@@ -41,9 +47,7 @@ class KvRows:
 
     @property
     def row_bytes(self) -> int:
-        if self.fp8_nope is None:
-            return self.width * self.data.element_size()
-        return self.fp8_nope + (self.width - self.fp8_nope) * self.rope.element_size()
+        return kv_row_bytes(self.width, self.dtype, self.fp8_nope)
 
     @property
     def nbytes(self) -> int:

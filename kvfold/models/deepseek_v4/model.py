@@ -5,44 +5,24 @@ per-sequence data lives in the `Dsv4State` passed in.
 """
 from __future__ import annotations
 
-from array import array
 from math import lcm
 
 import torch
 from torch import nn
 
 from .config import CSA, SLIDING, Dsv4Config
-from ...errors import CapacityError, ConfigError, InvalidInputError, KvfoldError, StateMismatchError  # noqa: F401
+from ...errors import CapacityError, ConfigError, StateMismatchError
 from .attention import Attention
-from ...layers.basic import Linear, Norm, QuantizedWeight, _param
+from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperConnection, HyperHead
 from ...layers.moe import MoE
 from ...layers.rows import RowBatch
 from ...numerics import RopeTable
-from ...numerics.rows import invariance_unsupported, invariant_rows
 from .state import Dsv4State, LayerState, compressor_state
+from ...state.kv_rows import kv_row_bytes
 from ...state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
 from ...state.rings import PositionRing
-from ..chunks import run_batch_in_rounds, run_in_chunks
-
-
-def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A non-empty 1-D LongTensor of ids in [0, vocab_size) on `device`, or InvalidInputError."""
-    if isinstance(token_ids, (list, tuple)) and token_ids and len(token_ids) <= 64 \
-            and all(type(t) is int for t in token_ids):  # a short list (decode): checked in Python
-        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-            raise InvalidInputError(f"token ids must lie in [0, {vocab_size}); got range "
-                                    f"[{min(token_ids)}, {max(token_ids)}]")
-        ids = torch.frombuffer(array("q", token_ids), dtype=torch.long)
-        return ids if device.type == "cpu" else ids.to(device)
-    ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
-        else token_ids.long()
-    if ids.dim() != 1 or ids.numel() == 0:
-        raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise InvalidInputError(f"token ids must lie in [0, {vocab_size}); got range [{lo}, {hi}]")
-    return ids.to(device)
+from ..base import Capabilities, CausalLM, Embedding
 
 
 class Block(nn.Module):
@@ -66,17 +46,6 @@ class Block(nn.Module):
         return HyperConnection.expand(streams, y, post, comb)
 
 
-class Embedding(nn.Module):
-    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device=None):
-        super().__init__()
-        self.weight = _param(vocab, hidden, dtype=dtype, device=device)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dim() == 1:
-            return torch.index_select(self.weight, 0, ids)  # the same rows, ~2.5x less overhead
-        return self.weight[ids]
-
-
 class Dsv4Body(nn.Module):
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
         super().__init__()
@@ -86,31 +55,21 @@ class Dsv4Body(nn.Module):
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps, device)
 
 
-class Dsv4Model(nn.Module):
+class Dsv4Model(CausalLM):
     """Weights named as in a transformers `DeepseekV4ForCausalLM` checkpoint."""
 
-    supports_fp8_kv = True  # new_state(kv_dtype="fp8")
-    max_chunk = 2048  # longer inputs run as consecutive chunks (exact by construction), bounding memory
+    capabilities = Capabilities(fp8_kv=True, pages=True, numerics=("hf", "reference"))
 
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        super().__init__()
-        self.config = cfg
-        self.dtype = dtype
-        self.device = torch.device(device)
+        super().__init__(cfg, dtype, device)
         self.model = Dsv4Body(cfg, dtype, self.device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
         rd = cfg.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, self.device)
-        self.mtp = None  # MtpModule, built from `mtp.0.*` when the checkpoint has them
-        self.tokenizer = None
-        self.fingerprint = cfg.fingerprint()
-        # on by default wherever it can hold: it costs little (bench/RESULTS.md)
-        self.batch_invariant = self.supports_batch_invariance
+        # self.mtp: an MtpModule, built from `mtp.0.*` when the checkpoint has them
 
     # ---- numerics ----------------------------------------------------------------------------
-    numerics = "hf"
-
     def set_numerics(self, mode: str) -> None:
         """"hf": plain fp32-style math (transformers' DeepseekV4ForCausalLM). "reference": the
         official inference code's roundings: FP8 window/compressed KV (non-rope dims, blocks of 64),
@@ -138,22 +97,6 @@ class Dsv4Model(nn.Module):
         self.numerics = mode
         # states hold rows computed under one numerics mode; keep them apart
         self.fingerprint = self.config.fingerprint() + ("" if mode == "hf" else "-ref")
-
-    # ---- batch invariance --------------------------------------------------------------------
-    def set_batch_invariant(self, on: bool = True) -> None:
-        """On: every row's logits are bit-identical whatever other sequences share its
-        `forward_batch` call (token-parallel ops in native.c's fixed-order kernels, see
-        numerics/rows.py). The default wherever it can hold: fp32 CPU models with the native
-        kernels; turning it on elsewhere raises ConfigError. Off: torch's kernels, whose last
-        bits may change with the batch."""
-        why = invariance_unsupported(self.dtype, self.device) if on else None
-        if why is not None:
-            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
-        self.batch_invariant = bool(on)
-
-    @property
-    def supports_batch_invariance(self) -> bool:
-        return invariance_unsupported(self.dtype, self.device) is None
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -241,58 +184,7 @@ class Dsv4Model(nn.Module):
                          pages=pages, page_table=table,
                          prefix_tokens=len(prefix) * pages.page_tokens if pages is not None else 0)
 
-    # ---- forward -----------------------------------------------------------------------------
-    def _as_ids(self, token_ids) -> torch.Tensor:
-        return as_token_ids(token_ids, self.config.vocab_size, self.device)
-
-    @torch.no_grad()
-    def forward(self, token_ids, state: Dsv4State, return_hidden: bool = False, last_only: bool = False):
-        """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab]
-        (and, with `return_hidden`, the final residual streams [T, hc_mult, hidden] before
-        `hc_head`, which the MTP drafter reads). `last_only` returns just the last row's
-        logits [1, vocab]: a long prompt never materialises T x vocab logits.
-
-        Every check runs before any buffer is written: a refused call changes nothing.
-        """
-        state.check_usable(self.fingerprint, self.device, self.dtype)
-        ids = self._as_ids(token_ids)
-        t = ids.numel()
-        if state.pos + t > state.capacity:
-            raise CapacityError(
-                f"forward of {t} tokens at pos {state.pos} would pass the state's capacity {state.capacity}; "
-                f"create the state with a larger new_state(capacity=...)")
-        return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
-
-    def forward_batch(self, batch: list[tuple[list[int] | torch.Tensor, Dsv4State]],
-                      last_only: bool = True) -> list[torch.Tensor]:
-        """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
-        would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
-        ([1, vocab] with `last_only`, else [T_i, vocab]); with `set_batch_invariant(True)` they
-        are bit-identical to what the pair would get alone (numerics/rows.py). Every pair is
-        validated before any state is touched."""
-        checked = []
-        for ids, st in batch:
-            st.check_usable(self.fingerprint, self.device, self.dtype)
-            ids = self._as_ids(ids)
-            if st.pos + ids.numel() > st.capacity:
-                raise CapacityError(f"forward of {ids.numel()} tokens at pos {st.pos} would pass the state's "
-                                    f"capacity {st.capacity}")
-            checked.append((ids, st))
-        if len({id(st) for _, st in checked}) != len(checked):
-            raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only)
-
-    def _forward_chunk(self, ids: torch.Tensor, state: Dsv4State, last_only: bool = False):
-        logits, streams = self._forward_rows([(ids, state)], last_only)
-        return logits[0], streams[:ids.numel()]
-
-    def _forward_rows(self, pieces: list[tuple[torch.Tensor, Dsv4State]], last_only: bool
-                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One model call over the concatenated rows of every (ids, state) piece; advances each
-        state. Returns (logits per piece, all rows' final streams [R, hc, hidden] incl. pad rows)."""
-        with invariant_rows(self.batch_invariant):
-            return self._run_rows(RowBatch.build(pieces, self.device), last_only)
-
+    # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
@@ -309,39 +201,20 @@ class Dsv4Model(nn.Module):
             return [logits[i:i + 1] for i in range(len(batch.segments))], streams
         return [logits[s.rows] for s in batch.segments], streams
 
-    # ---- accounting --------------------------------------------------------------------------
-    def quantized_weights(self) -> dict[str, QuantizedWeight]:
-        """The weights kept in their checkpoint format (loaded with weights="quantized"), by name."""
-        return {n: m for n, m in self.named_modules() if isinstance(m, QuantizedWeight)}
-
-    def num_parameters(self) -> int:
-        """Logical parameters: a quantized weight counts its dequantized elements."""
-        return (sum(p.numel() for p in self.parameters())
-                + sum(w.numel() for w in self.quantized_weights().values()))
-
-    def weight_bytes(self) -> int:
-        """Bytes the weights occupy in memory: float parameters, quantized weights' bytes and scales,
-        and the router's buffers (tid2eid, score bias). MTP included when loaded."""
-        return sum(t.nbytes for t in self.parameters()) + sum(t.nbytes for t in self.buffers())
-
-    def state_bytes_per_token(self, kv_dtype: str | None = None) -> float:
-        """Bytes each further token adds to a state's compressed and indexer pools."""
-        cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
-        entry = cfg.head_dim * esz
-        if kv_dtype == "fp8":
-            entry = cfg.head_dim - cfg.qk_rope_head_dim + cfg.qk_rope_head_dim * esz
-        total = 0.0
-        for kind, r in zip(cfg.layer_types, cfg.compress_ratios):
-            if kind != SLIDING:
-                total += entry / r
+    # ---- accounting ----------------------------------------------------------------------------
+    def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
+        """CausalLM.state_layout from the config: per layer a window ring of sliding_window +
+        max_rewind rows; per compressor (and CSA indexer) two fp32 rings of its open windows
+        (kv, score) and one pool row per `ratio` tokens."""
+        nope, cfg = self._kv_nope(kv_dtype), self.config
+        fixed, pools = 0, []
+        for kind, ratio in zip(cfg.layer_types, cfg.compress_ratios):
+            fixed += (cfg.sliding_window + max_rewind) * kv_row_bytes(cfg.head_dim, self.dtype, nope)
+            compressors = [] if kind == SLIDING else [(cfg.head_dim, kind == CSA, nope)]
             if kind == CSA:
-                total += cfg.index_head_dim * esz / r
-        return total
-
-    def fixed_state_bytes(self, max_rewind: int = 0, kv_dtype: str | None = None) -> int:
-        """Bytes of a state that do not grow with capacity: window rings and compressor rows."""
-        st = self.new_state(capacity=1, max_rewind=max_rewind, kv_dtype=kv_dtype)
-        pools = sum(c.pool.nbytes for ls in st.layers for c in (ls.compressor, ls.indexer) if c is not None)
-        n = st.nbytes - pools
-        st.free()
-        return n
+                compressors.append((cfg.index_head_dim, True, None))
+            for width, overlap, fp8 in compressors:
+                ring_rows = (2 * ratio if overlap else ratio) + max_rewind
+                fixed += 2 * ring_rows * kv_row_bytes((2 if overlap else 1) * width, torch.float32, None)
+                pools.append((ratio, kv_row_bytes(width, self.dtype, fp8)))
+        return fixed, pools

@@ -4,34 +4,25 @@ Layers are KDA linear attention (`kda.py`) or indexed MLA with DSA (`mla.py`), e
 with mHC residual streams (4 in GLM-5.3-Flash; the final head is a plain mean over the streams) and
 a dense SwiGLU MLP or a sigmoid-routed MoE with a shared expert. All per-sequence data lives in the
 `Glm5State` passed in (`state.py`). Prefill, chunked prefill, decode and verify are the
-same code with different T.
-
-Weights are named as the text part of a transformers `Glm5NextForConditionalGeneration` checkpoint
-written by `save_pretrained` (`model.language_model.*`, `hc_attn_fn`, `q_conv1d`, per-expert
-`experts.N.gate_proj`); `load_glm5` also reads the in-memory layout (`attn_hc.fn`, fused `conv1d`,
-`forget_gate.*`, stacked `experts.gate_up_proj`) and text-only `model.*` names.
+same code with different T. Checkpoints load through checkpoint.py.
 """
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from ...errors import CapacityError, CheckpointError, ConfigError, KvfoldError
-from .config import KDA, Glm5Config, load_glm5_config
+from ...errors import CapacityError, ConfigError
+from .config import KDA, Glm5Config
 from ...layers.basic import Linear, _param
 from .kda import KdaAttention
 from ...layers.mhc import HyperConnection
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SharedExpert, SwiGluMLP
 from ...layers.rows import RowBatch
-from ...numerics.rows import invariance_unsupported, invariant_rows, own_rows, route_rows, row_mm, rows_invariant
+from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
-from ..chunks import run_batch_in_rounds, run_in_chunks
-from ..deepseek_v4.model import Embedding, as_token_ids
+from ..base import CausalLM, Embedding
 
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:
@@ -113,37 +104,17 @@ class Glm5Body(nn.Module):
         self.norm = GlmRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
-class Glm5Model(nn.Module):
-    max_chunk = 2048  # longer inputs run as consecutive chunks, bounding memory
-    numerics = "hf"
+class Glm5Model(CausalLM):
+    """Weights named as the text part of a transformers `Glm5NextForConditionalGeneration`."""
 
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        super().__init__()
-        self.config = cfg
-        self.dtype = dtype
-        self.device = torch.device(device)
+        super().__init__(cfg, dtype, device)
         self.model = Glm5Body(cfg, dtype, self.device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
-        self.tokenizer = None
-        self.mtp = None
-        self.fingerprint = cfg.fingerprint()
-        # on by default wherever it can hold: it costs little (bench/RESULTS.md)
-        self.batch_invariant = self.supports_batch_invariance
 
     def set_numerics(self, mode: str) -> None:
         if mode != "hf":
             raise ConfigError(f"glm5_next supports numerics 'hf' only, got {mode!r}")
-
-    def set_batch_invariant(self, on: bool = True) -> None:
-        """As Dsv4Model.set_batch_invariant: batching never changes a row's bits (fp32 CPU only)."""
-        why = invariance_unsupported(self.dtype, self.device) if on else None
-        if why is not None:
-            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
-        self.batch_invariant = bool(on)
-
-    @property
-    def supports_batch_invariance(self) -> bool:
-        return invariance_unsupported(self.dtype, self.device) is None
 
     # ---- state --------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
@@ -174,48 +145,7 @@ class Glm5Model(nn.Module):
         return Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
                          device=dev, dtype=dt)
 
-    # ---- forward ------------------------------------------------------------------------------
-    def _as_ids(self, token_ids) -> torch.Tensor:
-        return as_token_ids(token_ids, self.config.vocab_size, self.device)
-
-    def _check(self, ids: torch.Tensor, state: Glm5State) -> None:
-        state.check_usable(self.fingerprint, self.device, self.dtype)
-        if state.pos + ids.numel() > state.capacity:
-            raise CapacityError(
-                f"forward of {ids.numel()} tokens at pos {state.pos} would pass the state's capacity "
-                f"{state.capacity}; create the state with a larger new_state(capacity=...)")
-
-    @torch.no_grad()
-    def forward(self, token_ids, state: Glm5State, return_hidden: bool = False, last_only: bool = False):
-        """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab] (with
-        `return_hidden`, also the final residual streams [T, hc_mult, hidden]); `last_only` returns
-        just the last row's logits [1, vocab]. Every check runs before any buffer is written."""
-        ids = self._as_ids(token_ids)
-        self._check(ids, state)
-        return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
-
-    def forward_batch(self, batch, last_only: bool = True) -> list[torch.Tensor]:
-        """Advance several sequences: each (token_ids, state) as `forward` would. Every pair is
-        validated before any state is touched."""
-        checked = []
-        for ids, st in batch:
-            ids = self._as_ids(ids)
-            self._check(ids, st)
-            checked.append((ids, st))
-        if len({id(st) for _, st in checked}) != len(checked):
-            raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only)
-
-    def _forward_chunk(self, ids: torch.Tensor, state: Glm5State, last_only: bool = False):
-        logits, streams = self._forward_rows([(ids, state)], last_only)
-        return logits[0], streams[:ids.numel()]
-
-    def _forward_rows(self, pieces: list, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One model call over the concatenated rows of every (ids, state) piece (layers/rows.py):
-        mHC, norms and MLPs run on all rows at once, attention per sequence on its own state."""
-        with invariant_rows(self.batch_invariant):
-            return self._run_rows(RowBatch.build(pieces, self.device), last_only)
-
+    # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         for seg in batch.segments:
             seg.state._sync_dsa()
@@ -266,157 +196,16 @@ class Glm5Model(nn.Module):
         return y
 
     # ---- accounting ---------------------------------------------------------------------------
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
-    def weight_bytes(self) -> int:
-        return sum(t.nbytes for t in self.parameters()) + sum(t.nbytes for t in self.buffers())
-
-    def state_bytes_per_token(self, kv_dtype: str | None = None) -> float:
-        """Bytes each further token of capacity adds: the MLA latent of every DSA layer and the
-        indexer rows (k, gate in the model dtype, one validity byte) of every full DSA layer."""
+    def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
+        """CausalLM.state_layout from the config: fixed, the KDA conv and recurrent states of
+        max_rewind + 1 slots per KDA layer; per token, the MLA latent of every DSA layer; per whole
+        k-pool, the indexer rows (k, gate in the model dtype, one validity byte) of every full DSA
+        layer (its buffers round capacity up to pools)."""
         cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
-        return float(len(cfg.dsa_layers) * cfg.kv_lora_rank * esz
-                     + len(cfg.full_dsa_layers) * (2 * cfg.index_head_dim * esz + 1))
-
-    def state_layout(self) -> tuple[int, list[tuple[int, int]]]:
-        """(fixed bytes, [(ratio, bytes per row)]) such that a state of capacity c holds exactly
-        fixed + sum(ceil(c / ratio) * row) bytes (the engine's admission formula): the latent rows
-        per token, the indexer rows per whole k-pool (its buffers round capacity up to pools)."""
-        cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
+        c = cfg.linear_num_heads * cfg.linear_head_dim
+        per_slot = c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * c * esz
         kp = max(cfg.index_kpool, 1)
         pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * esz)]
         if cfg.full_dsa_layers:
             pools.append((kp, kp * len(cfg.full_dsa_layers) * (2 * cfg.index_head_dim * esz + 1)))
-        return self.fixed_state_bytes(0), pools
-
-    def fixed_state_bytes(self, max_rewind: int = 0, kv_dtype: str | None = None) -> int:
-        """Bytes of a state that do not grow with capacity: the KDA rings (max_rewind + 1 slots)."""
-        cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
-        c = cfg.linear_num_heads * cfg.linear_head_dim
-        per_slot = c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * c * esz
-        return len(cfg.kda_layers) * (max_rewind + 1) * per_slot
-
-
-# ---- loading ------------------------------------------------------------------------------------
-_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.")
-_VISION_MARKERS = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.")
-_HC_NAMES = {"hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-             "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale"}
-
-
-def _checkpoint_tensors(directory: Path):
-    from safetensors import safe_open
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory} holds no *.safetensors files")
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
-
-
-def _internal(name: str, n_layers: int) -> tuple[str, str | None]:
-    """(kind, internal name): kind "text", "vision" or "skip" (MTP layers, shared heads)."""
-    bare = name
-    for m in ("model.", ""):
-        if any(bare.startswith(m + v) for v in _VISION_MARKERS):
-            return "vision", None
-    if bare == "lm_head.weight" or bare.startswith("lm_head."):
-        return "text", bare
-    for p in _TEXT_PREFIXES:
-        if bare.startswith(p):
-            bare = bare[len(p):]
-            break
-    else:
-        return "skip", None
-    parts = bare.split(".")
-    if parts[0] == "layers":
-        if int(parts[1]) >= n_layers or "shared_head" in parts or parts[2] in ("eh_proj", "enorm", "hnorm"):
-            return "skip", None
-        if parts[2] in _HC_NAMES:
-            parts = parts[:2] + _HC_NAMES[parts[2]].split(".") + parts[3:]
-        if parts[2] == "self_attn" and parts[3] == "forget_gate":
-            parts = parts[:3] + parts[4:]
-    return "text", "model." + ".".join(parts)
-
-
-@torch.no_grad()
-def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
-    cfg = model.config
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
-    seen: set[str] = set()
-    experts: dict[tuple[str, int, str], torch.Tensor] = {}
-    n_vision = 0
-
-    def put(name: str, t: torch.Tensor) -> None:
-        if name not in params:
-            raise CheckpointError(f"checkpoint tensor {name} has no place in the glm5_next model")
-        p = params[name]
-        if tuple(p.shape) != tuple(t.shape):
-            raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
-        p.copy_(t.to(p.dtype))
-        seen.add(name)
-
-    for raw, t in _checkpoint_tensors(directory):
-        kind, name = _internal(raw, cfg.num_hidden_layers)
-        if kind == "vision":
-            n_vision += 1
-            continue
-        if kind == "skip":
-            continue
-        parts = name.split(".")
-        if ".self_attn.conv1d.weight" in name:  # in-memory layout: fused q|k|v taps
-            pre = name[:-len("conv1d.weight")]
-            for sub, piece in zip(("q", "k", "v"), t.chunk(3, dim=0)):
-                put(f"{pre}{sub}_conv1d", piece)
-            continue
-        if ".self_attn." in name and name.endswith("_conv1d.weight"):
-            put(name[:-len(".weight")], t)
-            continue
-        if len(parts) >= 8 and parts[4] == "experts" and parts[5].isdigit():  # experts.N.gate_proj.weight
-            experts[(".".join(parts[:5]), int(parts[5]), parts[6])] = t
-            continue
-        put(name, t)
-    for (pre, e, which), t in experts.items():
-        if which in ("gate_proj", "up_proj"):
-            p = params.get(pre + ".gate_up_proj")
-            if p is None:
-                raise CheckpointError(f"checkpoint expert {pre}.{e} has no place in the glm5_next model")
-            i = cfg.moe_intermediate_size
-            rows = slice(0, i) if which == "gate_proj" else slice(i, 2 * i)
-            p[e, rows].copy_(t.to(p.dtype))
-        elif which == "down_proj":
-            params[pre + ".down_proj"][e].copy_(t.to(params[pre + ".down_proj"].dtype))
-        else:
-            raise CheckpointError(f"unknown expert tensor {pre}.{e}.{which}")
-        seen.add(pre + (".down_proj" if which == "down_proj" else ".gate_up_proj"))
-    if "lm_head.weight" not in seen and cfg.tie_word_embeddings and "model.embed_tokens.weight" in seen:
-        params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
-        seen.add("lm_head.weight")
-    missing = sorted(set(params) - seen)
-    if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} glm5_next tensors, e.g. {missing[:5]}")
-    if n_vision:
-        print(f"kvfold: note: ignoring {n_vision} vision tensors (glm5_next is loaded as a text model)",
-              file=sys.stderr)
-
-
-def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-              numerics: str = "hf", weights: str = "dequant") -> Glm5Model:
-    directory = Path(directory)
-    if numerics != "hf":
-        raise ConfigError(f"glm5_next supports numerics 'hf' only, got {numerics!r}")
-    if weights != "dequant":
-        raise ConfigError(f"glm5_next loads float weights only (weights='dequant'), got {weights!r}")
-    cfg = load_glm5_config(directory)
-    model = Glm5Model(cfg, dtype=dtype, device=device)
-    load_glm5_weights(model, directory)
-    try:
-        from ...tokenizer import load_tokenizer
-        model.tokenizer = load_tokenizer(str(directory), cfg.bos_token_id, cfg.eos_ids[0] if cfg.eos_ids else None,
-                                         cfg.vocab_size)
-    except ConfigError as e:
-        print(f"kvfold: note: {e}", file=sys.stderr)
-    return model.eval()
+        return len(cfg.kda_layers) * (max_rewind + 1) * per_slot, pools

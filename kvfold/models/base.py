@@ -1,0 +1,172 @@
+"""What every model family shares: one `forward` for any chunk length, `forward_batch` over many
+sequences, the chunk loop, the checks that run before any write, batch invariance, and the byte
+accounting the engine admits requests by.
+
+A family (models/deepseek_v4, models/glm5) subclasses `CausalLM` and implements its rows
+(`_run_rows`: one model call over a `RowBatch`), `new_state` and `state_layout`, and declares
+what it supports in `capabilities`; the engine and the server read those, never probe.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError
+from ..layers.basic import QuantizedWeight, _param
+from ..layers.rows import RowBatch
+from ..numerics.rows import invariance_unsupported, invariant_rows
+from .chunks import run_batch_in_rounds, run_in_chunks
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    fp8_kv: bool = False  # new_state(kv_dtype="fp8")
+    pages: bool = False  # new_page_pool() and new_state(pages=...): compressed KV in shared pages
+    numerics: tuple[str, ...] = ("hf",)  # the modes set_numerics accepts
+
+
+def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """A non-empty 1-D LongTensor of ids in [0, vocab_size) on `device`, or InvalidInputError."""
+    if isinstance(token_ids, (list, tuple)) and token_ids and len(token_ids) <= 64 \
+            and all(type(t) is int for t in token_ids):  # a short list (decode): checked in Python
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise InvalidInputError(f"token ids must lie in [0, {vocab_size}); got range "
+                                    f"[{min(token_ids)}, {max(token_ids)}]")
+        ids = torch.frombuffer(array("q", token_ids), dtype=torch.long)
+        return ids if device.type == "cpu" else ids.to(device)
+    ids = torch.as_tensor(token_ids, dtype=torch.long) if not isinstance(token_ids, torch.Tensor) \
+        else token_ids.long()
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidInputError(f"token ids must lie in [0, {vocab_size}); got range [{lo}, {hi}]")
+    return ids.to(device)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = _param(vocab, hidden, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1:
+            return torch.index_select(self.weight, 0, ids)  # the same rows as indexing, with less overhead
+        return self.weight[ids]
+
+
+class CausalLM(nn.Module):
+    capabilities = Capabilities()
+    max_chunk = 2048  # longer inputs run as consecutive chunks (exact by construction), bounding memory
+    numerics = "hf"
+
+    def __init__(self, config, dtype: torch.dtype, device: str | torch.device):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tokenizer = None
+        self.mtp = None  # an MTP block, where the family has one and the checkpoint holds it
+        self.fingerprint = config.fingerprint()
+        # on by default wherever it can hold: it costs little (bench/RESULTS.md)
+        self.batch_invariant = self.supports_batch_invariance
+
+    # ---- batch invariance --------------------------------------------------------------------
+    @property
+    def supports_batch_invariance(self) -> bool:
+        return invariance_unsupported(self.dtype, self.device) is None
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """On: every row's logits are bit-identical whatever other sequences share its
+        `forward_batch` call (token-parallel ops in native.c's fixed-order kernels, see
+        numerics/rows.py). The default wherever it can hold: fp32 CPU models with the native
+        kernels; turning it on elsewhere raises ConfigError. Off: torch's kernels, whose last
+        bits may change with the batch."""
+        why = invariance_unsupported(self.dtype, self.device) if on else None
+        if why is not None:
+            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
+        self.batch_invariant = bool(on)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _as_ids(self, token_ids) -> torch.Tensor:
+        return as_token_ids(token_ids, self.config.vocab_size, self.device)
+
+    def _checked(self, token_ids, state) -> torch.Tensor:
+        """The ids as a tensor, after every check a forward of them on `state` needs."""
+        state.check_usable(self.fingerprint, self.device, self.dtype)
+        ids = self._as_ids(token_ids)
+        if state.pos + ids.numel() > state.capacity:
+            raise CapacityError(
+                f"forward of {ids.numel()} tokens at pos {state.pos} would pass the state's capacity "
+                f"{state.capacity}; create the state with a larger new_state(capacity=...)")
+        return ids
+
+    @torch.no_grad()
+    def forward(self, token_ids, state, return_hidden: bool = False, last_only: bool = False):
+        """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab]
+        (and, with `return_hidden`, the final residual streams [T, hc_mult, hidden], which an MTP
+        drafter reads). `last_only` returns just the last row's logits [1, vocab]: a long prompt
+        never materialises T x vocab logits. Every check runs before any buffer is written: a
+        refused call changes nothing."""
+        ids = self._checked(token_ids, state)
+        return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
+
+    def forward_batch(self, batch: list, last_only: bool = True) -> list[torch.Tensor]:
+        """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
+        would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
+        ([1, vocab] with `last_only`, else [T_i, vocab]); in batch-invariant mode they are
+        bit-identical to what the pair would get alone. Every pair is validated before any state
+        is touched."""
+        checked = [(self._checked(ids, st), st) for ids, st in batch]
+        if len({id(st) for _, st in checked}) != len(checked):
+            raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
+        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only)
+
+    def _forward_chunk(self, ids: torch.Tensor, state, last_only: bool = False):
+        logits, streams = self._forward_rows([(ids, state)], last_only)
+        return logits[0], streams[:ids.numel()]
+
+    def _forward_rows(self, pieces: list, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One model call over the concatenated rows of every (ids, state) piece; advances each
+        state. Returns (logits per piece, all rows' final streams)."""
+        with invariant_rows(self.batch_invariant):
+            return self._run_rows(RowBatch.build(pieces, self.device), last_only)
+
+    def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        raise NotImplementedError
+
+    # ---- state -------------------------------------------------------------------------------
+    def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, **kw):
+        raise NotImplementedError
+
+    def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
+        """(fixed bytes, [(ratio, bytes per row)]): a state of capacity c holds exactly
+        fixed + sum(ceil(c / ratio) * row) bytes, computed from the config (the engine's
+        admission formula, known before anything is allocated)."""
+        raise NotImplementedError
+
+    def state_bytes_per_token(self, kv_dtype: str | None = None) -> float:
+        """Bytes each further token of capacity adds to a state."""
+        return float(sum(row / ratio for ratio, row in self.state_layout(0, kv_dtype)[1]))
+
+    def fixed_state_bytes(self, max_rewind: int = 0, kv_dtype: str | None = None) -> int:
+        """Bytes of a state that do not grow with capacity."""
+        return self.state_layout(max_rewind, kv_dtype)[0]
+
+    # ---- accounting --------------------------------------------------------------------------
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        """The weights kept in their checkpoint format (loaded with weights="quantized"), by name."""
+        return {n: m for n, m in self.named_modules() if isinstance(m, QuantizedWeight)}
+
+    def num_parameters(self) -> int:
+        """Logical parameters: a quantized weight counts its dequantized elements."""
+        return (sum(p.numel() for p in self.parameters())
+                + sum(w.numel() for w in self.quantized_weights().values()))
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy in memory: float parameters and every buffer (quantized weights'
+        bytes and scales, routing tables), an MTP block's included when loaded."""
+        return sum(t.nbytes for t in self.parameters()) + sum(t.nbytes for t in self.buffers())
