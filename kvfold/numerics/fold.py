@@ -16,8 +16,8 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: boo
     slots) would pool to 0.
     """
     c_total = kv.shape[-1]
-    lib = native.library()
-    if lib is not None and native.fp32_cpu(kv, score) and kv.dim() == 2 and score.shape == kv.shape:
+    lib = native.serving(kv, score)
+    if lib is not None and kv.dim() == 2 and score.shape == kv.shape:
         n_w = kv.shape[0] // ratio - (1 if overlap else 0)
         out = torch.empty(max(n_w, 0), c_total // 2 if overlap else c_total, dtype=torch.float32)
         if n_w <= 0 or lib.kv_pool_windows(kv.data_ptr(), score.data_ptr(), n_w, ratio, c_total, int(overlap),

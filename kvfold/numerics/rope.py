@@ -50,15 +50,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """
     half = cos.shape[-1]
     rd = 2 * half
-    if x.dtype == torch.float32 and x.device.type == "cpu":
-        lib = native.library()
-        if (lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0]
-                and x.shape[-1] >= rd and native.fp32_cpu(x, cos, sin)):
-            out = torch.empty_like(x)
-            t, d = x.shape[0], x.shape[-1]
-            lib.kv_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t,
-                        x.numel() // (t * d) if t * d else 0, d, half, int(inverse))
-            return out
+    lib = native.serving(x, cos, sin)
+    if lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
+        out = torch.empty_like(x)
+        t, d = x.shape[0], x.shape[-1]
+        lib.kv_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t,
+                    x.numel() // (t * d) if t * d else 0, d, half, int(inverse))
+        return out
     if x.dtype == torch.float32:  # rotate the pairs in place in a copy: no cat, no casts
         out = x.clone() if x.is_contiguous() else x.contiguous()
         pairs = torch.view_as_complex(out.view(*x.shape[:-1], x.shape[-1] // 2, 2))[..., -half:]

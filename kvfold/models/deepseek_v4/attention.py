@@ -156,110 +156,79 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, ls: LayerState,
                 selected: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        """Each of the T queries' softmax over its window band, its compressed entries and the
+        sink; a lone fp32 query (decode) runs as one native call of the same formula."""
         t, h, d = q.shape
-        w = self.window
         f32 = torch.float32
         sinks = self.sinks if self.sinks.dtype == f32 else self.sinks.float()
-        pool = None
-        if self.kind != SLIDING:
-            pool = ls.compressor.pool
+        pool = ls.compressor.pool if self.kind != SLIDING else None
         n_comp = 0 if selected is None else selected.shape[1]
         if self.kind == HCA:
             n_comp = (start + t) // self.ratio
-        per_query = h * (2 * w + n_comp) + (n_comp * d if self.kind == CSA else 0)
-        # a block of B queries reads B + W - 1 window keys: B = W keeps the band at most 2x the
-        # W keys each query needs (B = T would make prefill O(T^2))
-        block = max(1, min(t, w, _ATTN_BUDGET // max(1, per_query)))
         q = (q if q.dtype == f32 else q.float()) * d ** -0.5
         if local.dtype != f32:
             local = local.float()
         if t == 1:
-            return self._attend_one(q, local, start, pool, selected, n_comp, sinks)
-        out = torch.empty(t, h, d, dtype=f32, device=q.device) if block < t else None
-        for b0 in range(0, t, block):
-            b1 = min(t, b0 + block)
-            nb = b1 - b0
-            qb = q if nb == t else q[b0:b1]
-            qpos = positions[b0:b1]
-            # band of window keys for this block, in local (position - local_start) coordinates
-            k0 = max(0, start + b0 - w + 1 - local_start)
-            k1 = start + b1 - local_start
-            keys_w = local[k0:k1]
-            logits_w = qb @ keys_w.t()
-            if nb > 1:  # a lone query's band is exactly its window: nothing to mask
-                kpos = torch.arange(k0, k1, device=q.device) + local_start
-                band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
-                logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
-            parts = [logits_w]
-            keys_c = None
-            if self.kind == HCA:
-                n_vis = (start + b1) // self.ratio
-                keys_c = pool[:n_vis]
-                if keys_c.dtype != f32:
-                    keys_c = keys_c.float()
-                logits_c = qb @ keys_c.t()
-                if nb > 1:  # the last query of a block sees all n_vis entries
-                    vis = torch.arange(n_vis, device=q.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
-                    logits_c = logits_c.masked_fill(~vis[:, None, :], float("-inf"))
-                parts.append(logits_c)
-            elif self.kind == CSA and n_comp > 0:
-                sel = selected if nb == t else selected[b0:b1]
-                keys_c = pool[sel.clamp(min=0)]  # [b, k, d]
-                if keys_c.dtype != f32:
-                    keys_c = keys_c.float()
-                logits_c = torch.bmm(qb, keys_c.transpose(1, 2))
-                parts.append(logits_c.masked_fill((sel < 0)[:, None, :], float("-inf")))
-            # the sink is one more logit per head, with no value
-            parts.append(sinks[None, :, None].expand(nb, h, 1))
-            p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-            nw = keys_w.shape[0]
-            acc = p[..., :nw] @ keys_w
-            if keys_c is not None:
-                pc = p[..., nw:-1]
-                acc = acc + (pc @ keys_c if self.kind == HCA else torch.bmm(pc, keys_c))
-            if out is None:
-                return acc
-            out[b0:b1] = acc
-        return out
-
-    def _attend_one(self, q: torch.Tensor, local: torch.Tensor, start: int, pool, selected: torch.Tensor | None,
-                    n_comp: int, sinks: torch.Tensor) -> torch.Tensor:
-        """`_attend` of one query (decode), scaled q [1, h, d], in 2-D matmuls: its window is exactly
-        the last min(W, start + 1) local rows, and it sees every compressed entry (HCA) or every pick."""
-        _, h, d = q.shape
-        lib = native.library()
-        if lib is not None:
-            out = _native_attend_one(lib, q, local, pool, selected, n_comp, sinks, self.kind)
+            out = _native_attend_one(q, local, pool, selected, n_comp, sinks, self.kind)
             if out is not None:
                 return out
-        q2 = q.view(h, d)
-        keys_w = local  # local = rows [max(0, start - W + 1), start]: exactly the window
-        parts = [q2 @ keys_w.t()]
+        per_query = h * (2 * self.window + n_comp) + (n_comp * d if self.kind == CSA else 0)
+        # a block of B queries reads B + W - 1 window keys: B = W keeps the band at most 2x the
+        # W keys each query needs (B = T would make prefill O(T^2))
+        block = max(1, min(t, self.window, _ATTN_BUDGET // max(1, per_query)))
+        if block >= t:
+            return self._attend_block(q, positions, 0, t, local, local_start, start, pool, selected, sinks)
+        out = torch.empty(t, h, d, dtype=f32, device=q.device)
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            out[b0:b1] = self._attend_block(q[b0:b1], positions[b0:b1], b0, b1, local, local_start, start, pool,
+                                            None if selected is None else selected[b0:b1], sinks)
+        return out
+
+    def _attend_block(self, qb: torch.Tensor, qpos: torch.Tensor, b0: int, b1: int, local: torch.Tensor,
+                      local_start: int, start: int, pool, sel: torch.Tensor | None, sinks: torch.Tensor
+                      ) -> torch.Tensor:
+        """Queries b0..b1-1 of the chunk (scaled qb [nb, h, d] at positions qpos)."""
+        nb, h, _ = qb.shape
+        w, f32 = self.window, torch.float32
+        # band of window keys for this block, in local (position - local_start) coordinates
+        k0 = max(0, start + b0 - w + 1 - local_start)
+        keys_w = local[k0:start + b1 - local_start]
+        logits_w = qb @ keys_w.t()
+        if nb > 1:  # a lone query's band is exactly its window: nothing to mask
+            kpos = torch.arange(k0, k0 + keys_w.shape[0], device=qb.device) + local_start
+            band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
+            logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
+        parts = [logits_w]
         keys_c = None
         if self.kind == HCA:
-            keys_c = pool[:n_comp]
-            if keys_c.dtype != torch.float32:
-                keys_c = keys_c.float()
-            parts.append(q2 @ keys_c.t())
-        elif self.kind == CSA and n_comp > 0:
-            sel = selected[0]
-            keys_c = pool[sel.clamp(min=0)]  # [k, d]
-            if keys_c.dtype != torch.float32:
-                keys_c = keys_c.float()
-            parts.append((q2 @ keys_c.t()).masked_fill(sel < 0, float("-inf")))
-        parts.append(sinks[:, None])  # the sink: one more logit per head, with no value
+            n_vis = (start + b1) // self.ratio
+            keys_c = pool[:n_vis]
+            keys_c = keys_c if keys_c.dtype == f32 else keys_c.float()
+            logits_c = qb @ keys_c.t()
+            if nb > 1:  # the last query of a block sees all n_vis entries
+                vis = torch.arange(n_vis, device=qb.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+                logits_c = logits_c.masked_fill(~vis[:, None, :], float("-inf"))
+            parts.append(logits_c)
+        elif self.kind == CSA and sel is not None and sel.shape[1] > 0:
+            keys_c = pool[sel.clamp(min=0)]  # [nb, k, d]
+            keys_c = keys_c if keys_c.dtype == f32 else keys_c.float()
+            parts.append(torch.bmm(qb, keys_c.transpose(1, 2)).masked_fill((sel < 0)[:, None, :], float("-inf")))
+        parts.append(sinks[None, :, None].expand(nb, h, 1))  # the sink: one more logit per head, no value
         p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
         nw = keys_w.shape[0]
-        acc = p[:, :nw] @ keys_w
+        acc = p[..., :nw] @ keys_w
         if keys_c is not None:
-            acc = torch.addmm(acc, p[:, nw:-1], keys_c)
-        return acc.view(1, h, d)
+            pc = p[..., nw:-1]
+            acc = acc + (pc @ keys_c if self.kind == HCA else torch.bmm(pc, keys_c))
+        return acc
 
 
-def _native_attend_one(lib, q: torch.Tensor, local: torch.Tensor, pool, selected: torch.Tensor | None,
+def _native_attend_one(q: torch.Tensor, local: torch.Tensor, pool, selected: torch.Tensor | None,
                        n_comp: int, sinks: torch.Tensor, kind: str) -> torch.Tensor | None:
-    """`Attention._attend_one` in one native call (fp32 CPU, plain private pools), else None."""
-    if not native.fp32_cpu(q, local, sinks):
+    """`Attention._attend` of one query in one native call (fp32 CPU pools, private or paged), else None."""
+    lib = native.serving(q, local, sinks)
+    if lib is None:
         return None
     data = phys = sel = None
     if n_comp > 0:

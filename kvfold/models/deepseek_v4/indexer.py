@@ -62,21 +62,25 @@ class Indexer(Compressor):
             return torch.empty(t, 0, dtype=torch.long, device=q.device)
         f32 = torch.float32
         scale = self.head_dim ** -0.5 if self.entry_sim == "hadamard_fp4" else None
+        if t == 1 and scale is None:  # one fp32 query (decode) in one native call of the same rule
+            out = _native_topk_one(q, w, self.n_heads, self.head_dim, st.pool, n_entries, k)
+            if out is not None:
+                return out
         keys = st.pool[:n_entries]  # [E, d]
         if keys.dtype != q.dtype:
             keys = keys.to(q.dtype)
+        visible = (torch.arange(start, start + t, device=q.device) + 1) // r  # entries < this are visible
+        entry_ids = torch.arange(n_entries, device=q.device)
         block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
-        if t == 1 and scale is None:  # one query (decode): it sees every entry
-            lib = native.library()
-            source = plain_rows(st.pool) if lib is not None else None
-            if source is not None and native.fp32_cpu(q, w):
-                data, phys = source
-                out = torch.empty(1, k, dtype=torch.long)
-                scratch = torch.empty(n_entries, dtype=f32)
-                lib.kv_index_topk_one(q.data_ptr(), w.data_ptr(), self.n_heads, self.head_dim, data.data_ptr(),
-                                      None if phys is None else phys.data_ptr(), n_entries, k, out.data_ptr(),
-                                      scratch.data_ptr())
-                return out
+        out = torch.empty(t, k, dtype=torch.long, device=q.device)
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            s = torch.relu(q[b0:b1] @ keys.t())
+            scores = torch.bmm(w[b0:b1, None, :], s if scale is None else s * scale)[:, 0]
+            if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
+                scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
+            out[b0:b1] = topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
+        return out
         if t == 1:  # one query (decode): it sees every entry; 2-D matmuls
             s = torch.relu(q.view(self.n_heads, self.head_dim) @ keys.t())
             scores = w @ (s if scale is None else s * scale)
@@ -99,3 +103,18 @@ class Indexer(Compressor):
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores.float(), k)
         return out
+
+
+def _native_topk_one(q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: int, pool, n_entries: int,
+                     k: int) -> torch.Tensor | None:
+    """`Indexer.select` of one fp32 query over every entry in one native call, else None."""
+    lib = native.serving(q, w)
+    source = plain_rows(pool) if lib is not None else None
+    if source is None:
+        return None
+    data, phys = source
+    out = torch.empty(1, k, dtype=torch.long)
+    scratch = torch.empty(n_entries, dtype=torch.float32)
+    lib.kv_index_topk_one(q.data_ptr(), w.data_ptr(), n_heads, head_dim, data.data_ptr(),
+                          None if phys is None else phys.data_ptr(), n_entries, k, out.data_ptr(), scratch.data_ptr())
+    return out

@@ -15,7 +15,7 @@ from ...errors import CapacityError, ConfigError, StateMismatchError
 from .attention import Attention
 from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperConnection, HyperHead
-from ...layers.moe import MoE
+from .moe import MoE
 from ...layers.rows import RowBatch
 from ...numerics import RopeTable
 from .state import Dsv4State, LayerState, compressor_state
@@ -218,3 +218,20 @@ class Dsv4Model(CausalLM):
                 fixed += 2 * ring_rows * kv_row_bytes((2 if overlap else 1) * width, torch.float32, None)
                 pools.append((ratio, kv_row_bytes(width, self.dtype, fp8)))
         return fixed, pools
+
+    # ---- multi-token prediction: what the MTP drafter (decoding/drafters.py) calls --------------
+    @property
+    def supports_mtp(self) -> bool:
+        """True when the checkpoint shipped the MTP block (`mtp.0.*`), so speculative="mtp" can draft."""
+        return self.mtp is not None
+
+    def new_mtp_state(self, capacity: int, max_rewind: int) -> Dsv4State:
+        """A state for the MTP block's own sliding window (needs `supports_mtp`)."""
+        return self.mtp.new_state(capacity=capacity, max_rewind=max_rewind)
+
+    def mtp_step(self, hidden: torch.Tensor, token_ids, mtp_state: Dsv4State) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance `mtp_state` over T positions (needs `supports_mtp`). `hidden` [T, hc, d]: this
+        model's final streams there (`forward(..., return_hidden=True)`), or the previous step's
+        output streams when drafting ahead; `token_ids`: the T tokens one position later. Returns
+        (logits [T, vocab] for the tokens two positions ahead, output streams [T, hc, d])."""
+        return self.mtp.step(self, hidden, token_ids, mtp_state)

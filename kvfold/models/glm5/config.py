@@ -2,7 +2,7 @@
 
 Accepts a text-only config (`model_type` "glm5_next_text") and a `Glm5NextForConditionalGeneration`
 config (`model_type` "glm5_next", the text fields nested under `text_config`; the vision config is
-ignored). Schedules are derived as transformers' `Glm5NextTextConfig` does (docs: glm5-dsa.md §1, §2):
+ignored). Schedules are derived as transformers' `Glm5NextTextConfig` does:
 
 * `layer_types`: default `i % 4 == 3` -> "indexed_attention" (MLA + DSA), else "linear_attention"
   (KDA); the alias "full_attention" reads as "indexed_attention";
@@ -76,7 +76,6 @@ class Glm5Config:
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
     attention_bias: bool = False
-    scoring_func: str = "sigmoid"  # what kvfold's shared Experts/Router helpers read
 
     # ---- derived ------------------------------------------------------------------------------
     @property

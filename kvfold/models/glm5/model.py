@@ -17,7 +17,7 @@ from ...layers.basic import Linear, _param
 from .kda import KdaAttention
 from ...layers.mhc import HyperConnection
 from .mla import GlmRMSNorm, IndexedMLA
-from ...layers.moe import Experts, SharedExpert, SwiGluMLP
+from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
 from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import Glm5NextDsaState
@@ -69,8 +69,10 @@ class Glm5MoE(nn.Module):
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
         super().__init__()
         self.gate = Glm5Router(cfg, device)
-        self.experts = Experts(cfg, dtype, device)
-        self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                               dtype, device)
+        self.shared_experts = SwiGluMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                        cfg.swiglu_limit, dtype, device) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -93,7 +95,8 @@ class Glm5Block(nn.Module):
             self.self_attn = KdaAttention(cfg, dtype, device)
         else:
             self.self_attn = IndexedMLA(cfg, cfg.indexer_types[i] == "full", dtype, device)
-        self.mlp = Glm5MoE(cfg, dtype, device) if cfg.mlp_layer_types[i] == "sparse" else SwiGluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, dtype, device)
+        self.mlp = Glm5MoE(cfg, dtype, device) if cfg.mlp_layer_types[i] == "sparse" \
+            else SwiGluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, dtype, device)
 
 
 class Glm5Body(nn.Module):

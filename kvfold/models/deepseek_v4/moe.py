@@ -1,0 +1,152 @@
+"""DeepSeek-V4 MoE: hash routing (tid2eid[token]) on the first layers, biased top-k elsewhere
+(softmax, sigmoid or sqrt-softplus scores); the routed SwiGLU experts (layers/moe.py) and one
+always-on shared expert. A lone fp32 decode row runs the whole layer as one native call."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...layers.basic import _param
+from ...layers.moe import Experts, SwiGluMLP
+from ...numerics import native
+from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant
+from .config import Dsv4Config
+
+
+def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: Dsv4Config, is_hash: bool, device=None):
+        super().__init__()
+        self.is_hash = is_hash
+        self.k, self.scoring, self.scale = cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32, device=device)
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.k, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [T, k] fp32, expert ids [T, k]; ascending per row in batch-invariant mode)."""
+        if rows_invariant():
+            table = dict(tid2eid=self.tid2eid, token_ids=token_ids) if self.is_hash \
+                else dict(bias=self.e_score_correction_bias)
+            return route_rows(x, self.weight, self.scoring, self.k, self.scale, **table)
+        scores = _score(row_mm(x if x.dtype == torch.float32 else x.float(), self.weight), self.scoring)
+        if self.is_hash:
+            ids = self.tid2eid[token_ids].long()
+        else:
+            # the bias shifts which experts are chosen, never their weights; ties -> lower id
+            biased = scores + self.e_score_correction_bias
+            ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.k]
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids
+
+
+def SharedExpert(cfg: Dsv4Config, dtype: torch.dtype, device=None) -> SwiGluMLP:
+    """The always-on shared expert (n_shared_experts of them fused into one MLP)."""
+    return SwiGluMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit,
+                     dtype, device)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", device)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                               dtype, device)
+        self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]. A lone fp32 row runs as one native call, whose bits equal the
+        batch-invariant path's (native.c's kv_moe_one)."""
+        if x.shape[0] == 1:
+            y = self._native_one(x, token_ids)
+            if y is not None:
+                return y
+        weights, ids = self.gate(x, token_ids)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            y = y + (shared if shared.dtype == torch.float32 else shared.float())
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _native_one(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer for one fp32 row in one native call (router, experts, shared expert), or
+        None where the kernels cannot serve it."""
+        return _native_moe_one(self, x, token_ids)
+
+
+_NATIVE_MAX_BYTES = 4 << 20  # past this much weight per token, several threads' GEMVs win
+
+
+def _native_weights(moe: MoE) -> tuple | None:
+    """The fp32 weights the native one-row MoE reads, or None when it cannot serve this layer
+    (quantized or non-fp32 weights, FP8 activations, an unknown scoring)."""
+    gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+    if ex.act_quant or gate.scoring not in SCORING:
+        return None
+    w13, w2 = ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj")
+    tables = [gate.weight, w13, w2, gate.tid2eid if gate.is_hash else gate.e_score_correction_bias]
+    shared = (None, None, None)
+    if sh is not None:
+        lins = (sh.gate_proj, sh.up_proj, sh.down_proj)
+        if any(lin.act_quant for lin in lins):
+            return None
+        shared = tuple(lin._parameters.get("weight") for lin in lins)
+        tables += list(shared)
+    if any(t is None for t in tables):
+        return None
+    if not native.fp32_cpu(*tables[:3], *tables[4:]) or not tables[3].is_contiguous() \
+            or tables[3].dtype != (torch.int64 if gate.is_hash else torch.float32):
+        return None
+    return (gate.weight, w13, w2, tables[3], *shared)
+
+
+def _cached_native_weights(moe: MoE) -> tuple | None:
+    """`_native_weights`, recomputed only when a weight tensor or its storage is replaced."""
+    gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
+    parts = [gate._parameters["weight"], ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj"),
+             gate._buffers["tid2eid" if gate.is_hash else "e_score_correction_bias"]]
+    if sh is not None:
+        parts += [lin._parameters.get("weight") for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)]
+    key = tuple((id(t), t.data_ptr()) if t is not None else None for t in parts)
+    key += (ex.act_quant, sh is not None and any(lin.act_quant for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)))
+    hit = moe.__dict__.get("_native_weights")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    ws = _native_weights(moe)
+    moe.__dict__["_native_weights"] = (key, ws)
+    return ws
+
+
+def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+    lib = native.serving(x)
+    if lib is None or token_ids.dtype != torch.int64 or not token_ids.is_contiguous():
+        return None
+    ws = _cached_native_weights(moe)
+    if ws is None:
+        return None
+    router, w13, w2, table, sg, su, sd = ws
+    e, h = router.shape
+    k, inter = moe.gate.k, w2.shape[2]
+    s_inter = 0 if sg is None else sg.shape[0]
+    if torch.get_num_threads() > 1 and 4 * (k * 3 * inter * h + 3 * s_inter * h) > _NATIVE_MAX_BYTES:
+        return None  # several threads' GEMMs win (in batch-invariant mode with the same bits)
+    out = torch.empty(1, h, dtype=torch.float32)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    is_hash = moe.gate.is_hash
+    rc = lib.kv_moe_one(x.data_ptr(), h, router.data_ptr(), e, SCORING[moe.gate.scoring],
+                        None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
+                        token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, w13.data_ptr(), w2.data_ptr(), inter,
+                        moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, out.data_ptr())
+    return out if rc == 0 else None
