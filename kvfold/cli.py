@@ -94,59 +94,30 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.load_session:  # a damaged file is refused before the (possibly large) model loads
         loaded = sess.read_session(args.load_session)
     model = _load_for(args)
-    tok = model.tokenizer
-    spec, n_draft, n_new = args.speculative, args.num_draft, args.max_new_tokens
-    state, history = None, None
+    state = None
     try:
         if loaded is not None:
-            sess.check_session_model(loaded, model, source=f"session {args.load_session}")
-            ids = loaded.continuation(tok.encode(args.prompt))  # no BOS: the conversation goes on
-            if not ids:
-                raise sess.SessionCorruptedError(
-                    f"session {args.load_session} has no pending token and --prompt is empty: nothing to feed")
-            cap, max_rewind = generation_capacity(len(ids), n_new, spec, n_draft)
-            state = sess.restore_session(model, loaded, capacity=loaded.pos + cap, max_rewind=max_rewind)
-            history = loaded.tokens
+            ids, state, history = _resume_session(args, model, loaded)
         else:
-            ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
-            if args.save_session:  # generate must leave the state alive for the snapshot
-                cap, max_rewind = generation_capacity(len(ids), n_new, spec, n_draft)
-                kw = {"kv_dtype": args.kv_dtype} if args.kv_dtype else {}
-                state = model.new_state(capacity=cap, max_rewind=max_rewind, **kw)
-                history = []
-        decoder = tok.stream_decoder()
+            ids, state, history = _fresh_prompt(args, model)
+        decoder = model.tokenizer.stream_decoder()
         out = sys.stdout
-
-        def on_token(token_id: int) -> None:
-            text = decoder.push(token_id)
-            if text:
-                out.write(text)
-                out.flush()
-
         result = generate(
             model,
             ids,
-            n_new,
+            args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
-            on_token=on_token,
-            speculative=spec,
-            num_draft=n_draft,
+            on_token=_text_streamer(decoder, out),
+            speculative=args.speculative,
+            num_draft=args.num_draft,
             state=state,
             history=history,
             **({"kv_dtype": args.kv_dtype} if args.kv_dtype and state is None else {}),
         )
         out.write(decoder.flush() + "\n")
-        summary = (f"[kvfold] prompt {result.prompt_tokens} tok | generated {len(result.tokens)} tok"
-                   f" | prefill {result.prefill_tok_s:.1f} tok/s | decode {result.decode_tok_s:.1f} tok/s"
-                   f" | state {result.state_bytes / _MIB:.2f} MiB")
-        per_token = getattr(model, "state_bytes_per_token", None)
-        if per_token is not None:
-            summary += f" ({per_token(**({'kv_dtype': args.kv_dtype} if args.kv_dtype else {})):.0f} B/token)"
-        if spec is not None:
-            summary += f" | accept {100.0 * result.acceptance_rate:.1f}%"
-        out.write(summary + "\n")
+        out.write(_generate_summary(args, model, result) + "\n")
         out.flush()
         if args.save_session:
             consumed, pending = sess.split_history(list(history) + ids, result.tokens)
@@ -156,6 +127,57 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if state is not None:
             state.free()
     return 0
+
+
+def _resume_session(args: argparse.Namespace, model: Any, loaded: Any) -> tuple[list[int], Any, list[int]]:
+    """(ids to feed, restored state, token history) to continue the conversation of `loaded`: its
+    pending token(s) then --prompt, encoded without BOS (the conversation goes on)."""
+    from . import session as sess
+
+    sess.check_session_model(loaded, model, source=f"session {args.load_session}")
+    ids = loaded.continuation(model.tokenizer.encode(args.prompt))
+    if not ids:
+        raise sess.SessionCorruptedError(
+            f"session {args.load_session} has no pending token and --prompt is empty: nothing to feed")
+    cap, max_rewind = generation_capacity(len(ids), args.max_new_tokens, args.speculative, args.num_draft)
+    state = sess.restore_session(model, loaded, capacity=loaded.pos + cap, max_rewind=max_rewind)
+    return ids, state, loaded.tokens
+
+
+def _fresh_prompt(args: argparse.Namespace, model: Any) -> tuple[list[int], Any, list[int] | None]:
+    """(ids to feed, state, history) for a new conversation: BOS (when the tokenizer has one) and --prompt.
+    With --save-session the state is made here, so that it outlives `generate` for the snapshot;
+    otherwise (None, None): `generate` makes and frees its own."""
+    tok = model.tokenizer
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(args.prompt)
+    if not args.save_session:
+        return ids, None, None
+    cap, max_rewind = generation_capacity(len(ids), args.max_new_tokens, args.speculative, args.num_draft)
+    kw = {"kv_dtype": args.kv_dtype} if args.kv_dtype else {}
+    return ids, model.new_state(capacity=cap, max_rewind=max_rewind, **kw), []
+
+
+def _text_streamer(decoder: Any, out: Any):
+    """An `on_token` callback writing each token's text to `out` as soon as it decodes."""
+    def on_token(token_id: int) -> None:
+        text = decoder.push(token_id)
+        if text:
+            out.write(text)
+            out.flush()
+    return on_token
+
+
+def _generate_summary(args: argparse.Namespace, model: Any, result: Any) -> str:
+    """The `[kvfold] prompt ... tok | ...` line printed after the generated text."""
+    summary = (f"[kvfold] prompt {result.prompt_tokens} tok | generated {len(result.tokens)} tok"
+               f" | prefill {result.prefill_tok_s:.1f} tok/s | decode {result.decode_tok_s:.1f} tok/s"
+               f" | state {result.state_bytes / _MIB:.2f} MiB")
+    per_token = getattr(model, "state_bytes_per_token", None)
+    if per_token is not None:
+        summary += f" ({per_token(**({'kv_dtype': args.kv_dtype} if args.kv_dtype else {})):.0f} B/token)"
+    if args.speculative is not None:
+        summary += f" | accept {100.0 * result.acceptance_rate:.1f}%"
+    return summary
 
 
 def _fmt_bytes(n: float) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -79,56 +79,102 @@ def decode(fmt: Format, state, blob: bytes, *, flags_of_state: int,
     bits); other model; other dtype (or other storage flags); counts inconsistent with pos; body
     size mismatch; checksum mismatch; pos beyond the state's capacity. Nothing is written here."""
     blob = bytes(blob)
+    h = _read_header(fmt, blob)
+    _check_owner(fmt, state, h, flags_of_state, flags_mismatch)
+    want = _check_sections(fmt, blob, h, expected_sections)
+    _check_body(blob, h, want)
+    if h.pos > state.capacity:
+        raise SnapshotCapacityError(f"snapshot is at pos {h.pos}, beyond this state's capacity {state.capacity}; "
+                                    f"restore into model.new_state(capacity>={h.pos})")
+    return h.pos, _section_rows(blob, want, h.table_end, state.device)
+
+
+class _Header(NamedTuple):
+    magic: bytes
+    version: int
+    flags: int
+    fingerprint: bytes
+    dtype_code: int
+    n_sections: int
+    pos: int
+    body_len: int
+    reserved: int
+
+    @property
+    def table_end(self) -> int:
+        return HEADER.size + self.n_sections * SECTION.size
+
+
+def _read_header(fmt: Format, blob: bytes) -> _Header:
+    """The header, once the blob is long enough to hold it and its table, is of this family, and is
+    of a version (and uses only flags) this reader defines."""
     if len(blob) < HEADER.size:
         raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes, shorter than its {HEADER.size}-byte header")
-    magic, version, flags, fp, dtype_code, n_sec, pos, body_len, reserved = HEADER.unpack_from(blob, 0)
-    table_end = HEADER.size + n_sec * SECTION.size
-    if magic == fmt.magic and len(blob) < table_end:
-        raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes but its section table ends at {table_end}")
-    if magic != fmt.magic:
-        raise SnapshotMagicError(f"not a {fmt.what} snapshot (magic {magic!r}, expected {fmt.magic!r})")
-    if version != VERSION:
-        raise SnapshotVersionError(f"snapshot format version {version} is not supported (this kvfold reads "
+    h = _Header(*HEADER.unpack_from(blob, 0))
+    if h.magic == fmt.magic and len(blob) < h.table_end:
+        raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes but its section table ends at {h.table_end}")
+    if h.magic != fmt.magic:
+        raise SnapshotMagicError(f"not a {fmt.what} snapshot (magic {h.magic!r}, expected {fmt.magic!r})")
+    if h.version != VERSION:
+        raise SnapshotVersionError(f"snapshot format version {h.version} is not supported (this kvfold reads "
                                    f"version {VERSION}); re-save it with a matching kvfold")
-    if flags & ~fmt.known_flags or reserved:
+    if h.flags & ~fmt.known_flags or h.reserved:
         # a later format may give these meaning; reading them as version 1 would misread the blob
-        raise SnapshotVersionError(f"snapshot uses header flags {flags:#x} / reserved {reserved:#x} that "
+        raise SnapshotVersionError(f"snapshot uses header flags {h.flags:#x} / reserved {h.reserved:#x} that "
                                    f"format version {VERSION} does not define; re-save it with a matching kvfold")
-    fp_str = fp.rstrip(b"\0").decode(errors="replace")
+    return h
+
+
+def _check_owner(fmt: Format, state, h: _Header, flags_of_state: int,
+                 flags_mismatch: Callable[[int], str] | None) -> None:
+    """Refuse a snapshot of another model, or one whose rows are stored otherwise than `state`'s
+    (storage flags, dtype)."""
+    fp_str = h.fingerprint.rstrip(b"\0").decode(errors="replace")
     if fp_str != state.fingerprint:
         raise SnapshotModelError(f"snapshot was taken from a model with config fingerprint {fp_str}; this state "
                                  f"belongs to {state.fingerprint}; restore it into a state of the same model")
-    layout = flags & fmt.layout_flags
-    if flags & ~fmt.layout_flags != flags_of_state:
-        raise SnapshotDtypeError(flags_mismatch(flags) if flags_mismatch else
-                                 f"snapshot storage flags {flags:#x} differ from this state's {flags_of_state:#x}")
-    if CODE_DTYPES.get(dtype_code) != state.dtype:
-        raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(dtype_code, dtype_code)} differs from the "
+    if h.flags & ~fmt.layout_flags != flags_of_state:
+        raise SnapshotDtypeError(flags_mismatch(h.flags) if flags_mismatch else
+                                 f"snapshot storage flags {h.flags:#x} differ from this state's {flags_of_state:#x}")
+    if CODE_DTYPES.get(h.dtype_code) != state.dtype:
+        raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(h.dtype_code, h.dtype_code)} differs from the "
                                  f"state's {state.dtype}; load the model with the snapshot's dtype")
-    got = [Section(*SECTION.unpack_from(blob, HEADER.size + i * SECTION.size)) for i in range(n_sec)]
-    want = expected_sections(pos, layout) if fmt.layout_flags else expected_sections(pos)
-    if got != want:
-        if len(got) != len(want):
-            detail = f"{len(got)} sections, expected {len(want)}"
-        else:
-            g, w = next((g, w) for g, w in zip(got, want) if g != w)
-            name = fmt.kind_names[w.kind] if w.kind < len(fmt.kind_names) else f"kind {w.kind}"
-            detail = (f"layer {w.layer} {name}: first={g.first} rows={g.rows} width={g.width}, "
-                      f"expected first={w.first} rows={w.rows} width={w.width}")
-        raise SnapshotCountsError(f"snapshot section table is inconsistent with pos={pos} ({detail})")
-    need = sum(s.nbytes for s in want)
-    if body_len != need or len(blob) != table_end + body_len + DIGEST:
+
+
+def _check_sections(fmt: Format, blob: bytes, h: _Header, expected_sections: Callable) -> list[Section]:
+    """The section table, when it is exactly the one the codec expects at the header's pos (and layout flags)."""
+    got = [Section(*SECTION.unpack_from(blob, HEADER.size + i * SECTION.size)) for i in range(h.n_sections)]
+    want = expected_sections(h.pos, h.flags & fmt.layout_flags) if fmt.layout_flags else expected_sections(h.pos)
+    if got == want:
+        return want
+    if len(got) != len(want):
+        detail = f"{len(got)} sections, expected {len(want)}"
+    else:
+        g, w = next((g, w) for g, w in zip(got, want) if g != w)
+        name = fmt.kind_names[w.kind] if w.kind < len(fmt.kind_names) else f"kind {w.kind}"
+        detail = (f"layer {w.layer} {name}: first={g.first} rows={g.rows} width={g.width}, "
+                  f"expected first={w.first} rows={w.rows} width={w.width}")
+    raise SnapshotCountsError(f"snapshot section table is inconsistent with pos={h.pos} ({detail})")
+
+
+def _check_body(blob: bytes, h: _Header, sections: list[Section]) -> None:
+    """Refuse a body of another size than the table needs, or a blob whose checksum does not match."""
+    need = sum(s.nbytes for s in sections)
+    if h.body_len != need or len(blob) != h.table_end + h.body_len + DIGEST:
+        has = len(blob) - h.table_end - DIGEST
         raise SnapshotSizeError(f"snapshot body size mismatch: table needs {need} body bytes, header says "
-                                f"{body_len}, blob has {len(blob) - table_end - DIGEST} (missing or trailing bytes)")
+                                f"{h.body_len}, blob has {has} (missing or trailing bytes)")
     if hashlib.sha256(blob[:-DIGEST]).digest() != blob[-DIGEST:]:
         raise SnapshotChecksumError("snapshot checksum mismatch: the blob is corrupted")
-    if pos > state.capacity:
-        raise SnapshotCapacityError(f"snapshot is at pos {pos}, beyond this state's capacity {state.capacity}; "
-                                    f"restore into model.new_state(capacity>={pos})")
-    out, off = [], table_end
-    for s in want:
-        raw = torch.frombuffer(bytearray(blob[off:off + s.nbytes]), dtype=torch.uint8) if s.nbytes else \
+
+
+def _section_rows(blob: bytes, sections: list[Section], offset: int,
+                  device) -> list[tuple[Section, torch.Tensor]]:
+    """Each section's rows, read from the body starting at `offset`, as (rows, width) tensors on `device`."""
+    out = []
+    for s in sections:
+        raw = torch.frombuffer(bytearray(blob[offset:offset + s.nbytes]), dtype=torch.uint8) if s.nbytes else \
             torch.empty(0, dtype=torch.uint8)
-        out.append((s, raw.view(CODE_DTYPES[s.dtype]).reshape(s.rows, s.width).to(state.device)))
-        off += s.nbytes
-    return pos, out
+        out.append((s, raw.view(CODE_DTYPES[s.dtype]).reshape(s.rows, s.width).to(device)))
+        offset += s.nbytes
+    return out

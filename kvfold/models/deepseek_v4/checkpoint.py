@@ -211,6 +211,15 @@ def _weight_slots(model: torch.nn.Module) -> dict[str, torch.Tensor | QuantizedW
     return slots
 
 
+def read_quant_settings(directory: Path) -> QuantSettings:
+    """The block sizes of the checkpoint's quantized weights, from its config.json; CheckpointError
+    when the config declares ones kvfold cannot read."""
+    try:
+        return QuantSettings.from_config_dict(read_config_dict(directory))
+    except ValueError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None = None,
                  weights: str = "dequant") -> None:
@@ -224,10 +233,22 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     directory = Path(directory)
     reader = CheckpointReader(directory)
+    settings = read_quant_settings(directory)
+    _prepare_slots(model, reader, settings, weights)
+    loader = _WeightLoader(model, reader, settings)
+    bar = _Progress(reader.total_bytes, progress)
     try:
-        settings = QuantSettings.from_config_dict(read_config_dict(directory))
-    except ValueError as e:
-        raise CheckpointError(f"{directory}: {e}") from None
+        for key, read, read_scale in reader.tensors():
+            if loader.load(key, read, read_scale):
+                bar.update(reader.nbytes(key))
+    finally:
+        bar.close()
+    loader.finish(directory)
+
+
+def _prepare_slots(model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings, weights: str) -> None:
+    """Give the model every slot the checkpoint fills before a tensor is read: an MTP module when the
+    checkpoint has MTP weights, and (`weights="quantized"`) a `QuantizedWeight` for each quantized one."""
     if getattr(model, "mtp", None) is None and any(is_mtp_key(k) and mtp_target(k) is not None
                                                     for k in reader.weight_keys):
         from .mtp import MtpModule
@@ -236,90 +257,129 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
         _keep_quantized_(model, reader, settings)
     elif any(isinstance(m, QuantizedWeight) for m in model.modules()):
         raise CheckpointError("this model keeps weights quantized; load weights='dequant' into a new model")
-    params = _weight_slots(model)
-    has_mtp = getattr(model, "mtp", None) is not None
-    expected = {n for n in params if has_mtp or not n.startswith("mtp.")}
-    seen: set[str] = set()
-    expert_seen: dict[str, set[tuple[int, str]]] = {}
-    unexpected, misshaped = [], []
-    inter = model.config.moe_intermediate_size
-    bar = _Progress(reader.total_bytes, progress)
-    try:
-        for key, read, read_scale in reader.tensors():
-            entry = reader.entries[key]
-            scale_key = reader.scales.get(key)
-            target = _resolve(key)
-            if target is None:  # not loaded (see mtp_target)
-                bar.update(reader.nbytes(key))
-                continue
-            if target.name not in params:
-                unexpected.append(key)
-                continue
-            slot = params[target.name]
-            resident = isinstance(slot, QuantizedWeight)
-            want = tuple(slot.shape)
-            rows = _expert_rows(target, inter)
-            if target.expert is not None:
-                if len(want) != 3 or target.expert >= want[0]:
-                    unexpected.append(key)
-                    continue
-                want = want[1:]
-                if rows is not None:
-                    want = (len(range(want[0])[rows]),) + want[1:]
-            floating = resident or slot.is_floating_point()
-            quantized_dtype = stored_format(entry.dtype) is not None
-            if scale_key is None and quantized_dtype and (entry.dtype == "F8_E4M3" or floating):
-                raise CheckpointError(f"{key} is stored quantized ({entry.dtype}) but has no block scale "
-                                      f"(`.scale` or `.weight_scale_inv`) next to it")
-            fmt = stored_format(entry.dtype) if scale_key is not None else None
-            shape = logical_shape(entry.shape, entry.dtype, fmt)
-            if shape != want:
-                misshaped.append(f"{key}: file {shape} vs expected {want}")
-                seen.add(target.name)  # reported as mis-shaped, not also as missing
-                continue
-            if scale_key is not None:
-                sshape = reader.entries[scale_key].shape
-                want_scale = expected_scale_shape(shape, fmt or FP8, settings)
-                if sshape != want_scale:
-                    misshaped.append(f"{scale_key}: scale {sshape} vs expected {want_scale} for {fmt or 'block'} "
-                                     f"weight {shape}")
-                    seen.add(target.name)
-                    continue
-            if resident:  # the stored bytes and scale, as they are
-                slot.load_(read(), read_scale(), _stored_block(fmt, settings), target.expert, rows)
-            else:
-                dest = slot.data
-                if target.expert is not None:
-                    dest = dest[target.expert] if rows is None else dest[target.expert][rows]
-                if scale_key is not None:
-                    dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
-                else:
-                    dest.copy_(read())  # one tensor at a time, converted into place
-            bar.update(reader.nbytes(key))
-            if target.expert is None:
-                seen.add(target.name)
-            else:
-                expert_seen.setdefault(target.name, set()).add((target.expert, target.part))
-    finally:
-        bar.close()
-    for name, parts in expert_seen.items():
-        n_exp = params[name].shape[0]
-        want = {(e, p) for e in range(n_exp) for p in (("w2",) if name.endswith("down_proj") else ("w1", "w3"))}
-        if parts == want:
-            seen.add(name)
-    missing = sorted(expected - seen)
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
-        params["lm_head.weight"].data.copy_(params[_PREFIX + "embed_tokens.weight"].data)
-        missing.remove("lm_head.weight")
-    if missing or unexpected or misshaped:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)}: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
-        if misshaped:
-            parts.append(f"mis-shaped {len(misshaped)}: {misshaped[:20]}")
-        raise CheckpointError(f"checkpoint {directory} does not match its config.json: " + "; ".join(parts))
+
+
+class _WeightLoader:
+    """Loads checkpoint tensors into a model's slots one at a time, collecting every unexpected and
+    mis-shaped tensor (and, at `finish`, every missing one) so that one error reports them all."""
+
+    def __init__(self, model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings):
+        self.model, self.reader, self.settings = model, reader, settings
+        self.params = _weight_slots(model)
+        has_mtp = getattr(model, "mtp", None) is not None
+        self.expected = {n for n in self.params if has_mtp or not n.startswith("mtp.")}
+        self.seen: set[str] = set()
+        self.expert_seen: dict[str, set[tuple[int, str]]] = {}  # stacked slot -> (expert, part) loaded
+        self.unexpected: list[str] = []
+        self.misshaped: list[str] = []
+        self.inter = model.config.moe_intermediate_size
+
+    def load(self, key: str, read, read_scale) -> bool:
+        """Load tensor `key` (and its scale) into its slot. False when it was reported instead
+        (unexpected or mis-shaped); True when loaded, or skipped as not loaded at all."""
+        target = _resolve(key)
+        if target is None:  # not loaded (see mtp_target)
+            return True
+        if target.name not in self.params:
+            self.unexpected.append(key)
+            return False
+        slot = self.params[target.name]
+        rows = _expert_rows(target, self.inter)
+        want = _slot_shape(slot, target, rows)
+        if want is None:
+            self.unexpected.append(key)
+            return False
+        scale_key = self.reader.scales.get(key)
+        fmt = self._stored_format(key, scale_key, slot)
+        problem = self._shape_problem(key, scale_key, fmt, want)
+        if problem is not None:
+            self.misshaped.append(problem)
+            self.seen.add(target.name)  # reported as mis-shaped, not also as missing
+            return False
+        self._write(slot, target, rows, fmt, scale_key is not None, read, read_scale)
+        if target.expert is None:
+            self.seen.add(target.name)
+        else:
+            self.expert_seen.setdefault(target.name, set()).add((target.expert, target.part))
+        return True
+
+    def _stored_format(self, key: str, scale_key: str | None, slot) -> str | None:
+        """The quantized format `key` is stored in (None: read as it is). A quantized dtype without a
+        scale is refused: FP8 always, packed FP4 when it would fill a float slot."""
+        entry = self.reader.entries[key]
+        floating = isinstance(slot, QuantizedWeight) or slot.is_floating_point()
+        quantized_dtype = stored_format(entry.dtype) is not None
+        if scale_key is None and quantized_dtype and (entry.dtype == "F8_E4M3" or floating):
+            raise CheckpointError(f"{key} is stored quantized ({entry.dtype}) but has no block scale "
+                                  f"(`.scale` or `.weight_scale_inv`) next to it")
+        return stored_format(entry.dtype) if scale_key is not None else None
+
+    def _shape_problem(self, key: str, scale_key: str | None, fmt: str | None, want: tuple) -> str | None:
+        """What is mis-shaped about `key` or its scale, against the slot's `want`; None when nothing."""
+        entry = self.reader.entries[key]
+        shape = logical_shape(entry.shape, entry.dtype, fmt)
+        if shape != want:
+            return f"{key}: file {shape} vs expected {want}"
+        if scale_key is not None:
+            sshape = self.reader.entries[scale_key].shape
+            want_scale = expected_scale_shape(shape, fmt or FP8, self.settings)
+            if sshape != want_scale:
+                return f"{scale_key}: scale {sshape} vs expected {want_scale} for {fmt or 'block'} weight {shape}"
+        return None
+
+    def _write(self, slot, target: Target, rows: slice | None, fmt: str | None, has_scale: bool,
+               read, read_scale) -> None:
+        if isinstance(slot, QuantizedWeight):  # the stored bytes and scale, as they are
+            slot.load_(read(), read_scale(), _stored_block(fmt, self.settings), target.expert, rows)
+            return
+        dest = slot.data
+        if target.expert is not None:
+            dest = dest[target.expert] if rows is None else dest[target.expert][rows]
+        if has_scale:
+            dequant_into(dest, read(), read_scale(), self.settings)  # decoded straight into the parameter
+        else:
+            dest.copy_(read())  # one tensor at a time, converted into place
+
+    def finish(self, directory: Path) -> None:
+        """Count fully loaded stacked-expert slots as seen, tie lm_head to the embedding when the config
+        says so and the checkpoint has none, then raise one CheckpointError listing every problem."""
+        for name, parts in self.expert_seen.items():
+            n_exp = self.params[name].shape[0]
+            want = {(e, p) for e in range(n_exp) for p in (("w2",) if name.endswith("down_proj") else ("w1", "w3"))}
+            if parts == want:
+                self.seen.add(name)
+        missing = sorted(self.expected - self.seen)
+        if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
+            self.params["lm_head.weight"].data.copy_(self.params[_PREFIX + "embed_tokens.weight"].data)
+            missing.remove("lm_head.weight")
+        _raise_mismatch(directory, missing, self.unexpected, self.misshaped)
+
+
+def _slot_shape(slot, target: Target, rows: slice | None) -> tuple | None:
+    """The shape a checkpoint tensor for `target` must have: the slot's, or for one expert's tensor
+    its slice of the stacked slot (w1 / w3: half the rows). None: no such expert in the slot."""
+    want = tuple(slot.shape)
+    if target.expert is None:
+        return want
+    if len(want) != 3 or target.expert >= want[0]:
+        return None
+    want = want[1:]
+    if rows is not None:
+        want = (len(range(want[0])[rows]),) + want[1:]
+    return want
+
+
+def _raise_mismatch(directory: Path, missing: list[str], unexpected: list[str], misshaped: list[str]) -> None:
+    if not (missing or unexpected or misshaped):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)}: {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)}: {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}")
+    if misshaped:
+        parts.append(f"mis-shaped {len(misshaped)}: {misshaped[:20]}")
+    raise CheckpointError(f"checkpoint {directory} does not match its config.json: " + "; ".join(parts))
 
 
 def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:

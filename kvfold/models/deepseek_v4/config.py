@@ -218,7 +218,31 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
     hidden = int(_require(d, "hidden_size", "dim"))
     head_dim = int(_require(d, "head_dim"))
     heads = int(_require(d, "num_attention_heads", "n_heads"))
+    rope_dim = _rope_head_dim(d, head_dim)
+    layer_types, ratios = _layer_schedule(d, n, _compress_rates(d))
+    mlp_types = _mlp_schedule(d, n)
+    main_theta, compress_theta, yarn = _rope_settings(d)
+    cfg = Dsv4Config(
+        hidden_size=hidden,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        qk_rope_head_dim=rope_dim,
+        layer_types=tuple(layer_types),
+        compress_ratios=ratios,
+        mlp_layer_types=tuple(mlp_types),
+        rope_theta=main_theta,
+        compress_rope_theta=compress_theta,
+        compress_yarn=yarn,
+        eos_token_id=_eos_token_id(d),
+        **_plain_fields(d),
+    )
+    _validate(cfg)
+    return cfg
 
+
+def _rope_head_dim(d: dict[str, Any], head_dim: int) -> int:
+    """The rotary dims per head: given outright (HF or official key), as a fraction of head_dim, or 64."""
     if d.get("qk_rope_head_dim") is not None:
         rope_dim = int(d["qk_rope_head_dim"])
     elif d.get("rope_head_dim") is not None:
@@ -229,7 +253,12 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
         rope_dim = 64
     if rope_dim % 2 or not 0 < rope_dim <= head_dim:
         raise ConfigError(f"rope dims {rope_dim} must be even and within head_dim {head_dim}")
+    return rope_dim
 
+
+def _compress_rates(d: dict[str, Any]) -> dict[str, int]:
+    """The compress rate of each compressed layer type: `compress_rates`, overridden by the flat
+    `compress_rate_csa` / `compress_rate_hca`, defaulting to 4 (CSA) and 128 (HCA)."""
     rates = dict(d.get("compress_rates") or {})
     if d.get("compress_rate_csa") is not None:
         rates[CSA] = d["compress_rate_csa"]
@@ -240,18 +269,25 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
     for t in (CSA, HCA):
         if not (_is_int(rates[t]) and rates[t] > 0):
             raise ConfigError(f"the compress rate of {t} must be a positive integer, got {rates[t]!r}")
+    return rates
 
+
+def _layer_schedule(d: dict[str, Any], n: int, rates: dict[str, int]) -> tuple[list[str], tuple[int, ...]]:
+    """(attention type, compress ratio) of each layer, from `layer_types` or the official
+    `compress_ratios`; a config with neither is refused, never guessed."""
     if d.get("layer_types") is not None:  # transformers layout: one compress rate per layer type
         layer_types = list(d["layer_types"])[:n]
         if len(layer_types) != n or any(t not in LAYER_TYPES for t in layer_types):
             raise ConfigError(f"layer_types must list {n} entries from {LAYER_TYPES}; got {layer_types}")
-        ratios = tuple(0 if t == SLIDING else rates[t] for t in layer_types)
-    elif d.get("compress_ratios") is not None:  # official layout: one ratio per layer
-        layer_types, ratios = _official_schedule(d["compress_ratios"], n, rates[CSA])
-    else:
-        raise ConfigError("config.json has neither `layer_types` nor `compress_ratios`; "
-                          "kvfold takes the layer schedule from the config and will not guess it")
+        return layer_types, tuple(0 if t == SLIDING else rates[t] for t in layer_types)
+    if d.get("compress_ratios") is not None:  # official layout: one ratio per layer
+        return _official_schedule(d["compress_ratios"], n, rates[CSA])
+    raise ConfigError("config.json has neither `layer_types` nor `compress_ratios`; "
+                      "kvfold takes the layer schedule from the config and will not guess it")
 
+
+def _mlp_schedule(d: dict[str, Any], n: int) -> list[str]:
+    """Each layer's MLP kind: `mlp_layer_types`, or the first `num_hash_layers` (default 3) hash-routed."""
     if d.get("mlp_layer_types") is not None:
         mlp_types = list(d["mlp_layer_types"])[:n]
     else:
@@ -259,7 +295,12 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
         mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     if len(mlp_types) != n or any(t not in ("hash_moe", "moe") for t in mlp_types):
         raise ConfigError(f"mlp_layer_types must list {n} entries of hash_moe/moe; got {mlp_types}")
+    return mlp_types
 
+
+def _rope_settings(d: dict[str, Any]) -> tuple[float, float, YarnParams | None]:
+    """(main rope theta, compressed layers' rope theta, their YaRN scaling) from nested
+    `rope_parameters` (main / compress), flat `rope_parameters` / `rope_scaling`, or the official keys."""
     rope_params = d.get("rope_parameters") or {}
     if isinstance(rope_params.get("compress"), dict):
         compress_rp = rope_params["compress"]
@@ -274,26 +315,25 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
         compress_rp = {"rope_type": "yarn", "factor": d["rope_factor"],
                        "original_max_position_embeddings": d["original_seq_len"],
                        "beta_fast": d.get("beta_fast"), "beta_slow": d.get("beta_slow")}
-    yarn = _yarn_from(compress_rp)
+    return main_theta, compress_theta, _yarn_from(compress_rp)
 
+
+def _eos_token_id(d: dict[str, Any]) -> int | tuple[int, ...] | None:
     eos = d.get("eos_token_id", 1)
     if isinstance(eos, list):
         eos = tuple(int(e) for e in eos)
+    return eos
 
-    cfg = Dsv4Config(
+
+def _plain_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The fields read straight from one key (or its official alias), with the release's defaults.
+    Read after the schedule and rope keys, so a config missing several keys is told about those first."""
+    return dict(
         vocab_size=int(_require(d, "vocab_size")),
-        hidden_size=hidden,
-        num_hidden_layers=n,
-        num_attention_heads=heads,
-        head_dim=head_dim,
-        qk_rope_head_dim=rope_dim,
         q_lora_rank=int(_require(d, "q_lora_rank")),
         o_groups=int(_require(d, "o_groups")),
         o_lora_rank=int(_require(d, "o_lora_rank")),
         sliding_window=int(d.get("sliding_window", d.get("window_size", 128))),
-        layer_types=tuple(layer_types),
-        compress_ratios=ratios,
-        mlp_layer_types=tuple(mlp_types),
         index_n_heads=int(d.get("index_n_heads", 64)),
         index_head_dim=int(d.get("index_head_dim", 128)),
         index_topk=int(d.get("index_topk", 512)),
@@ -308,17 +348,11 @@ def config_from_dict(d: dict[str, Any]) -> Dsv4Config:
         hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
         hc_eps=float(d.get("hc_eps", 1e-6)),
         rms_norm_eps=float(d.get("rms_norm_eps", d.get("norm_eps", 1e-6))),
-        rope_theta=main_theta,
-        compress_rope_theta=compress_theta,
-        compress_yarn=yarn,
         max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
         num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", d.get("n_mtp_layers", 0))),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id", 0),
-        eos_token_id=eos,
     )
-    _validate(cfg)
-    return cfg
 
 
 def _validate(c: Dsv4Config) -> None:

@@ -12,7 +12,7 @@ Layouts written:
   weights with `.weight_scale_inv` (e8m0) companions, and a transformers `config.json`.
 
 `quantize`: None (default) quantizes for `official` (FP8 for attention wq_a/wq_b/wkv/wo_a/wo_b,
-indexer wq_b, shared experts and MTP e_proj/h_proj; FP4 for routed experts: spec section 10) and
+indexer wq_b, shared experts and MTP e_proj/h_proj; FP4 for routed experts, as the official release stores them) and
 keeps the source's formats for `hf`; True quantizes that same set for either layout; False writes every
 weight dequantized. Dequantized weights are written in `dtype` (default bfloat16); unquantized source
 tensors are copied in their stored dtype. A source tensor already quantized in the wanted format
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CheckpointReader, _Progress, _resolve
-from .names import hf_key_for_official, to_official_names
+from .checkpoint import CheckpointReader, _Progress, _resolve, read_quant_settings
+from .names import Target, hf_key_for_official, to_official_names
 from .config import CSA, HCA, SLIDING, Dsv4Config, load_config
 from ...errors import CheckpointError, ConfigError
 from ...numerics.quant import (E8M0_BIAS, FP4_BLOCK, FP8_BLOCK, dequant_fp4_blocks, dequant_fp8_blocks,
                              quantize_fp4_blocks, quantize_fp8_blocks)
-from .quant_formats import FP4, FP8, QuantSettings, official_quant_kind, read_config_dict, stored_format
+from .quant_formats import FP4, FP8, QuantSettings, official_quant_kind, stored_format
 
 LAYOUTS = ("hf", "official")
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
@@ -178,6 +178,21 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
     if to not in LAYOUTS:
         raise ValueError(f"to must be one of {LAYOUTS}, got {to!r}")
     src, dst = Path(src), Path(dst)
+    cfg, settings = _check_convertible(src, dst, to)
+    reader = CheckpointReader(src)
+    _refuse_unknown_tensors(src, reader, cfg)
+    dst.mkdir(parents=True, exist_ok=True)
+    emitter = _Emitter(_ShardWriter(dst, max_shard_bytes), to, _quant_mode(to, quantize), dtype)
+    _write_tensors(reader, cfg, settings, emitter, dst, progress)
+    config = _output_config(cfg, to, emitter.written_fmts)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _copy_side_files(src, dst)
+    return dst
+
+
+def _check_convertible(src: Path, dst: Path, to: str) -> tuple[Dsv4Config, QuantSettings]:
+    """The source's config and quantization settings, after every refusal that needs no tensor
+    header: no source directory, a non-empty destination, a layer schedule `to` cannot hold."""
     if not src.is_dir():
         raise ConfigError(f"{src} is not a checkpoint directory")
     if dst.exists() and any(dst.iterdir()):
@@ -185,12 +200,19 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
     cfg = load_config(src)
     # a layer schedule the target layout cannot hold is refused before anything is written
     _ = cfg.to_hf_dict() if to == "hf" else official_config_dict(cfg)
-    try:
-        settings = QuantSettings.from_config_dict(read_config_dict(src))
-    except ValueError as e:
-        raise CheckpointError(f"{src}: {e}") from None
-    mode = ("official" if to == "official" else "keep") if quantize is None else ("official" if quantize else "none")
-    reader = CheckpointReader(src)
+    return cfg, read_quant_settings(src)
+
+
+def _quant_mode(to: str, quantize: bool | None) -> str:
+    """What `quantize` asks of layout `to`: "official" (quantize the release's set), "keep" (each tensor
+    in its source format) or "none" (every weight as floats)."""
+    if quantize is None:
+        return "official" if to == "official" else "keep"
+    return "official" if quantize else "none"
+
+
+def _refuse_unknown_tensors(src: Path, reader: CheckpointReader, cfg: Dsv4Config) -> None:
+    """CheckpointError, before anything is written, when a loadable tensor has no official name."""
     unknown = []
     for key in reader.weight_keys:
         target = _resolve(key)
@@ -199,91 +221,122 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
                 to_official_names(target.name, cfg.n_routed_experts)
         except KeyError:
             unknown.append(key)
-    if unknown:  # refused before anything is written
+    if unknown:
         raise CheckpointError(f"{src}: {len(unknown)} tensors have no place in a DeepSeek-V4 model: {unknown[:20]}")
-    dst.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(dst, max_shard_bytes)
-    written_fmts: set[str] = set()
-    dropped = []
-    inter = cfg.moe_intermediate_size
 
-    def out_keys(official_key: str) -> tuple[str, str]:
+
+class _Emitter:
+    """Writes each converted tensor under its name in the target layout, in the format `mode` wants."""
+
+    def __init__(self, writer: _ShardWriter, to: str, mode: str, dtype: torch.dtype):
+        self.writer, self.to, self.mode, self.dtype = writer, to, mode, dtype
+        self.written_fmts: set[str] = set()  # quantized formats written: they decide the config's quantization
+
+    def out_keys(self, official_key: str) -> tuple[str, str]:
+        """(weight key, scale key) of `official_key` in the target layout."""
         stem = official_key[: -len(".weight")] if official_key.endswith(".weight") else official_key
-        if to == "official":
+        if self.to == "official":
             return official_key, stem + ".scale"
         key = official_key if official_key.startswith("mtp.") else hf_key_for_official(official_key)
         stem = key[: -len(".weight")] if key.endswith(".weight") else key
         return key, stem + ".weight_scale_inv"
 
-    def emit(official_key: str, param_name: str, piece: _Piece, source_fmt: str | None) -> None:
-        if mode == "official":
-            want = official_quant_kind(param_name)
-        elif mode == "keep":
-            want = source_fmt
-        else:
-            want = None
-        key, skey = out_keys(official_key)
-        if want is None:
-            writer.add(key, piece.floats().to(dtype) if piece.fmt else piece.value)
-            return
-        written_fmts.add(want)
-        exps = None
-        if piece.fmt == want and (want == FP4 or piece.settings.fp8_block == FP8_BLOCK):
-            exps = _e8m0_bytes(piece.scale)
-        if exps is not None:  # already in the wanted format: copy bit for bit
-            q = piece.value.view(torch.int8) if want == FP4 else piece.value
-        else:
-            values = piece.floats()
-            if want == FP4 and values.shape[-1] % 2:
-                raise CheckpointError(f"{official_key}: FP4 needs an even input dim, got {tuple(values.shape)}")
-            q, exps = quantize_fp8_blocks(values) if want == FP8 else quantize_fp4_blocks(values, FP4_BLOCK)
-        writer.add(key, q)
-        writer.add(skey, _as_e8m0_tensor(exps))
+    def wanted_format(self, param_name: str, source_fmt: str | None) -> str | None:
+        if self.mode == "official":
+            return official_quant_kind(param_name)
+        if self.mode == "keep":
+            return source_fmt
+        return None
 
+    def emit(self, official_key: str, param_name: str, piece: _Piece, source_fmt: str | None) -> None:
+        want = self.wanted_format(param_name, source_fmt)
+        key, skey = self.out_keys(official_key)
+        if want is None:
+            self.writer.add(key, piece.floats().to(self.dtype) if piece.fmt else piece.value)
+            return
+        self.written_fmts.add(want)
+        q, exps = _quantized(official_key, piece, want)
+        self.writer.add(key, q)
+        self.writer.add(skey, _as_e8m0_tensor(exps))
+
+
+def _quantized(official_key: str, piece: _Piece, want: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored values, e8m0 exponents) of `piece` in format `want`: its own bytes, bit for bit, when it
+    is already stored so (with a 128x128 FP8 block and power-of-two scales), else quantized afresh."""
+    exps = None
+    if piece.fmt == want and (want == FP4 or piece.settings.fp8_block == FP8_BLOCK):
+        exps = _e8m0_bytes(piece.scale)
+    if exps is not None:  # already in the wanted format: copy bit for bit
+        return (piece.value.view(torch.int8) if want == FP4 else piece.value), exps
+    values = piece.floats()
+    if want == FP4 and values.shape[-1] % 2:
+        raise CheckpointError(f"{official_key}: FP4 needs an even input dim, got {tuple(values.shape)}")
+    return quantize_fp8_blocks(values) if want == FP8 else quantize_fp4_blocks(values, FP4_BLOCK)
+
+
+def _write_tensors(reader: CheckpointReader, cfg: Dsv4Config, settings: QuantSettings, emitter: _Emitter,
+                   dst: Path, progress: bool | None) -> None:
+    """Convert every source tensor and finish the shards; on any failure (or interrupt) the parts
+    written so far are removed, leaving no half-written checkpoint behind."""
     bar = _Progress(reader.total_bytes, progress, "converting")
     try:
         for key, read, read_scale in reader.tensors():
             target = _resolve(key)
-            if target is None:
-                dropped.append(key)
-                bar.update(reader.nbytes(key))
-                continue
-            names = to_official_names(target.name, cfg.n_routed_experts)
-            tensor, scale = read(), read_scale()
-            fmt = stored_format(tensor.dtype) if scale is not None else None
-            if target.expert is not None:  # one expert's w1 / w3 / w2, stored on its own
-                off = [n for n in names if n[1] == target.expert and n[2] == target.part]
-                emit(off[0][0], target.name, _Piece(tensor, scale, fmt, settings), fmt)
-            elif len(names) == 1:
-                emit(names[0][0], target.name, _Piece(tensor, scale, fmt, settings), fmt)
-            else:  # a stacked experts tensor: split per expert (and into w1 / w3 rows)
-                for official_key, e, part in names:
-                    rows = slice(None) if part == "w2" else slice(0, inter) if part == "w1" else slice(inter, None)
-                    if fmt == FP4:  # 1x32 blocks split cleanly along rows
-                        piece = _Piece(tensor[e][rows], scale[e][rows], fmt, settings)
-                    elif fmt is not None:
-                        piece = _Piece(_Piece(tensor[e], scale[e], fmt, settings).floats()[rows])
-                    else:
-                        piece = _Piece(tensor[e][rows])
-                    emit(official_key, target.name, piece, fmt)
+            if target is not None:  # None: a tensor the model does not load (dropped)
+                _convert_tensor(target, read(), read_scale(), cfg, settings, emitter)
             bar.update(reader.nbytes(key))
-        writer.finish()
+        emitter.writer.finish()
     except BaseException:
-        for part in dst.glob(".part-*.safetensors"):  # leave no half-written checkpoint behind
+        for part in dst.glob(".part-*.safetensors"):
             part.unlink()
         raise
     finally:
         bar.close()
+
+
+def _convert_tensor(target: Target, tensor: torch.Tensor, scale: torch.Tensor | None, cfg: Dsv4Config,
+                    settings: QuantSettings, emitter: _Emitter) -> None:
+    """Emit one source tensor under its official name(s): a stacked experts tensor becomes one
+    tensor per expert (and w1 / w3 halves)."""
+    names = to_official_names(target.name, cfg.n_routed_experts)
+    fmt = stored_format(tensor.dtype) if scale is not None else None
+    if target.expert is not None:  # one expert's w1 / w3 / w2, stored on its own
+        off = [n for n in names if n[1] == target.expert and n[2] == target.part]
+        emitter.emit(off[0][0], target.name, _Piece(tensor, scale, fmt, settings), fmt)
+    elif len(names) == 1:
+        emitter.emit(names[0][0], target.name, _Piece(tensor, scale, fmt, settings), fmt)
+    else:  # a stacked experts tensor: split per expert (and into w1 / w3 rows)
+        inter = cfg.moe_intermediate_size
+        for official_key, e, part in names:
+            rows = slice(None) if part == "w2" else slice(0, inter) if part == "w1" else slice(inter, None)
+            emitter.emit(official_key, target.name, _expert_piece(tensor, scale, fmt, settings, e, rows), fmt)
+
+
+def _expert_piece(tensor: torch.Tensor, scale: torch.Tensor | None, fmt: str | None, settings: QuantSettings,
+                  e: int, rows: slice) -> _Piece:
+    """Expert `e`'s `rows` of a stacked tensor. FP4's 1x32 blocks split cleanly along rows and stay
+    quantized; FP8's 128-row blocks may not, so an FP8 expert is decoded before it is cut."""
+    if fmt == FP4:
+        return _Piece(tensor[e][rows], scale[e][rows], fmt, settings)
+    if fmt is not None:
+        return _Piece(_Piece(tensor[e], scale[e], fmt, settings).floats()[rows])
+    return _Piece(tensor[e][rows])
+
+
+def _output_config(cfg: Dsv4Config, to: str, written_fmts: set[str]) -> dict:
+    """The config.json of the converted checkpoint, declaring the quantized formats it holds."""
     if to == "official":
-        config = official_config_dict(cfg, quantized=bool(written_fmts), expert_fp4=FP4 in written_fmts)
-    else:
-        config = cfg.to_hf_dict()
-        if written_fmts:
-            config["quantization_config"] = dict(QUANTIZATION_CONFIG)
-            if FP4 in written_fmts:
-                config["quantization_config"]["expert_dtype"] = "fp4"
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in src.iterdir():  # tokenizer and generation files
+        return official_config_dict(cfg, quantized=bool(written_fmts), expert_fp4=FP4 in written_fmts)
+    config = cfg.to_hf_dict()
+    if written_fmts:
+        config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        if FP4 in written_fmts:
+            config["quantization_config"]["expert_dtype"] = "fp4"
+    return config
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Copy the tokenizer and generation files (everything but weights, index and config)."""
+    for f in src.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copyfile(f, dst / f.name)
-    return dst

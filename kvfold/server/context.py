@@ -1,0 +1,89 @@
+"""What every route of one app shares: the engine, the served name, the API key, the body limit,
+and the checks each request goes through before it reaches the engine.
+
+`create_app` builds one `ServerContext` and keeps it as `app.state.server`; routes and error
+handlers find it with `server_context(request)`.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from ..engine import AsyncEngine, Engine, SamplingParams
+from ..engine.async_engine import RequestStream
+from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError
+from .chat_template import ChatTemplate
+from .schemas import ApiError
+
+
+@dataclass
+class ServerContext:
+    engine: Engine
+    async_engine: AsyncEngine
+    model_name: str
+    api_key: str | None
+    tokenizer: Any  # the engine's, or None: then prompts come as token ids and there is no chat template
+    template: ChatTemplate | None
+    max_body_bytes: int
+    created: int  # when the app was built: the `created` of /v1/models
+    http_errors: Counter[int] = field(default_factory=Counter)  # error responses by status, for /metrics
+
+    def check_auth(self, request: Request) -> None:
+        """401 unless the request carries the API key (when one is set) as a bearer token."""
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        # constant-time comparison: the response time must not reveal how much of the key matched
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> Any:
+        """The body as JSON, refusing (413) anything over max_body_bytes without reading it all."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    def check_model(self, name: str) -> None:
+        """404 for any model id but the one this server serves."""
+        if name != self.model_name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def start(self, ids: list[int], params: SamplingParams) -> RequestStream:
+        """Submit a request, answering the engine's refusals as OpenAI errors (400, or 503 when full)."""
+        try:
+            return await self.async_engine.add_request(ids, params)
+        except RequestTooLongError as exc:
+            raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc)) from None
+        except QueueFullError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="queue_full") from None
+
+
+def server_context(request: Request) -> ServerContext:
+    """The context of the app serving `request`."""
+    return request.app.state.server
+
+
+def sampling(req, max_tokens: int) -> SamplingParams:
+    """The engine's sampling parameters for a parsed completion or chat request."""
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                          stop=tuple(req.stop or ()))
