@@ -42,7 +42,8 @@ class SnapshotError(StateError):
 
 
 class SnapshotTruncatedError(SnapshotError):
-    """The blob ends before its fixed header or section table does."""
+    """The blob ends before its fixed header or section table does (or, a DSA indexer blob,
+    before its 16-byte header)."""
 
 
 class SnapshotMagicError(SnapshotError):
@@ -54,7 +55,8 @@ class SnapshotVersionError(SnapshotError):
 
 
 class SnapshotModelError(SnapshotError, StateMismatchError):
-    """The blob was taken from a model with another config fingerprint."""
+    """The blob was taken from a model with another config: another fingerprint, or (a GLM-5.3
+    DSA indexer blob) another index_head_dim."""
 
 
 class SnapshotDtypeError(SnapshotError, StateMismatchError):
@@ -66,7 +68,7 @@ class SnapshotCountsError(SnapshotError):
 
 
 class SnapshotSizeError(SnapshotError):
-    """The body is shorter or longer than the section table says."""
+    """The body is shorter or longer than the section table (or a DSA indexer blob's header) says."""
 
 
 class SnapshotChecksumError(SnapshotError):
@@ -74,7 +76,8 @@ class SnapshotChecksumError(SnapshotError):
 
 
 class SnapshotCapacityError(SnapshotError, CapacityError):
-    """The blob's `pos` does not fit in the target state's capacity."""
+    """The blob's `pos` (a DSA indexer blob's len) does not fit in the target state's capacity;
+    refused, never clamped."""
 
 
 class MtpUnavailableError(KvfoldError):
@@ -95,46 +98,6 @@ class SessionVersionError(SessionError):
 
 class SessionModelError(SessionError, StateMismatchError):
     """The session was saved from a model with another config fingerprint (or dtype)."""
-
-
-class DsaStateError(StateError):
-    """A GLM-5.3 DSA indexer state (`Glm5NextDsaState`) refused an operation; `len` and its buffers are unchanged."""
-
-
-class DsaCapacityError(DsaStateError, CapacityError):
-    """Rows past the DSA state's capacity (max context rounded down to whole k-pools); raise the max-seq-len setting."""
-
-
-class DsaRewindError(DsaStateError, RewindError):
-    """A DSA state rewind that would grow the sequence, or a sync_to whose state is behind (rows are missing)."""
-
-
-class DsaFreedError(DsaStateError, FreedStateError):
-    """The DSA indexer state was freed; allocate a new one."""
-
-
-class DsaGeometryError(DsaStateError):
-    """No selection plan: invalid indexer config, empty state, q_rows out of range, or select_k over one top-k tile."""
-
-
-class DsaBlobError(DsaStateError, SnapshotError):
-    """A DSA indexer blob (prefix-cache auxiliary state) was refused; the target state is unchanged."""
-
-
-class DsaBlobTruncatedError(DsaBlobError):
-    """The DSA blob is shorter than its 16-byte header."""
-
-
-class DsaBlobWidthError(DsaBlobError, StateMismatchError):
-    """The DSA blob was taken at another index_head_dim."""
-
-
-class DsaBlobSizeError(DsaBlobError):
-    """The DSA blob's byte count does not match 16 + len * row bytes from its header."""
-
-
-class DsaBlobCapacityError(DsaBlobError, CapacityError):
-    """The DSA blob holds more rows than the target state reserves; refused, never clamped."""
 
 
 class EngineError(KvfoldError):

@@ -255,7 +255,7 @@ def save_hf_checkpoint(
     - ``"module"``: HF module names (``save_original_format=False``), e.g.
       ``model.layers.1.self_attn.compressor.indexer.q_b_proj.weight``, fused
       ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``, ``lm_head.weight``.
-    - ``"official"``: the DeepSeek release names (spec section 10), no ``model.`` prefix:
+    - ``"official"``: the DeepSeek release names, no ``model.`` prefix:
       ``embed.weight``, ``head.weight``, ``norm.weight``, ``hc_head_fn``, ``layers.1.attn.wq_a.weight``, ...
       (the ``"save_pretrained"`` files with the prefix stripped and the four top-level names fixed).
     """
@@ -298,7 +298,7 @@ def _rename_checkpoint_keys(directory: Path, rename) -> None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-# HF module name -> DeepSeek release name (spec section 10). Applied in order, as substrings.
+# HF module name -> DeepSeek release name. Applied in order, as substrings.
 _MODULE_TO_OFFICIAL = (
     (".self_attn.compressor.indexer.scorer.weights_proj.", ".attn.indexer.weights_proj."),
     (".self_attn.compressor.indexer.q_b_proj.", ".attn.indexer.wq_b."),

@@ -1,4 +1,4 @@
-"""GLM-5.3 DSA indexer state and selection (docs/glm5-dsa.md §4, §6; invariants §6.8).
+"""GLM-5.3 DSA indexer state and selection.
 
 State: capacity rounding, cursor edges, blob round trips and ordered refusals that change nothing,
 rewind/re-advance, idempotent free, geometry. Selection: an independent brute force written here
@@ -16,13 +16,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from kvfold.errors import (CapacityError, DsaBlobCapacityError, DsaBlobError, DsaBlobSizeError,
-                           DsaBlobTruncatedError, DsaBlobWidthError, DsaCapacityError, DsaFreedError,
-                           DsaGeometryError, DsaRewindError, DsaStateError, FreedStateError, RewindError,
-                           SnapshotError, StateError)
+from kvfold.errors import (CapacityError, ConfigError, FreedStateError, RewindError, SnapshotCapacityError,
+                           SnapshotError, SnapshotModelError, SnapshotSizeError, SnapshotTruncatedError,
+                           StateError, StateMismatchError)
 from kvfold.models.glm5.dsa_select import dsa_pool_keys, dsa_select, selection_mask
-from kvfold.models.glm5.indexer_state import (Glm5NextDsaConfig, Glm5NextDsaState, dsa_capacity,
-                                         indexer_state_bytes)
+from kvfold.models.glm5.indexer_state import (Glm5NextDsaConfig, Glm5NextDsaState, dsa_blob_bytes, dsa_capacity,
+                                              indexer_state_bytes)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -81,7 +80,7 @@ def test_advance_cap_edges_and_refusals_keep_len():
     s = Glm5NextDsaState(10, 4, 4)  # capacity 8
     assert s.capacity == 8
     s.advance(5)
-    with pytest.raises(DsaCapacityError, match="max-seq-len"):
+    with pytest.raises(CapacityError, match="max-seq-len"):
         s.advance(4)
     assert s.len == 5
     s.advance(3)  # landing exactly on the cap is allowed
@@ -89,12 +88,13 @@ def test_advance_cap_edges_and_refusals_keep_len():
     s.ensure_room(0)
     s.ensure_room_through(8)
     for call in (lambda: s.advance(1), lambda: s.ensure_room(1), lambda: s.ensure_room_through(9)):
-        with pytest.raises(DsaCapacityError) as e:
+        with pytest.raises(CapacityError) as e:
             call()
-        assert isinstance(e.value, CapacityError) and isinstance(e.value, StateError)
+        assert type(e.value) is CapacityError and isinstance(e.value, StateError)
         assert s.len == 8
-    with pytest.raises(DsaStateError):
+    with pytest.raises(StateError) as e:
         s.advance(-1)
+    assert type(e.value) is StateError
     assert s.len == 8
 
 
@@ -102,9 +102,9 @@ def test_rewind_only_shrinks():
     s = filled(64, 4, 4, 10)
     before = buffers(s)
     for n in (11, 100, -1):
-        with pytest.raises(DsaRewindError) as e:
+        with pytest.raises(RewindError) as e:
             s.rewind_to(n)
-        assert isinstance(e.value, RewindError)
+        assert type(e.value) is RewindError
         assert_unchanged(s, before, 10)
     s.rewind_to(10)
     assert s.len == 10
@@ -120,10 +120,10 @@ def test_sync_to_rewinds_when_ahead_refuses_when_behind():
     assert s.len == 12
     s.sync_to(9, 3)  # ahead (rejected draft): rewind to 9, then advance 3
     assert s.len == 12
-    with pytest.raises(DsaRewindError, match="missing"):
+    with pytest.raises(RewindError, match="missing"):
         s.sync_to(13, 1)  # behind
     assert s.len == 12
-    with pytest.raises(DsaCapacityError):
+    with pytest.raises(CapacityError):
         s.sync_to(9, 8)  # 17 > 16: refused before the rewind, so len stays where it was
     assert s.len == 12
     s.sync_to(8, 8)  # exactly the cap
@@ -142,13 +142,15 @@ def test_write_rows():
     assert s.valid[2:4].tolist() == [0, 1]
     s.write_rows(1, rows, rows)  # below len: a replay over a rejected draft
     before = buffers(s)
-    for call in (lambda: s.write_rows(3, rows, rows),  # gap: rows [2, 3) never written
-                 lambda: s.write_rows(15, rows, rows),  # past the capacity
-                 lambda: s.write_rows(0, rows, rows[:1]),
-                 lambda: s.write_rows(0, torch.zeros(2, 5), torch.zeros(2, 5)),
-                 lambda: s.write_rows(0, rows, rows, valid=torch.ones(3))):
-        with pytest.raises(DsaStateError):
+    for call, error in ((lambda: s.write_rows(3, rows, rows), StateError),  # gap: rows [2, 3) never written
+                        (lambda: s.write_rows(15, rows, rows), StateError),  # a gap, checked before the capacity
+                        (lambda: s.write_rows(2, torch.zeros(15, 4), torch.zeros(15, 4)), CapacityError),  # past it
+                        (lambda: s.write_rows(0, rows, rows[:1]), StateError),
+                        (lambda: s.write_rows(0, torch.zeros(2, 5), torch.zeros(2, 5)), StateError),
+                        (lambda: s.write_rows(0, rows, rows, valid=torch.ones(3)), StateError)):
+        with pytest.raises(StateError) as e:
             call()
+        assert type(e.value) is error
         assert_unchanged(s, before, 2)
 
 
@@ -167,9 +169,9 @@ def test_free_is_idempotent_and_later_use_raises():
              lambda: s.write_rows(0, torch.zeros(1, 4), torch.zeros(1, 4)), lambda: s.reachable(),
              lambda: s.k_normed]
     for call in calls:
-        with pytest.raises(DsaFreedError) as e:
+        with pytest.raises(FreedStateError) as e:
             call()
-        assert isinstance(e.value, FreedStateError)
+        assert type(e.value) is FreedStateError
 
 
 def test_alloc_free_cycles_leak_nothing():
@@ -189,7 +191,7 @@ def test_blob_round_trip(length):
     s = filled(4096, 128, 4, length, seed=length)
     s.valid[:length:3] = 0  # padding rows travel too
     blob = s.snapshot_blob()
-    assert len(blob) == 16 + 513 * length
+    assert len(blob) == 16 + 513 * length == dsa_blob_bytes(length, 128)
     assert struct.unpack_from("<QQ", blob) == (length, 128)
     expect = [t[:length].clone() for t in buffers(s)]
     # overwrite everything, move len, then restore
@@ -211,9 +213,9 @@ def test_blob_round_trip(length):
 def test_blob_in_other_dtype_is_raw_rows_of_that_dtype():
     s = filled(16, 4, 4, 3, dtype=torch.float32)
     blob = s.snapshot_blob()
-    assert len(blob) == 16 + 3 * (2 * 4 * 4 + 1)
+    assert len(blob) == 16 + 3 * (2 * 4 * 4 + 1) == dsa_blob_bytes(3, 4, torch.float32)
     bf = Glm5NextDsaState(16, 4, 4)
-    with pytest.raises(DsaBlobSizeError):  # same width, other dtype: the byte count gives it away
+    with pytest.raises(SnapshotSizeError):  # same width, other dtype: the byte count gives it away
         bf.restore_blob(blob)
     t = Glm5NextDsaState(16, 4, 4, dtype=torch.float32)
     t.restore_blob(blob)
@@ -236,7 +238,7 @@ def refuse(target, blob, error):
     s, before = target
     with pytest.raises(error) as e:
         s.restore_blob(blob)
-    assert isinstance(e.value, DsaBlobError) and isinstance(e.value, SnapshotError)
+    assert type(e.value) is error and isinstance(e.value, SnapshotError)
     assert isinstance(e.value, StateError)
     assert_unchanged(s, before, 7)
     return e.value
@@ -245,28 +247,29 @@ def refuse(target, blob, error):
 def test_truncated_blobs_are_refused(target):
     blob = blob_of(100)
     for cut in (0, 8, 15):
-        refuse(target, blob[:cut], DsaBlobTruncatedError)
+        refuse(target, blob[:cut], SnapshotTruncatedError)
     for cut in (16, len(blob) - 1):
-        refuse(target, blob[:cut], DsaBlobSizeError)
+        refuse(target, blob[:cut], SnapshotSizeError)
 
 
 def test_other_width_is_refused(target):
-    refuse(target, blob_of(100, d=64), DsaBlobWidthError)
+    e = refuse(target, blob_of(100, d=64), SnapshotModelError)
+    assert isinstance(e, StateMismatchError)
     # width is checked before size: a d=64 header over a body that fits d=128 is still "width"
     body = blob_of(100)[16:]
-    refuse(target, struct.pack("<QQ", 100, 64) + body, DsaBlobWidthError)
+    refuse(target, struct.pack("<QQ", 100, 64) + body, SnapshotModelError)
 
 
 @pytest.mark.parametrize("header_len", [99, 101, 0])
 def test_header_len_off_in_either_direction_is_a_size_mismatch(target, header_len):
     body = blob_of(100)[16:]
-    refuse(target, struct.pack("<QQ", header_len, 128) + body, DsaBlobSizeError)
+    refuse(target, struct.pack("<QQ", header_len, 128) + body, SnapshotSizeError)
 
 
 def test_over_capacity_is_refused_not_clamped():
     s = Glm5NextDsaState(4096, 128, 4)
     blob = blob_of(8192)
-    with pytest.raises(DsaBlobCapacityError, match="max-seq-len") as e:
+    with pytest.raises(SnapshotCapacityError, match="max-seq-len") as e:
         s.restore_blob(blob)
     assert isinstance(e.value, CapacityError)
     assert s.len == 0 and not s.k_normed.any() and not s.valid.any()
@@ -274,10 +277,10 @@ def test_over_capacity_is_refused_not_clamped():
 
 def test_refusal_order(target):
     # truncated beats width; width beats size; size beats capacity
-    refuse(target, struct.pack("<QQ", 5, 64)[:15], DsaBlobTruncatedError)
-    refuse(target, struct.pack("<QQ", 5, 64) + b"\0" * 3, DsaBlobWidthError)
-    refuse(target, struct.pack("<QQ", 10_000, 128) + b"\0" * 3, DsaBlobSizeError)
-    refuse(target, struct.pack("<QQ", 4097, 128) + b"\0" * (4097 * 513), DsaBlobCapacityError)
+    refuse(target, struct.pack("<QQ", 5, 64)[:15], SnapshotTruncatedError)
+    refuse(target, struct.pack("<QQ", 5, 64) + b"\0" * 3, SnapshotModelError)
+    refuse(target, struct.pack("<QQ", 10_000, 128) + b"\0" * 3, SnapshotSizeError)
+    refuse(target, struct.pack("<QQ", 4097, 128) + b"\0" * (4097 * 513), SnapshotCapacityError)
 
 
 # hypothesis: structural mutations of a valid blob are always refused with the typed error
@@ -285,17 +288,17 @@ D, CAP, ROWS = 8, 16, 5
 ROW_BYTES = 4 * D + 1
 
 
-def expected_refusal(blob: bytes) -> type[DsaBlobError] | None:
+def expected_refusal(blob: bytes) -> type[SnapshotError] | None:
     """Which refusal the documented order gives (None: a well-formed blob that fits)."""
     if len(blob) < 16:
-        return DsaBlobTruncatedError
+        return SnapshotTruncatedError
     rows, d = struct.unpack_from("<QQ", blob)
     if d != D:
-        return DsaBlobWidthError
+        return SnapshotModelError
     if len(blob) != 16 + rows * ROW_BYTES:
-        return DsaBlobSizeError
+        return SnapshotSizeError
     if rows > CAP:
-        return DsaBlobCapacityError
+        return SnapshotCapacityError
     return None
 
 
@@ -321,7 +324,7 @@ def test_mutated_blobs_are_refused_and_change_nothing(blob):
     assume(error is not None)  # e.g. a header len change with a body that happens to fit
     s = filled(CAP, D, 4, 3, seed=12)
     before = buffers(s)
-    with pytest.raises(DsaBlobError) as e:
+    with pytest.raises(SnapshotError) as e:
         s.restore_blob(blob)
     assert type(e.value) is error
     assert_unchanged(s, before, 3)
@@ -336,7 +339,7 @@ def test_rewind_then_readvance_reproduces_rows():
     assert len(blob300) == 16 + 300 * 513
     key_bytes = 300 * 128 * 2
     assert blob300[16:16 + key_bytes] == blob500[16:16 + key_bytes]  # 300-row keys prefix 500-row keys
-    with pytest.raises(DsaRewindError):
+    with pytest.raises(RewindError):
         s.rewind_to(301)
     s.advance(200)  # the rows are still there
     assert s.snapshot_blob() == blob500
@@ -367,8 +370,9 @@ def test_geometry_matches_counted_pools(kp):
     topk = 24  # divisible by every kp above
     cfg = Glm5NextDsaConfig(index_head_dim=1, index_heads=2, index_topk=topk, index_kpool=kp, max_context=264)
     s = Glm5NextDsaState.alloc(cfg)
-    with pytest.raises(DsaGeometryError):
+    with pytest.raises(StateError) as e:
         s.geometry(cfg, 1)  # seq 0
+    assert type(e.value) is StateError
     for seq in range(1, 258):
         s.rewind_to(0)
         s.advance(seq)
@@ -392,19 +396,22 @@ def test_geometry_documented_values_and_refusals():
     with pytest.raises(dataclasses.FrozenInstanceError):
         g.seq = 1
     s.advance(16384 - s.len)
-    for bad_cfg, q_rows in [(cfg, 0), (cfg, 16385), (dataclasses.replace(cfg, index_kpool=0), 1),
-                            (dataclasses.replace(cfg, index_topk=2046), 1),  # not a multiple of kp
-                            (dataclasses.replace(cfg, index_head_dim=2), 1),  # not this state's width
-                            (dataclasses.replace(cfg, index_topk=16384), 1)]:  # select_k 4096 > one tile
-        with pytest.raises(DsaGeometryError):
+    for bad_cfg, q_rows, error in [
+            (cfg, 0, StateError), (cfg, 16385, StateError),
+            (dataclasses.replace(cfg, index_kpool=0), 1, ConfigError),
+            (dataclasses.replace(cfg, index_topk=2046), 1, ConfigError),  # not a multiple of kp
+            (dataclasses.replace(cfg, index_head_dim=2), 1, StateMismatchError),  # not this state's width
+            (dataclasses.replace(cfg, index_topk=16384), 1, ConfigError)]:  # select_k 4096 > one tile
+        with pytest.raises(error) as e:
             s.geometry(bad_cfg, q_rows)
+        assert type(e.value) is error
     assert s.len == 16384
 
 
 # ---- selection: brute force --------------------------------------------------------------------
 def brute_select(q, w, k, g, valid, ape, topk, kp, tail=True) -> list[list[int]]:
-    """Selection straight from the doc's definitions: loops and float64, no tensor ops shared
-    with the implementation except reading the inputs."""
+    """Selection straight from the definitions (pools, pooled keys, visibility, ties, tail): loops
+    and float64, no tensor ops shared with the implementation except reading the inputs."""
     seq, d = len(k), len(k[0])
     q_rows = len(q)
     first = next((i for i in range(seq) if valid[i]), seq)
@@ -503,7 +510,7 @@ def test_incomplete_pool_tail_and_padding():
     kp, d = 4, 4
     q, w, k, gate, valid, ape = random_inputs(seq=8, q_rows=8, kp=kp, d=d, seed=1)
     w = w.abs()
-    # decode-style (one query at the end): the worked cases of §4
+    # decode-style (one query at the end): q = 2 dense, q = 3 first pool, q = 5 pool 0 plus tail [4, 5]
     for pos, want_pools, want_tail in [(2, [], [0, 1, 2]), (3, [0, 1, 2, 3], []), (5, [0, 1, 2, 3], [4, 5])]:
         n = pos + 1
         out = dsa_select(q[pos:pos + 1], w[pos:pos + 1], k[:n], gate[:n], valid[:n], ape, topk=2048, kpool=kp)

@@ -1,5 +1,6 @@
 """GLM-5.3 (`glm5_next`) text model: parity with transformers' Glm5NextForConditionalGeneration (fp32),
 chunking invariance, exact snapshot/restore and rewind, typed state errors, generate."""
+import hashlib
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import kvfold
 from kvfold import errors
 from kvfold.models.glm5.config import glm5_config_from_dict
 from kvfold.models.glm5 import state as g5s
+from kvfold.models.glm5.indexer_state import Glm5NextDsaState, dsa_blob_bytes
 from helpers import fp32_paths_bound, random_ids
 
 LAYERS = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]
@@ -233,6 +235,70 @@ def test_bad_snapshots_are_refused_in_order_and_change_nothing(pair, seq):
     assert _same(_buffers(tgt), before)
 
 
+def _table(blob):
+    """[(section, offset of its bytes)] read from a snapshot's own section table."""
+    hdr, rec = g5s.blob.HEADER, g5s.blob.SECTION
+    n = hdr.unpack_from(blob)[5]
+    off, out = hdr.size + n * rec.size, []
+    for i in range(n):
+        s = g5s.Section(*rec.unpack_from(blob, hdr.size + i * rec.size))
+        out.append((s, off))
+        off += s.nbytes
+    return out
+
+
+def _resigned(blob):
+    return blob[:-32] + hashlib.sha256(blob[:-32]).digest()
+
+
+def test_snapshot_dsa_part_is_the_layer_blob(pair, seq):
+    _, model, _ = pair
+    st = model.new_state(capacity=100)
+    model.forward(seq[:45], st)
+    blob = st.snapshot()
+    full = [i for i, ls in enumerate(st.layers) if isinstance(ls, g5s.MlaLayerState) and ls.dsa is not None]
+    parts = [(s, off) for s, off in _table(blob) if s.kind == g5s.DSA_BLOB]
+    assert full and [s.layer for s, _ in parts] == full  # one DSA section per full DSA layer, nothing else
+    for s, off in parts:
+        dsa = st.layers[s.layer].dsa
+        raw = blob[off:off + s.nbytes]
+        assert raw == dsa.snapshot_blob()  # byte for byte the layer's own blob
+        assert len(raw) == dsa_blob_bytes(45, dsa.index_head_dim, dsa.dtype)  # rows in use, not capacity
+        other = Glm5NextDsaState(64, dsa.index_head_dim, 4, dtype=dsa.dtype)
+        other.restore_blob(raw)  # and it decodes through restore_blob
+        assert other.len == 45 and all(torch.equal(a, b) for a, b in zip(other.reachable(), dsa.reachable()))
+    big = model.new_state(capacity=150, max_rewind=3)  # the snapshot does not depend on capacity
+    model.forward(seq[:45], big)
+    assert big.snapshot() == blob
+
+
+def test_corrupted_dsa_part_is_refused_with_the_blob_error_and_changes_nothing(pair, seq):
+    _, model, _ = pair
+    src = model.new_state(capacity=100)
+    model.forward(seq[:45], src)
+    blob = src.snapshot()
+    tgt = model.new_state(capacity=100)
+    model.forward(seq[:10], tgt)
+    before = _buffers(tgt)
+    parts = [(s, off) for s, off in _table(blob) if s.kind == g5s.DSA_BLOB]
+    d = src.layers[parts[0][0].layer].dsa.index_head_dim
+    for s, off in (parts[0], parts[-1]):  # the last layer too: earlier layers must not be restored first
+        def patch(at, data):
+            return blob[:off + at] + data + blob[off + at + len(data):]
+        cases = [(_resigned(patch(8, (d + 1).to_bytes(8, "little"))), errors.SnapshotModelError,
+                  "index_head_dim"),  # other width
+                 (_resigned(patch(0, (44).to_bytes(8, "little"))), errors.SnapshotSizeError,
+                  "implies"),  # header len off by one
+                 (patch(20, bytes([blob[off + 20] ^ 1])), errors.SnapshotChecksumError, "checksum")]  # not re-signed
+        for bad, err, msg in cases:
+            with pytest.raises(err, match=msg) as e:
+                tgt.restore(bad)
+            assert type(e.value) is err
+            assert _same(_buffers(tgt), before)
+    tgt.restore(blob)  # the intact blob still restores into the same state
+    assert tgt.pos == 45 and _same(_buffers(tgt), _buffers(src))
+
+
 @pytest.mark.parametrize("pos", [3, 4, 5, 62, 63, 64, 66])
 @pytest.mark.parametrize("rejected", [0, 1, 3, 4])
 def test_rejected_drafts_rewind_exactly(pair, seq, pos, rejected):
@@ -325,7 +391,7 @@ def test_accounting_and_real_config_bytes(pair):
     st = model.new_state(capacity=64, max_rewind=2)
     assert st.nbytes == pytest.approx(64 * model.state_bytes_per_token() + model.fixed_state_bytes(2), abs=64)
     assert model.num_parameters() > 0
-    # GLM-5.3-Flash (glm5-dsa.md §1; index_kpool 4 from its config.json), bf16
+    # GLM-5.3-Flash (index_kpool 4 from its config.json), bf16
     from kvfold.models.glm5.model import Glm5Model
     cfg = glm5_config_from_dict({"model_type": "glm5_next_text", "index_kpool": 4})
     assert len(cfg.dsa_layers) == 11 and len(cfg.kda_layers) == 34

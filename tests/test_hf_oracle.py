@@ -50,7 +50,7 @@ def test_tiny_config_fields():
 
 
 def _yarn_reference(theta, dim, factor, orig, beta_fast, beta_slow):
-    """Spec section 2 YaRN, written independently of HF."""
+    """DeepSeek-V4 YaRN, written independently of HF."""
     f = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     low = math.floor(dim * math.log(orig / (2 * math.pi * beta_fast)) / (2 * math.log(theta)))
     high = math.ceil(dim * math.log(orig / (2 * math.pi * beta_slow)) / (2 * math.log(theta)))

@@ -22,7 +22,7 @@ def test_topk_pads_invisible_entries_with_minus_one():
 
 
 def test_yarn_matches_the_spec_formula_for_v4_flash():
-    # dsv4-attention.md: theta 160000, 64 rope dims, factor 16, original 65536 -> low 15, high 25
+    # DeepSeek-V4 YaRN: theta 160000, 64 rope dims, factor 16, original 65536 -> low 15, high 25
     yarn = YarnParams(factor=16, original_max_position_embeddings=65536)
     got = rope_inv_freq(64, 160000.0, yarn)
     base = 1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))

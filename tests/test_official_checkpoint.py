@@ -19,7 +19,7 @@ from kvfold.models.deepseek_v4.mtp import MtpModule
 from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
 from kvfold.numerics.quant import e8m0_to_float, quantize_fp4_blocks, quantize_fp8_blocks
 
-# spec section 10: the release's FP8 weights; routed experts are FP4; everything else bf16 / fp32
+# the release's FP8 weights; routed experts are FP4; everything else bf16 / fp32
 FP8_KEY = re.compile(r"(?:^|\.)(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
                      r"|e_proj|h_proj)\.weight$")
 FP4_KEY = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")

@@ -27,7 +27,7 @@ from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
 
-BLOCK = 128  # design rule 2: snapshot and prefix boundaries at multiples of 128
+BLOCK = 128  # snapshot and prefix boundaries: no HCA partial state there, and a multiple of the k-pool
 
 
 @dataclass

@@ -9,7 +9,7 @@ restores the per-sequence rest (window ring, compressor windows, cursors) from t
 Pages are append-only and a page's holders never write it once shared (the donor's rewind
 floor is raised, writes into shared pages are refused), so evicting an entry only drops
 references: pages still used by running sequences stay alive, and nothing a running sequence
-reads can change (design rules 4 and 10).
+reads can change: no restore or eviction touches another sequence's rows.
 
 Eviction is least-recently-used under a byte budget that counts the blobs plus the pages held
 by the cache alone (pages also used by a running sequence cost the cache nothing until that

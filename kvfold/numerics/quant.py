@@ -1,6 +1,6 @@
 """Low-precision formats of DeepSeek-V4: checkpoint weights and the reference (REF) simulations.
 
-Weights (spec section 10):
+Weights, as the official release stores them:
 * FP8 e4m3 with one ue8m0 scale per 128x128 block:  W[i, j] = q[i, j] * 2^(e[i//128, j//128] - 127).
 * FP4 e2m1, two values per byte (LOW nibble = even column), one ue8m0 scale per 1x32 block along
   the input (last) dim:  W[i, j] = fp4(q[i, j]) * 2^(e[i, j//32] - 127).
@@ -8,7 +8,7 @@ A scale tensor may come as `float8_e8m0fnu`, as raw exponent bytes (`uint8`), or
 (HF's `weight_scale_inv`, or `scale_dtype: fp32` checkpoints), which are used as multipliers as they are.
 Every dequantizer also takes stacked tensors (leading dims, e.g. experts [E, R, C]).
 
-Simulations (spec section 11 (b)), all with power-of-two scales over blocks of the last dim:
+Simulations (REF's bf16 numerics), all with power-of-two scales over blocks of the last dim:
 * `fp8_e4m3_simulate(x, 64)`: s = 2^ceil(log2(max(amax, 1e-4)/448)),  x <- e4m3(clamp(x/s, +-448)) * s
 * `fp4_e2m1_simulate(x, 32)`: s = 2^ceil(log2(max(amax, 6*2^-126)/6)), x <- e2m1(clamp(x/s, +-6)) * s
 * `act_quant_fp8(x, 128)`: per-token 1x128 e4m3 activations before FP8/FP4 GEMMs (same rule as the

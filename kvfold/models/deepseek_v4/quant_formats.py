@@ -1,6 +1,6 @@
 """Quantized checkpoint tensors: which stored tensor is a weight's block scale, what a quantized
 tensor's logical shape is, how it is decoded into a parameter, and which DeepSeek-V4 weights the
-official release stores in FP8 / FP4 (spec section 10).
+official release stores in FP8 / FP4.
 
 Stored formats recognised (by the weight's dtype, once a scale companion exists):
 * FP8: `float8_e4m3fn` weight [.., R, C] + scale [.., ceil(R/br), ceil(C/bc)] (block br x bc, default
@@ -125,7 +125,7 @@ def dequant_into(dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         dequant_fp8_into(dest, weight, scale, settings.fp8_block)
 
 
-# ---- what the official release quantizes (spec section 10) ------------------------------------
+# ---- what the official release quantizes -------------------------------------------------------
 
 _FP8_LEAVES = re.compile(
     r"(^|\.)(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight"

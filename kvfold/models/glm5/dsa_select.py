@@ -1,4 +1,4 @@
-"""GLM-5.3 (`glm5_next`) DSA indexer selection with k-pools (docs: glm5-dsa.md §3, §4).
+"""GLM-5.3 (`glm5_next`) DSA indexer selection with k-pools.
 
 Pure functions over the indexer rows a `Glm5NextDsaState` holds; nothing here owns state.
 
@@ -119,7 +119,7 @@ def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, g
 
 def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Read a selection [Q, W] as a set per query: bool [Q, kv_len], True at every selected row.
-    -1 entries, out-of-range entries and duplicates are ignored (§3)."""
+    -1 entries, out-of-range entries and duplicates are ignored."""
     in_range = (indices >= 0) & (indices < kv_len)
     mask = torch.zeros(indices.shape[0], kv_len + 1, dtype=torch.bool, device=indices.device)
     # out-of-range entries land in a scratch column that is dropped

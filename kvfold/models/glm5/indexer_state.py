@@ -1,4 +1,5 @@
-"""Per-sequence indexer cache of one GLM-5.3 (`glm5_next`) DSA layer (docs: glm5-dsa.md §4, §6).
+"""Per-sequence indexer cache of one GLM-5.3 (`glm5_next`) DSA layer: the per-token indexer keys,
+gates and validity that k-pool selection (dsa_select.py) reads.
 
 One sequence x one *full* DSA layer. Three flat buffers, allocated once (zeroed) at `capacity`
 rows and never grown:
@@ -11,8 +12,13 @@ Rows [0, len) are reachable; the selector reads only those. Rows at or past `len
 old data (a rewound draft) but the next write overwrites them before anything selects over them.
 The buffers are flat, not paged, because selection reads rows at absolute positions.
 
-Every method that refuses raises a `DsaStateError` subclass and changes neither `len` nor any
-buffer.
+Every method that refuses raises one of kvfold's generic errors (`CapacityError`, `RewindError`,
+`FreedStateError`, `StateMismatchError`, `ConfigError`, a `SnapshotError` subclass for a refused
+blob, `StateError` for a malformed call) and changes neither `len` nor any buffer.
+
+The blob (`snapshot_blob` / `restore_blob`) is the one serialisation of these rows: a GLM-5.3
+state snapshot (state.py) embeds one per full DSA layer. Layout and refusal order are in
+docs/state-format.md.
 """
 from __future__ import annotations
 
@@ -21,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import (DsaBlobCapacityError, DsaBlobSizeError, DsaBlobTruncatedError, DsaBlobWidthError,
-                      DsaCapacityError, DsaFreedError, DsaGeometryError, DsaRewindError, DsaStateError)
+from ...errors import (CapacityError, ConfigError, FreedStateError, RewindError, SnapshotCapacityError,
+                      SnapshotModelError, SnapshotSizeError, SnapshotTruncatedError, StateError,
+                      StateMismatchError)
 
 BLOB_HEADER = struct.Struct("<QQ")  # len, index_head_dim: u64 little-endian each
 _MAX_TOPK_TILE = 2048  # largest power of two T with 16*T <= 49,152 B of shared memory (one top-k tile)
@@ -58,7 +65,7 @@ class Glm5NextDsaConfig:
 
 @dataclass(frozen=True)
 class DsaSelectGeometry:
-    """Plan of one selection over the `seq` cached rows for the last `q_rows` of them (§6.6)."""
+    """Plan of one selection over the `seq` cached rows for the last `q_rows` of them."""
     seq: int
     q_rows: int
     n_pools_full: int  # ceil(seq / kp): pools including a partial trailing one
@@ -86,6 +93,13 @@ def indexer_state_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype =
     return capacity * (2 * index_head_dim * itemsize + 1)
 
 
+def dsa_blob_bytes(rows: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of `snapshot_blob` at len `rows`: the 16-byte header plus two [rows, d] row blocks
+    and one validity byte per row (16 + 513 * rows in bf16 at d = 128)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return BLOB_HEADER.size + rows * (2 * index_head_dim * itemsize + 1)
+
+
 def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -96,7 +110,7 @@ class Glm5NextDsaState:
     def __init__(self, max_context: int, index_head_dim: int, index_kpool: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
         if index_head_dim < 1:
-            raise DsaStateError(f"index_head_dim must be >= 1, got {index_head_dim}")
+            raise ConfigError(f"index_head_dim must be >= 1, got {index_head_dim}")
         self._capacity = dsa_capacity(max_context, index_kpool)
         self._d = index_head_dim
         self.dtype = dtype
@@ -178,7 +192,7 @@ class Glm5NextDsaState:
         end = seq_len + k."""
         self._check_alive()
         if end > self._capacity:
-            raise DsaCapacityError(
+            raise CapacityError(
                 f"DSA indexer state needs rows up to {end} but holds {self._capacity} "
                 f"(max_context rounded down to whole k-pools); raise the max-seq-len setting (max_context)")
 
@@ -200,13 +214,13 @@ class Glm5NextDsaState:
         self._check_alive()
         n = k_normed.shape[0]
         if k_normed.shape != (n, self._d) or gate.shape != (n, self._d):
-            raise DsaStateError(f"write_rows wants k_normed and gate of shape [n, {self._d}], got "
-                                f"{tuple(k_normed.shape)} and {tuple(gate.shape)}")
+            raise StateError(f"write_rows wants k_normed and gate of shape [n, {self._d}], got "
+                             f"{tuple(k_normed.shape)} and {tuple(gate.shape)}")
         if valid is not None and valid.shape != (n,):
-            raise DsaStateError(f"write_rows wants valid of shape [{n}], got {tuple(valid.shape)}")
+            raise StateError(f"write_rows wants valid of shape [{n}], got {tuple(valid.shape)}")
         if start < 0 or start > self._len:
-            raise DsaStateError(f"write_rows at row {start} would leave a gap: rows are written at or "
-                                f"below len ({self._len})")
+            raise StateError(f"write_rows at row {start} would leave a gap: rows are written at or "
+                             f"below len ({self._len})")
         self.ensure_room_through(start + n)
         end = start + n
         self._k_normed[start:end] = k_normed.to(device=self.device, dtype=self.dtype)
@@ -227,10 +241,10 @@ class Glm5NextDsaState:
         memory but are unreachable, and the next write starts at n so it overwrites them."""
         self._check_alive()
         if n > self._len:
-            raise DsaRewindError(f"rewind_to({n}) with len {self._len}: rewind only shrinks; growing is "
-                                 f"advance's job, so the caller has lost track of the sequence")
+            raise RewindError(f"rewind_to({n}) with len {self._len}: rewind only shrinks; growing is "
+                              f"advance's job, so the caller has lost track of the sequence")
         if n < 0:
-            raise DsaRewindError(f"rewind_to({n}): a row count cannot be negative")
+            raise RewindError(f"rewind_to({n}): a row count cannot be negative")
         self._len = n
 
     def sync_to(self, seq_len: int, k: int) -> None:
@@ -241,10 +255,10 @@ class Glm5NextDsaState:
         Every check runs before the rewind, so a refusal leaves len unchanged."""
         self._check_count("sync_to", k)
         if seq_len < 0:
-            raise DsaRewindError(f"sync_to({seq_len}, {k}): a sequence length cannot be negative")
+            raise RewindError(f"sync_to({seq_len}, {k}): a sequence length cannot be negative")
         if self._len < seq_len:
-            raise DsaRewindError(f"sync_to({seq_len}, {k}): state is behind (len {self._len}), rows are "
-                                 f"missing; run the indexer over positions [{self._len}, {seq_len}) first")
+            raise RewindError(f"sync_to({seq_len}, {k}): state is behind (len {self._len}), rows are "
+                              f"missing; run the indexer over positions [{self._len}, {seq_len}) first")
         self.ensure_room_through(seq_len + k)
         self._len = seq_len + k
 
@@ -253,31 +267,35 @@ class Glm5NextDsaState:
         """Plan a selection over everything cached so far (seq = len) for the last q_rows rows.
 
         Refused when the config is invalid (or of another index_head_dim than this state),
-        q_rows is 0 or more than seq, seq is 0, or select_k does not fit one top-k tile."""
+        q_rows is 0 or more than seq, seq is 0, or select_k does not fit one top-k tile: an invalid
+        config (or select_k over one tile) is a ConfigError, a config of another width alone a
+        StateMismatchError, an empty state or q_rows out of range a StateError."""
         self._check_alive()
         problems = cfg.problems()
+        invalid = bool(problems)
         if cfg.index_head_dim != self._d:
             problems.append(f"index_head_dim {cfg.index_head_dim} differs from this state's {self._d}")
         if problems:
-            raise DsaGeometryError("invalid DSA indexer config: " + "; ".join(problems))
+            raise (ConfigError if invalid else StateMismatchError)(
+                "invalid DSA indexer config: " + "; ".join(problems))
         seq, kp = self._len, cfg.index_kpool
         if seq == 0:
-            raise DsaGeometryError("geometry over an empty DSA state: write and advance rows first")
+            raise StateError("geometry over an empty DSA state: write and advance rows first")
         if q_rows < 1 or q_rows > seq:
-            raise DsaGeometryError(f"geometry wants 1 <= q_rows <= seq ({seq}), got q_rows {q_rows}")
+            raise StateError(f"geometry wants 1 <= q_rows <= seq ({seq}), got q_rows {q_rows}")
         n_pools = seq // kp
         select_k = min(cfg.index_topk // kp, n_pools)
         topk_np2 = min(max(_next_pow2(n_pools), 2), _MAX_TOPK_TILE)
         if select_k > topk_np2:
-            raise DsaGeometryError(f"select_k {select_k} exceeds one top-k tile ({topk_np2} pools); "
-                                   f"index_topk / index_kpool must be <= {_MAX_TOPK_TILE}")
+            raise ConfigError(f"select_k {select_k} exceeds one top-k tile ({topk_np2} pools); "
+                              f"index_topk / index_kpool must be <= {_MAX_TOPK_TILE}")
         return DsaSelectGeometry(
             seq=seq, q_rows=q_rows, n_pools_full=-(-seq // kp), n_pools=n_pools, select_k=select_k,
             out_width=cfg.index_topk + (kp - 1 if cfg.always_select_tail else 0),
             topk_np2=topk_np2, topk_smem=16 * topk_np2, index_head_dim=cfg.index_head_dim,
             index_heads=cfg.index_heads, index_kpool=kp)
 
-    # ---- prefix-cache blob (§6.4, §6.5) -------------------------------------------------------
+    # ---- blob: prefix-cache and snapshot form of rows [0, len) --------------------------------
     def snapshot_blob(self) -> bytes:
         """Rows [0, len): 16-byte header (len u64 LE, index_head_dim u64 LE), then key rows,
         gate rows (raw, row-major, in the state's dtype) and validity bytes. The size,
@@ -289,30 +307,40 @@ class Glm5NextDsaState:
             parts.append(_raw_bytes(buf[:n]))
         return b"".join(parts)
 
-    def restore_blob(self, blob: bytes) -> None:
-        """Replace rows [0, L) and len with a snapshot's. Checks, all before any write and in
-        this order: truncated, other width, size mismatch, over capacity. A blob too long for
-        this state is refused, not clamped: selecting over a prefix while the MLA cache holds the
-        whole context would be silently wrong."""
+    def check_blob(self, blob: bytes) -> int:
+        """Run every check restore_blob runs, in its order, and write nothing; return the blob's
+        len. A GLM-5.3 state snapshot checks all its DSA layers' blobs this way before it
+        restores any of them, so a refusal in a later layer leaves earlier layers unchanged too.
+
+        Refusals, in order: truncated (`SnapshotTruncatedError`), other width
+        (`SnapshotModelError`), size mismatch (`SnapshotSizeError`), over capacity
+        (`SnapshotCapacityError`)."""
         self._check_alive()
-        blob = bytes(blob)
         if len(blob) < BLOB_HEADER.size:
-            raise DsaBlobTruncatedError(f"DSA indexer blob of {len(blob)} bytes is shorter than its "
-                                        f"{BLOB_HEADER.size}-byte header")
+            raise SnapshotTruncatedError(f"DSA indexer blob of {len(blob)} bytes is shorter than its "
+                                         f"{BLOB_HEADER.size}-byte header")
         rows, width = BLOB_HEADER.unpack_from(blob)
         # width before size: two (len, d) pairs can give the same byte count
         if width != self._d:
-            raise DsaBlobWidthError(f"DSA indexer blob has index_head_dim {width}, this state {self._d}: "
-                                    f"it was taken from another model")
-        row_bytes = 2 * self.row_offset(1) + 1
-        expected = BLOB_HEADER.size + rows * row_bytes
+            raise SnapshotModelError(f"DSA indexer blob has index_head_dim {width}, this state {self._d}: "
+                                     f"it was taken from another model")
+        expected = dsa_blob_bytes(rows, self._d, self.dtype)
         if len(blob) != expected:
-            raise DsaBlobSizeError(f"DSA indexer blob is {len(blob)} bytes but its header (len {rows}, "
-                                   f"d {width}) implies {expected}: it is cut short or corrupted")
+            raise SnapshotSizeError(f"DSA indexer blob is {len(blob)} bytes but its header (len {rows}, "
+                                    f"d {width}) implies {expected}: it is cut short or corrupted")
         if rows > self._capacity:
-            raise DsaBlobCapacityError(
+            raise SnapshotCapacityError(
                 f"DSA indexer blob holds {rows} rows but this state reserves {self._capacity}; raise the "
                 f"max-seq-len setting (max_context) to at least {rows}")
+        return rows
+
+    def restore_blob(self, blob: bytes) -> None:
+        """Replace rows [0, L) and len with a snapshot's. Checks (`check_blob`), all before any
+        write and in this order: truncated, other width, size mismatch, over capacity. A blob too
+        long for this state is refused, not clamped: selecting over a prefix while the MLA cache
+        holds the whole context would be silently wrong."""
+        blob = bytes(blob)
+        rows = self.check_blob(blob)
         key_bytes = self.row_offset(rows)
         at = BLOB_HEADER.size
         for buf, size in ((self._k_normed, key_bytes), (self._gate, key_bytes), (self._valid, rows)):
@@ -333,12 +361,12 @@ class Glm5NextDsaState:
 
     def _check_alive(self) -> None:
         if self._released:
-            raise DsaFreedError("this DSA indexer state was freed; allocate a new one")
+            raise FreedStateError("this DSA indexer state was freed; allocate a new one")
 
     def _check_count(self, what: str, n: int) -> None:
         self._check_alive()
         if n < 0:
-            raise DsaStateError(f"{what}({n}): a row count cannot be negative; use rewind_to to shrink")
+            raise StateError(f"{what}({n}): a row count cannot be negative; use rewind_to to shrink")
 
     def __repr__(self) -> str:
         status = "freed" if self._released else f"len={self._len}/{self._capacity}"

@@ -1,4 +1,4 @@
-"""KDA (Kimi delta attention) linear-attention layer of GLM-5.3 (docs: glm5-dsa.md §5).
+"""KDA (Kimi delta attention) linear-attention layer of GLM-5.3.
 
 Per token t (C = heads x head_dim channels each for q, k, v):
   1. q, k, v projections; a causal depthwise conv (kernel K, SiLU) over their concatenation [3C];

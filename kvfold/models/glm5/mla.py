@@ -1,4 +1,4 @@
-"""Indexed MLA of GLM-5.3 DSA layers: NoPE attention over the DSA-selected tokens (glm5-dsa.md §3-4).
+"""Indexed MLA of GLM-5.3 DSA layers: NoPE attention over the DSA-selected tokens.
 
   q_resid = RMSNorm(q_a_proj x)                       (also feeds the indexer)
   q_h     = (q_b_proj q_resid)[h]                     [qk_nope] per head
@@ -26,7 +26,7 @@ _GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
 
 def _selected_rows(sel: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection [T, W] read as a set per query: (row ids safe to gather, valid mask). -1 and
-    out-of-range entries and repeats of a row are invalid (the selection is a set, §3)."""
+    out-of-range entries and repeats of a row are invalid (the selection is a set)."""
     s = torch.where((sel >= 0) & (sel < kv_len), sel.long(), torch.full_like(sel, -1, dtype=torch.long))
     s, _ = torch.sort(s, dim=-1)
     valid = s >= 0

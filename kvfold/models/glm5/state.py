@@ -3,7 +3,7 @@
 Per layer:
 * KDA layer: the conv state (pre-conv inputs of the last K-1 tokens, [K-1, 3C], model dtype) and
   the recurrent state S ([H, dk, dv], fp32). These are overwritten by every token and cannot be
-  rewound by truncation (glm5-dsa.md §5), so they live in a **ring of max_rewind + 1 slots
+  rewound by truncation, so they live in a **ring of max_rewind + 1 slots
   addressed by position**: slot p % (max_rewind + 1) holds the state after p tokens. A forward at
   pos P over T tokens writes the slots of positions max(P+1, P+T-max_rewind) .. P+T (the trailing
   tokens run token by token so each per-step state exists); `rewind_to(n)` then only moves `pos`,
@@ -13,19 +13,22 @@ Per layer:
   costs 5 x 140.8 MiB = 704 MiB per sequence. The alternative (replaying the accepted tokens from
   a snapshot at the verify start) would cost no memory but a second forward per rejection.
 * DSA layer: the MLA latent rows [capacity, kv_lora] (model dtype), prefix-shaped, row p = token p.
-* Full DSA layer: additionally one `Glm5NextDsaState` (indexer keys, gates, validity; §6), whose
+* Full DSA layer: additionally one `Glm5NextDsaState` (indexer keys, gates, validity), whose
   `len` tracks `pos`. It is allocated with capacity rounded *up* to whole k-pools so it never
   refuses a position below the state's capacity.
 
 MLA latent and DSA rows rewind by cursor: rows past `pos` are unreachable and overwritten later.
 
-Snapshots (`snapshot()` / `restore()`): magic b"KVFGLM5S", version 1; 64-byte header (magic, version,
-flags, fingerprint, dtype, n_sections, pos, body_len, reserved), a 32-byte entry per section
-(layer, kind, first, rows, width, dtype), the body (each section's rows, row-major) and a SHA-256
-trailer. Sections at pos: per KDA layer its conv and recurrent state at pos; per DSA layer the
-latent rows [0, pos); per full DSA layer the indexer k / gate / valid rows [0, pos). Refusals, in
-this order, before any write: truncated, magic, version (and unknown flags), model fingerprint,
-dtype, section table vs pos, body size, checksum, capacity. A refused restore changes nothing.
+Snapshots (`snapshot()` / `restore()`, docs/state-format.md): the shared framing of
+kvfold/state/blob.py with magic b"KVFGLM5S", version 1; 64-byte header (magic, version, flags,
+fingerprint, dtype, n_sections, pos, body_len, reserved), a 32-byte entry per section (layer, kind,
+first, rows, width, dtype), the body (each section's rows, row-major) and a SHA-256 trailer.
+Sections at pos: per KDA layer its conv and recurrent state at pos; per DSA layer the latent rows
+[0, pos); per full DSA layer one u8 section holding that layer's `Glm5NextDsaState.snapshot_blob()`
+at len pos, byte for byte. Refusals, in this order, before any write: truncated, magic, version
+(and unknown flags), model fingerprint, dtype, section table vs pos, body size, checksum, capacity;
+then each DSA layer's blob through `check_blob` (truncated, width, size, capacity). A refused
+restore changes nothing.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from ...errors import RewindError
 from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
 from ...state.base import SequenceState
-from .indexer_state import Glm5NextDsaState
+from .indexer_state import Glm5NextDsaState, dsa_blob_bytes
 
 
 @dataclass
@@ -140,8 +143,11 @@ class Glm5State(SequenceState):
 
 
 # ---- snapshot format ------------------------------------------------------------------------------
-KDA_CONV, KDA_REC, MLA_LATENT, DSA_K, DSA_GATE, DSA_VALID = range(6)
-KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA keys", "DSA gates", "DSA valid"]
+# The shared framing of kvfold/state/blob.py; a full DSA layer's indexer rows travel as ONE section
+# holding exactly that layer's `Glm5NextDsaState.snapshot_blob()` bytes (u8, width 1), which
+# restore goes back through `check_blob` / `restore_blob`. docs/state-format.md has the layout.
+KDA_CONV, KDA_REC, MLA_LATENT, DSA_BLOB = range(4)
+KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA indexer blob"]
 FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES)
 MAGIC = FORMAT.magic
 
@@ -157,11 +163,9 @@ def expected_sections(state: Glm5State, pos: int) -> list[Section]:
             secs.append(Section(i, KDA_REC, 0, h * dk, dv, f32))
         else:
             secs.append(Section(i, MLA_LATENT, 0, pos, ls.latent.shape[1], sd))
-            if ls.dsa is not None:
-                d = ls.dsa.index_head_dim
-                dd = DTYPE_CODES[ls.dsa.dtype]
-                secs += [Section(i, DSA_K, 0, pos, d, dd), Section(i, DSA_GATE, 0, pos, d, dd),
-                         Section(i, DSA_VALID, 0, pos, 1, u8)]
+            if ls.dsa is not None:  # rows = bytes of the layer's blob at len pos
+                secs.append(Section(i, DSA_BLOB, 0, dsa_blob_bytes(pos, ls.dsa.index_head_dim, ls.dsa.dtype),
+                                    1, u8))
     return secs
 
 
@@ -174,8 +178,7 @@ def _rows_of(state: Glm5State, s: Section) -> torch.Tensor:
         return r.reshape(-1, r.shape[-1])
     if s.kind == MLA_LATENT:
         return ls.latent[:s.rows]
-    k, g, v = ls.dsa.reachable()
-    return {DSA_K: k, DSA_GATE: g, DSA_VALID: v[:, None]}[s.kind][:s.rows]
+    return torch.frombuffer(bytearray(ls.dsa.snapshot_blob()), dtype=torch.uint8).view(-1, 1)
 
 
 def encode(state: Glm5State) -> bytes:
@@ -185,9 +188,17 @@ def encode(state: Glm5State) -> bytes:
 def decode_and_apply(state: Glm5State, data: bytes) -> None:
     pos, sections = blob.decode(FORMAT, state, data, flags_of_state=0,
                                 expected_sections=lambda p: expected_sections(state, p))
+    # then every DSA layer's blob through the indexer state's own checks, all before any write.
+    # The table fixed each blob's byte count from pos and this state's width and dtype, so a blob
+    # that passes has len pos; one whose header was altered (and re-signed) is refused here.
+    dsa_blobs = []
+    for s, r in sections:
+        if s.kind == DSA_BLOB:
+            raw = r.cpu().numpy().tobytes()
+            state.layers[s.layer].dsa.check_blob(raw)
+            dsa_blobs.append((s.layer, raw))
     # all checks passed: write
     slot = state.slot(pos)
-    dsa_rows: dict[int, dict[int, torch.Tensor]] = {}
     for s, r in sections:
         ls = state.layers[s.layer]
         if s.kind == KDA_CONV:
@@ -196,11 +207,6 @@ def decode_and_apply(state: Glm5State, data: bytes) -> None:
             ls.rec[slot] = r.view(ls.rec.shape[1:])
         elif s.kind == MLA_LATENT:
             ls.latent[:pos] = r
-        else:
-            dsa_rows.setdefault(s.layer, {})[s.kind] = r
-    for i, parts in dsa_rows.items():
-        dsa = state.layers[i].dsa
-        dsa.rewind_to(0)
-        dsa.write_rows(0, parts[DSA_K], parts[DSA_GATE], parts[DSA_VALID][:, 0])
-        dsa.advance(pos)
+    for i, raw in dsa_blobs:
+        state.layers[i].dsa.restore_blob(raw)
     state.pos = state.written_until = state.rewind_floor = pos
