@@ -257,3 +257,14 @@ def test_cli_inspect(monkeypatch, capsys):
     assert "fixed state per sequence: 3.00 MiB" in out
     # 3 MiB + 96.5 B * 4096 = 3 MiB + 386 KiB
     assert "state at 4096 tokens: 3.38 MiB" in out
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=-1), dict(max_new_tokens=2.5), dict(temperature=float("inf")),
+                                dict(temperature=-1.0), dict(top_p=0.0), dict(seed=1 << 64), dict(stop_ids=[-1]),
+                                dict(stop_ids=["a"])])
+def test_bad_sampling_arguments_are_refused_before_allocating(kw):
+    model = FakeModel()
+    args = {"max_new_tokens": 3, **kw}
+    with pytest.raises(ValueError):
+        generate(model, [65], args.pop("max_new_tokens"), **args)
+    assert model.states == []

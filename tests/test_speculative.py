@@ -7,8 +7,9 @@ import torch
 import kvfold
 import kvfold.cli as cli
 from kvfold.errors import MtpUnavailableError
-from kvfold.decoding.sampling import sample_next
-from kvfold.decoding.speculative import Drafter, NgramDrafter, rejection_step, target_probs, verify_drafts
+from kvfold.decoding.drafters import Drafter, NgramDrafter
+from kvfold.decoding.sampling import nucleus, sample_next, sampling_probs as target_probs
+from kvfold.decoding.speculative import rejection_step, verify_drafts
 
 BOS = 256
 PROMPTS = {
@@ -424,3 +425,42 @@ def test_drafter_updates_cover_every_position_once_with_the_right_hidden(tiny, p
     got = torch.cat([u[0] for u in d.updates])
     ref = ref[:pos]
     assert (got - ref).abs().max().item() < 1e-4
+
+
+# ---- structure ---------------------------------------------------------------------------------
+
+def test_verification_targets_the_nucleus_even_at_top_p_1():
+    # the softmax gives tokens 1 and 2 ~2e-9, but sample_next can never pick them (nucleus rule)
+    logits = torch.tensor([[0.0, -20.0, -20.0], [0.0, 0.0, 0.0]])
+    ids, _ = nucleus(logits[0], 1.0, 1.0)
+    assert ids.tolist() == [0]
+    assert target_probs(logits[0], 1.0, 1.0)[1:].tolist() == [0.0, 0.0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # a deterministic draft outside the nucleus is always rejected
+        assert verify_drafts(logits, [1], None, 1.0, 1.0, g)[0] == 0
+
+
+def test_decoding_imports_point_one_way():
+    """sampling <- drafters <- speculative <- generate, with every import at module level."""
+    import ast
+    import pathlib
+
+    import kvfold.decoding as pkg
+    root = pathlib.Path(pkg.__file__).parent
+    deps = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        deps[path.stem] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert id(node) in top, f"{path.name}: function-local import of .{node.module}"
+                deps[path.stem].add(node.module)
+    assert deps["sampling"] == set()
+    assert deps["drafters"] == {"sampling"}
+    assert deps["speculative"] == {"drafters", "sampling"}
+    assert deps["generate"] == {"sampling", "speculative"}
+
+
+def test_supports_mtp_reads_the_checkpoint(tiny, no_mtp):
+    assert tiny.supports_mtp and not no_mtp.supports_mtp

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .sampling import sample_next
-from .speculative import SPECULATIVE_KINDS, Drafter, make_drafter, verify_drafts
+from .sampling import check_sampling, sample_next
+from .speculative import Drafter, check_speculative, make_drafter, verify_drafts
 
 
 @dataclass
@@ -128,159 +128,194 @@ def generate(
     or raising.
     """
     prompt = _as_prompt(prompt_ids)
+    stops = _checked_stops(model, prompt, max_new_tokens, temperature, top_p, seed, stop_ids, speculative,
+                           num_draft)
+    hist, cap, max_rewind = _plan_state(state, history, capacity, len(prompt), max_new_tokens, speculative,
+                                        num_draft)
+    out = _Output(hist + prompt, max_new_tokens, stops, on_token)
+    run = _Run(model, out, temperature, top_p, _generator(seed), num_draft)
+    owns_state = state is None
+    try:
+        if speculative is not None:  # before the main state: a refusal allocates nothing
+            run.drafter = make_drafter(speculative, model, capacity=cap, max_rewind=max_rewind,
+                                       temperature=temperature, top_p=top_p, generator=run.generator)
+        run.state = _new_state(model, cap, max_rewind, speculative, kv_dtype) if owns_state else state
+        prefill_s, decode_s = run.timed(prompt)
+        state_bytes = int(run.state.nbytes)
+    finally:
+        _release(run.drafter, run.state if owns_state else None)
+    return _result(len(prompt), run, prefill_s, decode_s, state_bytes)
+
+
+def _checked_stops(model, prompt: list[int], max_new_tokens, temperature, top_p, seed, stop_ids, speculative,
+                   num_draft) -> set[int]:
+    """Refuse bad arguments (ValueError) before anything is allocated; the ids to stop after."""
     if not prompt:
         raise ValueError("prompt_ids is empty; generation needs at least one token (e.g. BOS)")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not (temperature >= 0.0):
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    stop_list = None if stop_ids is None else list(stop_ids)
+    check_sampling(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop_list,
+                   names={"max_tokens": "max_new_tokens"}, min_tokens=0)
     if speculative is not None:
-        is_drafter = not isinstance(speculative, str) and hasattr(speculative, "propose") \
-            and hasattr(speculative, "update")
-        if not (is_drafter or (isinstance(speculative, str) and speculative in SPECULATIVE_KINDS)):
-            raise ValueError(f"speculative must be None, one of {SPECULATIVE_KINDS} or a Drafter, got {speculative!r}")
-        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 1:
-            raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
-    stops = set(_eos_ids(model) if stop_ids is None else (int(i) for i in stop_ids))
+        check_speculative(speculative, num_draft)
+    return set(_eos_ids(model)) if stop_list is None else {int(i) for i in stop_list}
 
-    owns_state = state is None
-    if owns_state:
+
+def _plan_state(state, history, capacity, n_prompt: int, max_new_tokens: int, speculative,
+                num_draft: int) -> tuple[list[int], int, int]:
+    """(ids the state has consumed, capacity, max_rewind) of the state generation runs on."""
+    if state is None:
         if history is not None:
             raise ValueError("history describes the ids a given state consumed; pass state= with it")
-        hist: list[int] = []
-        cap, max_rewind = generation_capacity(len(prompt), max_new_tokens, speculative, num_draft)
-        if capacity is not None:
-            cap = capacity
-    else:
-        if capacity is not None:
-            raise ValueError("capacity sizes a state generate creates; a given state keeps its own")
-        hist = [] if history is None else [int(i) for i in history]
-        if history is not None and len(hist) != state.pos:
-            raise ValueError(f"history has {len(hist)} ids but the state has consumed {state.pos}")
-        cap, max_rewind = state.capacity, getattr(state, "max_rewind", 0)
-        if speculative is not None and max_rewind < num_draft:
-            raise ValueError(f"speculative decoding with num_draft={num_draft} needs a state with max_rewind >= "
-                             f"{num_draft}, this one has {max_rewind}")
+        cap, max_rewind = generation_capacity(n_prompt, max_new_tokens, speculative, num_draft)
+        return [], cap if capacity is None else capacity, max_rewind
+    if capacity is not None:
+        raise ValueError("capacity sizes a state generate creates; a given state keeps its own")
+    hist = [] if history is None else [int(i) for i in history]
+    if history is not None and len(hist) != state.pos:
+        raise ValueError(f"history has {len(hist)} ids but the state has consumed {state.pos}")
+    max_rewind = getattr(state, "max_rewind", 0)
+    if speculative is not None and max_rewind < num_draft:
+        raise ValueError(f"speculative decoding with num_draft={num_draft} needs a state with max_rewind >= "
+                         f"{num_draft}, this one has {max_rewind}")
+    return hist, state.capacity, max_rewind
 
+
+def _generator(seed: int | None) -> torch.Generator:
     generator = torch.Generator(device="cpu")
     if seed is None:
         generator.seed()  # fresh entropy: unseeded runs differ
     else:
         generator.manual_seed(seed)
+    return generator
 
-    device: torch.device = getattr(model, "device", torch.device("cpu"))
-    out = _Output(hist + prompt, max_new_tokens, stops, on_token)
-    drafter: Drafter | None = None
-    stats = {"drafted": 0, "accepted": 0, "steps": 0}
+
+def _new_state(model: Any, capacity: int, max_rewind: int, speculative, kv_dtype: str | None):
+    kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}  # `kv_dtype="fp8"`: FP8 window/compressed KV
+    if speculative is None:
+        return model.new_state(capacity=capacity, **kw)
+    return model.new_state(capacity=capacity, max_rewind=max_rewind, **kw)
+
+
+def _release(drafter: Drafter | None, owned_state: Any) -> None:
+    """Close the drafter and free the state generate created, even if one of them raises."""
     try:
-        if speculative is not None:  # before the main state: a refusal allocates nothing
-            drafter = make_drafter(speculative, model, capacity=cap, max_rewind=max_rewind, temperature=temperature,
-                                   top_p=top_p, generator=generator)
-        if owns_state:
-            kw = {} if kv_dtype is None else {"kv_dtype": kv_dtype}  # `kv_dtype="fp8"`: FP8 window/compressed KV
-            state = model.new_state(capacity=cap, max_rewind=max_rewind, **kw) if speculative is not None \
-                else model.new_state(capacity=cap, **kw)
-        with torch.no_grad():
-            _sync(device)
-            t0 = time.perf_counter()
-            done = _prefill(model, state, prompt, drafter, out, temperature, top_p, generator)
-            _sync(device)
-            t1 = time.perf_counter()
-            while not done:
-                done = _step(model, state, drafter, out, num_draft, temperature, top_p, generator, stats)
-            _sync(device)
-            t2 = time.perf_counter()
-        state_bytes = int(state.nbytes)
+        if drafter is not None:
+            drafter.close()
     finally:
-        try:
-            if drafter is not None:
-                drafter.close()
-        finally:
-            if owns_state and state is not None:
-                state.free()
+        if owned_state is not None:
+            owned_state.free()
 
-    tokens = out.tokens
-    decode_steps = max(len(tokens) - 1, 0)
-    drafted, accepted = stats["drafted"], stats["accepted"]
+
+def _result(n_prompt: int, run: "_Run", prefill_s: float, decode_s: float, state_bytes: int) -> GenerationResult:
+    tokens = run.out.tokens
     return GenerationResult(
-        prompt_tokens=len(prompt),
+        prompt_tokens=n_prompt,
         tokens=tokens,
-        prefill_seconds=t1 - t0,
-        decode_seconds=t2 - t1,
-        prefill_tok_s=_rate(len(prompt), t1 - t0),
-        decode_tok_s=_rate(decode_steps, t2 - t1),
+        prefill_seconds=prefill_s,
+        decode_seconds=decode_s,
+        prefill_tok_s=_rate(n_prompt, prefill_s),
+        decode_tok_s=_rate(max(len(tokens) - 1, 0), decode_s),
         state_bytes=state_bytes,
-        drafted=drafted,
-        accepted=accepted,
-        acceptance_rate=accepted / drafted if drafted else 0.0,
-        verify_steps=stats["steps"],
+        drafted=run.drafted,
+        accepted=run.accepted,
+        acceptance_rate=run.accepted / run.drafted if run.drafted else 0.0,
+        verify_steps=run.steps,
     )
 
 
-def _forward(model: Any, ids: list[int], state: Any, drafter: Drafter | None, **kw):
-    if drafter is not None and drafter.needs_hidden:
-        return model.forward(ids, state, return_hidden=True, **kw)
-    return model.forward(ids, state, **kw), None
+@dataclass
+class _Run:
+    """One generation's loop: the model, its state and drafter, how tokens are chosen, and counts."""
 
+    model: Any
+    out: _Output
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+    num_draft: int
+    state: Any = None
+    drafter: Drafter | None = None
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
 
-def _prefill(model, state, prompt, drafter, out: _Output, temperature, top_p, generator) -> bool:
-    """Feed the prompt, choose the first token; True when generation is already over."""
-    start = state.pos
-    if drafter is not None and drafter.needs_hidden:
-        # Pieces of the model's own chunk size: the same math as one call, but the drafter
-        # digests each piece's hidden streams before the next exists (bounded memory).
-        piece = int(getattr(model, "max_chunk", 0)) or len(prompt)
-        for a in range(0, len(prompt) - piece, piece):
-            _, hidden = _forward(model, prompt[a:a + piece], state, drafter, last_only=True)
-            drafter.update(hidden, start + a, prompt[a + 1:a + piece + 1])
-        last = ((len(prompt) - 1) // piece) * piece
-    else:
+    def timed(self, prompt: list[int]) -> tuple[float, float]:
+        """Prefill, then step until done; returns (prefill seconds, decode seconds)."""
+        device: torch.device = getattr(self.model, "device", torch.device("cpu"))
+        with torch.no_grad():
+            _sync(device)
+            t0 = time.perf_counter()
+            done = self.prefill(prompt)
+            _sync(device)
+            t1 = time.perf_counter()
+            while not done:
+                done = self.step()
+            _sync(device)
+            t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    def _forward(self, ids: list[int], **kw):
+        if self.drafter is not None and self.drafter.needs_hidden:
+            return self.model.forward(ids, self.state, return_hidden=True, **kw)
+        return self.model.forward(ids, self.state, **kw), None
+
+    def prefill(self, prompt: list[int]) -> bool:
+        """Feed the prompt, choose the first token; True when generation is already over."""
+        start = self.state.pos
         last = 0
-    # only the last row's logits are read: never materialise T x vocab for a long prompt
-    logits, hidden = _forward(model, prompt[last:], state, drafter, last_only=True)
-    if out.limit == 0:
-        return True
-    y = sample_next(logits[-1], temperature, top_p, generator)
-    if out.emit(y):
-        return True
-    if drafter is not None:
-        drafter.update(hidden, start + last, prompt[last + 1:] + [y])
-    return False
+        if self.drafter is not None and self.drafter.needs_hidden:
+            # Pieces of the model's own chunk size: the same math as one call, but the drafter
+            # digests each piece's hidden streams before the next exists (bounded memory).
+            piece = int(getattr(self.model, "max_chunk", 0)) or len(prompt)
+            for a in range(0, len(prompt) - piece, piece):
+                _, hidden = self._forward(prompt[a:a + piece], last_only=True)
+                self.drafter.update(hidden, start + a, prompt[a + 1:a + piece + 1])
+            last = ((len(prompt) - 1) // piece) * piece
+        # only the last row's logits are read: never materialise T x vocab for a long prompt
+        logits, hidden = self._forward(prompt[last:], last_only=True)
+        if self.out.limit == 0:
+            return True
+        y = sample_next(logits[-1], self.temperature, self.top_p, self.generator)
+        if self.out.emit(y):
+            return True
+        if self.drafter is not None:
+            self.drafter.update(hidden, start + last, prompt[last + 1:] + [y])
+        return False
 
-
-def _step(model, state, drafter, out: _Output, num_draft, temperature, top_p, generator, stats) -> bool:
-    """Feed the pending token (plus drafts, if any), choose the next token(s); True when done."""
-    y = out.tokens[-1]
-    pos0 = state.pos
-    drafts: list[int] = []
-    q = None
-    if drafter is not None:
+    def _propose(self) -> tuple[list[int], torch.Tensor | None]:
+        """This step's drafts and their probability rows (None: none, or a deterministic drafter)."""
+        if self.drafter is None:
+            return [], None
         # never draft past max_new_tokens (a step emits up to k + 1) nor past the capacity
-        k = min(num_draft, out.limit - len(out.tokens) - 1, state.capacity - pos0 - 1)
-        if k > 0:
-            proposed, q = drafter.propose(list(out.context), k)
-            drafts = [int(d) for d in proposed[:k]]
-            q = q[:len(drafts)] if (q is not None and drafts) else None
-    logits, hidden = _forward(model, [y] + drafts, state, drafter)
-    if drafts:
-        n, nxt = verify_drafts(logits, drafts, q, temperature, top_p, generator)
-    else:
-        n, nxt = 0, sample_next(logits[0], temperature, top_p, generator)
-    stats["steps"] += 1
-    stats["drafted"] += len(drafts)
-    stats["accepted"] += n
-    new = drafts[:n] + [nxt]
-    m, done = 0, False
-    for tok in new:
-        m += 1
-        if out.emit(tok):
-            done = True
-            break
-    # consumed now: y and the first m - 1 emitted tokens; the m-th is pending
-    if state.pos != pos0 + m:
-        state.rewind_to(pos0 + m)
-    if drafter is not None and not done:
-        drafter.update(None if hidden is None else hidden[:m], pos0, new[:m])
-    return done
+        k = min(self.num_draft, self.out.limit - len(self.out.tokens) - 1, self.state.capacity - self.state.pos - 1)
+        if k <= 0:
+            return [], None
+        proposed, q = self.drafter.propose(list(self.out.context), k)
+        drafts = [int(d) for d in proposed[:k]]
+        return drafts, (q[:len(drafts)] if (q is not None and drafts) else None)
+
+    def step(self) -> bool:
+        """Feed the pending token (plus drafts, if any), choose the next token(s); True when done."""
+        y, pos0 = self.out.tokens[-1], self.state.pos
+        drafts, q = self._propose()
+        logits, hidden = self._forward([y] + drafts)
+        if drafts:
+            n, nxt = verify_drafts(logits, drafts, q, self.temperature, self.top_p, self.generator)
+        else:
+            n, nxt = 0, sample_next(logits[0], self.temperature, self.top_p, self.generator)
+        self.steps += 1
+        self.drafted += len(drafts)
+        self.accepted += n
+        new = drafts[:n] + [nxt]
+        m, done = 0, False
+        for tok in new:
+            m += 1
+            if self.out.emit(tok):
+                done = True
+                break
+        # consumed now: y and the first m - 1 emitted tokens; the m-th is pending
+        if self.state.pos != pos0 + m:
+            self.state.rewind_to(pos0 + m)
+        if self.drafter is not None and not done:
+            self.drafter.update(None if hidden is None else hidden[:m], pos0, new[:m])
+        return done

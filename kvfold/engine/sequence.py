@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 import torch
 
+from ..decoding.sampling import SamplingArgumentError, check_sampling
 from ..errors import InvalidRequestError
 
 
@@ -26,20 +26,14 @@ class SamplingParams:
     stop: Seq[str] = ()
 
     def validate(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise InvalidRequestError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -(1 << 63) <= self.seed < (1 << 64)):  # torch.Generator's range
-            raise InvalidRequestError(f"seed must be a 64-bit int or None, got {self.seed!r}")
-        if isinstance(self.stop, str):  # a lone string would otherwise stop on each of its characters
-            self.stop = (self.stop,)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
+        """Refuse out-of-range fields (InvalidRequestError); the rules are decoding's `check_sampling`."""
+        # a lone string would otherwise stop on each of its characters
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                           stop_ids=self.stop_token_ids, stop=self.stop, names={"stop_ids": "stop_token_ids"})
+        except SamplingArgumentError as exc:
+            raise InvalidRequestError(str(exc)) from None
 
 
 class Status(enum.Enum):

@@ -74,6 +74,11 @@ class CausalLM(nn.Module):
         # on by default wherever it can hold: it costs little (bench/RESULTS.md)
         self.batch_invariant = self.supports_batch_invariance
 
+    @property
+    def supports_mtp(self) -> bool:
+        """Whether an MTP block is loaded (speculative="mtp"); the family provides new_mtp_state and mtp_step."""
+        return self.mtp is not None
+
     # ---- batch invariance --------------------------------------------------------------------
     @property
     def supports_batch_invariance(self) -> bool:

@@ -6,9 +6,14 @@ ignored. Unknown extra fields are ignored, as clients send many.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..decoding.sampling import SamplingArgumentError, check_sampling
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+MAX_STOPS = 4  # OpenAI's limit
 
 
 class ApiError(Exception):
@@ -27,9 +32,9 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default and range
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = None
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -39,14 +44,24 @@ class _Request(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    _more_token_limits: ClassVar[tuple[str, ...]] = ()  # fields checked as max_tokens is
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return stops
+    def _stop_list(cls, v):
+        return [v] if isinstance(v, str) else (v or [])
+
+    @model_validator(mode="after")
+    def _check_sampling(self):
+        """Out-of-range sampling fields: a 400 naming the field (decoding's rules, OpenAI's limits)."""
+        try:
+            check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                           stop=self.stop, max_temperature=MAX_TEMPERATURE, max_stops=MAX_STOPS)
+            for name in self._more_token_limits:
+                check_sampling(max_tokens=getattr(self, name), names={"max_tokens": name})
+        except SamplingArgumentError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        return self
 
     def refuse_unsupported(self) -> None:
         for name, ok in (("n", self.n == 1), ("logprobs", self.logprobs in (None, False)),
@@ -106,8 +121,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    _more_token_limits: ClassVar[tuple[str, ...]] = ("max_completion_tokens",)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -116,7 +132,8 @@ class ChatCompletionRequest(_Request):
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
-    """Validate a JSON body, turning pydantic's error into an OpenAI-shaped 400."""
+    """Validate a JSON body, turning pydantic's error into an OpenAI-shaped 400 (sampling fields out
+    of range raise their ApiError from the model's own check)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

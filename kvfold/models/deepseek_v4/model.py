@@ -220,11 +220,7 @@ class Dsv4Model(CausalLM):
         return fixed, pools
 
     # ---- multi-token prediction: what the MTP drafter (decoding/drafters.py) calls --------------
-    @property
-    def supports_mtp(self) -> bool:
-        """True when the checkpoint shipped the MTP block (`mtp.0.*`), so speculative="mtp" can draft."""
-        return self.mtp is not None
-
+    # (supports_mtp, from CausalLM: the checkpoint shipped the MTP block `mtp.0.*`)
     def new_mtp_state(self, capacity: int, max_rewind: int) -> Dsv4State:
         """A state for the MTP block's own sliding window (needs `supports_mtp`)."""
         return self.mtp.new_state(capacity=capacity, max_rewind=max_rewind)

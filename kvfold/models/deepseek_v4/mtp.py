@@ -69,6 +69,13 @@ class MtpModule(nn.Module):
         logits = lm_head(self.norm(self.hc_head(streams))).float()
         return logits, streams
 
+    def step(self, main: nn.Module, hidden: torch.Tensor, token_ids, state: Dsv4State
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the embedding, lm_head and RoPE of `main`, the Dsv4Model this block
+        belongs to (the body of `Dsv4Model.mtp_step`); `token_ids`: a list or a LongTensor."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=main.device)
+        return self(hidden, ids, state, main.model.embed_tokens.weight, main.lm_head, main.rope_main)
+
 
 def official_mtp_weights(mtp: MtpModule) -> dict[str, torch.Tensor]:
     """The module's weights under the official `mtp.0.*` names (how checkpoints carry MTP)."""
