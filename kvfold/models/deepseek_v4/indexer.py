@@ -81,28 +81,6 @@ class Indexer(Compressor):
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
         return out
-        if t == 1:  # one query (decode): it sees every entry; 2-D matmuls
-            s = torch.relu(q.view(self.n_heads, self.head_dim) @ keys.t())
-            scores = w @ (s if scale is None else s * scale)
-            return topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
-        if block >= t:  # one block: its last query sees every entry, only earlier ones mask
-            s = torch.relu(q @ keys.t())
-            scores = torch.bmm(w[:, None, :], s if scale is None else s * scale)[:, 0]
-            visible = (torch.arange(start, start + t, device=q.device) + 1) // r
-            scores = scores.masked_fill(torch.arange(n_entries, device=q.device)[None, :] >= visible[:, None],
-                                        float("-inf"))
-            return topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
-        visible = (torch.arange(start, start + t, device=q.device) + 1) // r  # entries < this are visible
-        entry_ids = torch.arange(n_entries, device=q.device)
-        out = torch.empty(t, k, dtype=torch.long, device=q.device)
-        for b0 in range(0, t, block):
-            b1 = min(t, b0 + block)
-            s = torch.relu(q[b0:b1] @ keys.t())
-            scores = torch.bmm(w[b0:b1, None, :], s if scale is None else s * scale)[:, 0]
-            if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
-                scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
-            out[b0:b1] = topk_lower_index(scores.float(), k)
-        return out
 
 
 def _native_topk_one(q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: int, pool, n_entries: int,
