@@ -206,6 +206,9 @@ args = ap.parse_args()
 src = Path(args.model)
 if (src / "FAIL").exists() or "FAKE_CONVERT_FAIL" in __import__("os").environ:
     raise NotImplementedError("BPE pre-tokenizer was not recognized - update get_vocab_base_pre()")
+if "FAKE_CONVERT_NO_MODULE" in __import__("os").environ:  # as an `import transformers` would fail
+    missing = __import__("os").environ["FAKE_CONVERT_NO_MODULE"]
+    raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
 cfg = json.loads((src / "config.json").read_text())
 for k in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling", "architectures"):
     assert k in cfg, k
@@ -409,3 +412,79 @@ def test_llama_cpp_peak_rss_is_the_programs_own(tmp_path):
     assert run["returncode"] == 0 and run["stderr"] == ""
     assert (48 << 20) < run["maxrss"] < (100 << 20)
     del big
+
+
+# ---- the `bench` extra: transformers / openai are optional --------------------------------------------
+_NEEDS = "error: kvfold bench --vs transformers needs the transformers package: pip install 'kvfold[bench]'"
+
+
+def test_vs_transformers_without_the_package_stops_with_how_to_install(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from kvfold.bench.deps import MissingPackageError
+    from kvfold.cli import main
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an uninstalled package looks like to import
+    argv = ["bench", "--config", "tiny-bench", "--contexts", "16", "--vs", "transformers",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "out.json")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == _NEEDS
+    assert R.main(argv[1:]) == 2  # python -m kvfold.bench: the same
+    assert capsys.readouterr().err.strip() == _NEEDS
+    with pytest.raises(MissingPackageError, match="pip install 'kvfold\\[bench\\]'"):
+        R.run_bench(_args(tmp_path, "--vs", "llama.cpp,transformers"), log=None)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out.json").exists()  # stopped before any work
+
+
+def test_llama_cpp_converter_without_a_bench_package_says_which(tmp_path, monkeypatch):
+    src = _fake_llama_cpp(tmp_path)
+    ckpt = C.ensure_checkpoint("tiny-bench", tmp_path / "cache", 0)
+    monkeypatch.setenv("FAKE_CONVERT_NO_MODULE", "transformers")
+    g = LL.ensure_gguf(ckpt, LL.locate(src))
+    assert g.path is None and g.problem == (
+        "conversion failed: llama.cpp's converter needs the transformers package: pip install 'kvfold[bench]'")
+    assert "No module named 'transformers'" in g.detail
+
+
+_WITHOUT_EXTRA = '''
+import json, sys, threading, time, urllib.request
+tried = []
+class Uninstalled:  # transformers and openai look uninstalled; every attempt to import them is recorded
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("transformers", "openai"):
+            tried.append(name)
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Uninstalled())
+import argparse, kvfold, uvicorn
+from kvfold.cli import main
+from kvfold.server import add_serve_parser, build_app
+assert main(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+p = argparse.ArgumentParser()
+add_serve_parser(p.add_subparsers(dest="command"))
+server = uvicorn.Server(uvicorn.Config(build_app(p.parse_args(["serve", "--model", "tiny"])), host="127.0.0.1",
+                                       port=0, log_level="warning"))
+threading.Thread(target=server.run, daemon=True).start()
+while not server.started:
+    time.sleep(0.01)
+url = "http://127.0.0.1:%d/v1/" % server.servers[0].sockets[0].getsockname()[1]
+http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+assert json.load(http.open(url + "models"))["data"][0]["id"] == "tiny"
+body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}).encode()
+req = urllib.request.Request(url + "completions", body, {"Content-Type": "application/json"})
+assert json.load(http.open(req))["usage"]["completion_tokens"] >= 1
+server.should_exit = True
+assert main(["bench", "--config", "tiny-bench", "--contexts", "8", "--decode-tokens", "1", "--warmup", "0",
+             "--threads", "1", "--cache-dir", sys.argv[1] + "/cache", "--out", sys.argv[1] + "/out.json"]) == 0
+print("TRIED", json.dumps(tried))
+'''
+
+
+def test_kvfold_runs_without_the_bench_extra(tmp_path):
+    # import kvfold, kvfold generate, kvfold serve and a kvfold-only bench, with transformers and openai
+    # unimportable: they are the `bench` extra's, not the library's
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRA, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("TRIED ")[-1]) == []  # nothing even tried to import them
+    assert json.loads((tmp_path / "out.json").read_text())["cells"][0]["status"] == "ok"

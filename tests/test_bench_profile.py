@@ -37,3 +37,22 @@ def test_profile_cli_prints_the_table(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "attention core" in out and "other" in out and "ms/token" in out
+
+
+def test_probes_are_forward_hooks_and_model_scopes_and_leave_nothing_behind(tmp_path):
+    from kvfold import profiling
+    model = kvfold.load_model(str(ensure_checkpoint("tiny-bench", tmp_path / "cache", 0)))
+    methods = ("_attend", "project", "fold", "queries", "select")
+    timer = P._Timer()
+    with P.probes(model, timer):
+        hooked = [m for m in model.modules() if m._forward_pre_hooks]
+        assert all(len(m._forward_pre_hooks) == len(m._forward_hooks) == 1 for m in hooked)
+        kinds = {type(m).__name__ for m in hooked}
+        assert {"Block", "Attention", "MoE", "Norm", "HyperHead", "Linear"} <= kinds
+        assert [m for m in hooked if type(m).__name__ == "Linear"] == [model.lm_head]  # not every Linear
+        assert model.model.embed_tokens in hooked
+        assert profiling._listener is timer  # the model's own scopes report to this run's timer
+        assert not any(n in vars(m) for m in model.modules() for n in methods)  # nothing patched
+    assert profiling._listener is None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert not any(n in vars(m) for m in model.modules() for n in methods)

@@ -147,6 +147,20 @@ def test_caps_enforced_on_namespaces(tmp_path, name, value):
         R.run_bench(ns, log=None)
 
 
+def test_without_openai_stops_with_how_to_install(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from kvfold.bench.deps import MissingPackageError
+    from kvfold.cli import main
+    monkeypatch.setitem(sys.modules, "openai", None)  # what an uninstalled package looks like to import
+    assert main(["bench", "serve", *SMALL, "--out", str(tmp_path / "out.json")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: kvfold bench serve needs the openai package: pip install 'kvfold[bench]'")
+    with pytest.raises(MissingPackageError):  # before the server starts or any request is sent
+        R.run_bench(_args(tmp_path, "--url", "http://127.0.0.1:9", *SMALL), log=None)
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_plain_bench_parsing_unchanged():
     from kvfold.cli import _build_parser
     a = _build_parser().parse_args(["bench", "--config", "medium", "--contexts", "512", "--out", "x.json"])

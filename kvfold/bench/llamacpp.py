@@ -6,7 +6,7 @@ checkout and/or build. From it the bench uses
 * `llama-bench` (found in DIR, DIR/bin, DIR/build/bin, DIR/build/bin/Release) to time the cells, and
 * `convert_hf_to_gguf.py` + `gguf-py` (in DIR, its parent, or the source directory a CMake build
   directory's CMakeCache.txt names) to turn the checkpoint into a GGUF, run in a subprocess with this
-  Python (it needs torch, numpy, transformers, pyyaml and tqdm, which a kvfold dev install has).
+  Python (it needs torch, numpy, transformers, pyyaml and tqdm: `pip install 'kvfold[bench]'`).
 
 The GGUF source directory written for llama.cpp's DeepSeek-V4 converter differs from the bench
 checkpoint in what the converter demands, and nothing else:
@@ -51,6 +51,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from .deps import INSTALL_HINT
 
 ENGINE = "llama.cpp"
 ENV_VAR = "KVFOLD_LLAMA_CPP"
@@ -270,6 +272,23 @@ def gguf_key(checkpoint: Path, source: Path) -> str:
     return h.hexdigest()[:16]
 
 
+# modules llama.cpp's converter imports that kvfold itself does not need: the `bench` extra's
+_CONVERTER_PACKAGES = {"transformers": "transformers", "yaml": "pyyaml", "tqdm": "tqdm"}
+
+
+def _conversion_problem(log_text: str, returncode: int | None) -> str:
+    """A failed conversion in one line: the converter's last error line, or, when it could not import
+    a package of the `bench` extra, which one and how to install it."""
+    missing = re.search(r"No module named '([\w.]+)'", log_text)
+    package = _CONVERTER_PACKAGES.get(missing.group(1).split(".")[0]) if missing else None
+    if package:
+        return f"conversion failed: llama.cpp's converter needs the {package} package: {INSTALL_HINT}"
+    lines = [ln for ln in log_text.strip().splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.search(r"Error|error|Exception", ln)]
+    last = (errs or lines or [f"exit code {returncode}"])[-1].strip()
+    return f"conversion failed: {last}"[:400]
+
+
 @dataclass
 class Gguf:
     path: Path | None
@@ -321,10 +340,7 @@ def ensure_gguf(checkpoint: str | os.PathLike, llama: LlamaCpp, *, time_limit: f
             return Gguf(None, problem=f"conversion failed: converter still running after {time_limit:g} s")
         log_text = (proc.stdout or "") + (proc.stderr or "")
         if proc.returncode != 0 or not out.is_file():
-            lines = [ln for ln in log_text.strip().splitlines() if ln.strip()]
-            errs = [ln for ln in lines if re.search(r"Error|error|Exception", ln)]
-            last = (errs or lines or [f"exit code {proc.returncode}"])[-1].strip()
-            return Gguf(None, problem=f"conversion failed: {last}"[:400], detail=log_text[-4000:])
+            return Gguf(None, problem=_conversion_problem(log_text, proc.returncode), detail=log_text[-4000:])
         os.replace(out, target)
         (cache / f"model-{key}.json").write_text(json.dumps({
             "key": key, "recipe": RECIPE_VERSION, "converter": str(llama.converter),
@@ -460,6 +476,48 @@ def _failure(run: dict[str, Any], what: str) -> str:
     return f"error: llama-bench {what}: {tail}"[:300]
 
 
+_LLAMA_BENCH_KEYS = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size",
+                     "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "flash_attn")
+
+
+def _bench_test(llama: LlamaCpp, gguf: Path, rec: dict[str, Any], *, prompt: int, gen: int, depth: int,
+                threads: int, extra: list[str] | None, time_limit: float, mem_limit_bytes: int,
+                env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any] | None, float | None]:
+    """One llama-bench process for one test (its command logged in rec["commands"]): (the run, the
+    test record matching prompt/gen/depth or None, that test's seconds or None)."""
+    cmd = llama_bench_command(llama, gguf, prompt=prompt, gen=gen, depth=depth, threads=threads, extra=extra)
+    rec["commands"].append(shlex.join(cmd))
+    run = _run_limited(cmd, time_limit, mem_limit_bytes, env)
+    tests = parse_llama_bench(run["stdout"])
+    if gen:
+        test = next((t for t in tests if t.get("n_gen") == gen and t.get("n_depth") == depth), None)
+    else:
+        test = next((t for t in tests if t.get("n_prompt") == prompt and not t.get("n_gen")), None)
+    return run, test, (_test_seconds(test) if test else None)
+
+
+def _run_status(run: dict[str, Any], secs: float | None, what: str, short: str) -> str | None:
+    """Why a llama-bench run gave no timing (`what` = prefill / decode, `short` = pp / tg), or None."""
+    if run["returncode"] == 0 and secs is not None:
+        return None
+    if run["returncode"] != 0 or run["timed_out"]:
+        return _failure(run, what)
+    return f"error: llama-bench {what}: no {short} test in its output"
+
+
+def _finish_record(rec: dict[str, Any], status: str, detail: str, t0: float, psi0: int | None,
+                   pressure: Callable[[], int | None] | None) -> dict[str, Any]:
+    """Close a llama.cpp cell record: its status, wall time, CPU pressure and (failed) error detail."""
+    rec["status"] = status
+    rec["wall_s"] = time.perf_counter() - t0
+    psi1 = pressure() if pressure else None
+    rec["cpu_pressure_some"] = ((psi1 - psi0) / 1e6 / rec["wall_s"]) if (
+        psi0 is not None and psi1 is not None and rec["wall_s"] > 0) else None
+    if status != "ok":
+        rec["error_detail"] = detail[-2000:]
+    return rec
+
+
 def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, threads: int,
              time_limit: float, mem_limit_bytes: int = 0, env: dict[str, str] | None = None,
              pressure: Callable[[], int | None] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
@@ -472,56 +530,35 @@ def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, t
     rec: dict[str, Any] = {"engine": ENGINE, "context": context, "loadavg_1m_at_start": load0,
                            "mem_limit_bytes": int(mem_limit_bytes), "commands": []}
     t0 = time.perf_counter()
+    common = dict(threads=threads, extra=extra, mem_limit_bytes=mem_limit_bytes, env=env)
 
-    def finish(status: str, detail: str = "") -> dict[str, Any]:
-        rec["status"] = status
-        rec["wall_s"] = time.perf_counter() - t0
-        psi1 = pressure() if pressure else None
-        rec["cpu_pressure_some"] = ((psi1 - psi0) / 1e6 / rec["wall_s"]) if (
-            psi0 is not None and psi1 is not None and rec["wall_s"] > 0) else None
-        if status != "ok":
-            rec["error_detail"] = detail[-2000:]
-        return rec
-
-    cmd = llama_bench_command(llama, gguf, prompt=context, gen=0, depth=0, threads=threads, extra=extra)
-    rec["commands"].append(shlex.join(cmd))
-    run = _run_limited(cmd, time_limit, mem_limit_bytes, env)
-    tests = parse_llama_bench(run["stdout"])
-    pp = next((t for t in tests if t.get("n_prompt") == context and not t.get("n_gen")), None)
-    secs = _test_seconds(pp) if pp else None
-    if run["returncode"] != 0 or secs is None:
-        status = _failure(run, "prefill") if run["returncode"] != 0 or run["timed_out"] else \
-            "error: llama-bench prefill: no pp test in its output"
+    run, pp, secs = _bench_test(llama, gguf, rec, prompt=context, gen=0, depth=0, time_limit=time_limit, **common)
+    status = _run_status(run, secs, "prefill", "pp")
+    if status:
         rec["prefill_status"] = rec["decode_status"] = status
-        return finish(status, run["stderr"] or run["stdout"])
+        return _finish_record(rec, status, run["stderr"] or run["stdout"], t0, psi0, pressure)
     rec.update(prefill_status="ok", prefill_s=secs, prefill_tok_s=context / secs, prefill_samples_ns=pp.get("samples_ns"),
                prefill_peak_rss_bytes=run["maxrss"], rss_before_prefill_bytes=None,
                prefill_peak_over_loaded_bytes=None, prefill_wall_s=run["wall_s"],
-               llama_bench={k: pp.get(k) for k in ("build_commit", "build_number", "cpu_info", "backends",
-                                                   "model_type", "model_size", "model_n_params", "n_batch",
-                                                   "n_ubatch", "n_threads", "type_k", "type_v", "flash_attn")})
+               llama_bench={k: pp.get(k) for k in _LLAMA_BENCH_KEYS})
     if decode_tokens <= 0:
         rec["decode_status"] = "not run (--decode-tokens 0)"
-        return finish("ok")
+        return _finish_record(rec, "ok", "", t0, psi0, pressure)
     left = time_limit - (time.perf_counter() - t0)
     if left <= 0:
         rec["decode_status"] = SKIP_TIME
-        return finish("partial: decode " + SKIP_TIME)
-    cmd = llama_bench_command(llama, gguf, prompt=0, gen=decode_tokens, depth=context, threads=threads, extra=extra)
-    rec["commands"].append(shlex.join(cmd))
-    run = _run_limited(cmd, left, mem_limit_bytes, env)
-    tests = parse_llama_bench(run["stdout"])
-    tg = next((t for t in tests if t.get("n_gen") == decode_tokens and t.get("n_depth") == context), None)
-    secs = _test_seconds(tg) if tg else None
-    if run["returncode"] != 0 or secs is None:
-        status = _failure(run, "decode") if run["returncode"] != 0 or run["timed_out"] else \
-            "error: llama-bench decode: no tg test in its output"
+        return _finish_record(rec, "partial: decode " + SKIP_TIME, "", t0, psi0, pressure)
+
+    run, tg, secs = _bench_test(llama, gguf, rec, prompt=0, gen=decode_tokens, depth=context, time_limit=left,
+                                **common)
+    status = _run_status(run, secs, "decode", "tg")
+    if status:
         rec["decode_status"] = status
-        return finish("partial: decode " + status, run["stderr"] or run["stdout"])
+        return _finish_record(rec, "partial: decode " + status, run["stderr"] or run["stdout"], t0, psi0, pressure)
     rec.update(decode_status="ok", decode_tokens=decode_tokens, decode_s=secs, decode_tok_s=decode_tokens / secs,
                decode_samples_ns=tg.get("samples_ns"),
                decode_peak_rss_bytes=run["maxrss"], decode_wall_s=run["wall_s"])
-    return finish("ok")
+    return _finish_record(rec, "ok", "", t0, psi0, pressure)
 
 
 def unavailable_record(context: int, why: str) -> dict[str, Any]:

@@ -4,17 +4,38 @@ Builds the named bench config with its cached random checkpoint (as `kvfold benc
 `--context` tokens, then decodes `--steps` greedy tokens three times:
 
 1. plain, timed with `perf_counter` (the wall time per token a user sees);
-2. with exclusive-time wrappers around the model's pieces (monkeypatched here, for this run
-   only; the library is not changed): attention core (`Attention._attend`), indexer
-   (`Indexer.queries` + `select`), compressors (`Compressor.project` + `fold`, the indexer's own
-   compressor included),
-   attention projections (the rest of `Attention.forward`: q/kv projections, rope, window ring,
-   output projections), MoE (`MoE.forward`), mHC (collapse / expand / head), norms (`Norm`),
-   lm_head / embedding. A piece's time excludes the wrapped pieces it calls, so the categories
-   never overlap; "other" is the wrapped run's wall time minus their sum (Python glue in
-   `Block` / `forward`, argmax, wrapper overhead);
+2. with exclusive-time probes on the model's pieces (the categories below). A piece's time
+   excludes the probed pieces it calls, so the categories never overlap; "other" is the probed
+   run's wall time minus their sum (Python glue in `forward` outside the blocks, argmax, probe
+   overhead);
 3. under `torch.profiler`, counting aten ops per token (all, and those called directly from
-   Python, i.e. not from inside another aten op), overall, by category and by name.
+   Python, i.e. not from inside another aten op), overall, by category and by name (each probe
+   opens a `torch.profiler.record_function("kvfold::<category>")` range in this run).
+
+How the probes attach (`probes(model, timer)`; everything is removed when the run ends, and no
+class of the library is changed):
+
+* nn.Module units, through torch's public hook API on the profiled model's own instances:
+  `Module.register_forward_pre_hook` opens the unit, `Module.register_forward_hook(...,
+  prepend=True, always_call=True)` closes it (also when the forward raises); the handles'
+  `remove()` detaches them. The units (`MODULE_UNITS`, found by the model's attribute names,
+  which mirror the checkpoint's tensor names, not by import paths):
+    attention projections  each layer's `self_attn` (what of its forward is in no other unit:
+                           q/kv projections, rope, window ring, output projections);
+    moe                    each layer's `mlp` (router, routed and shared experts);
+    mhc                    each layer (`Block`: its own time is the mHC collapses / expands, the
+                           block's few lines of glue and the dispatch of its four sub-units; its
+                           norms, attention and MoE are their own units) and `model.hc_head`;
+    norms                  every module of `model.norm`'s class (`Norm`: the layers', the
+                           attention's q/kv norms, the compressors' entry norms);
+    lm_head/embedding      `lm_head` and `model.embed_tokens`.
+  A hooked call takes torch's slower `Module.__call__` path (a few microseconds); the part of
+  that outside the unit's own hooks counts in the unit that called it.
+* steps inside a module's forward, through the scopes the model marks them with
+  (`kvfold.profiling.scope(name)`, a no-op while no profiler listens; `probes` listens with
+  `profiling.listening(timer)`): attention core (each sequence's attention), compressors (the
+  compressors' and the indexer's projections and folds), indexer select (index queries and
+  top-k).
 """
 from __future__ import annotations
 
@@ -22,85 +43,102 @@ import argparse
 import contextlib
 import time
 from collections import Counter, defaultdict
-from typing import Callable
+from typing import Any, Iterator
+
+from .. import profiling
 
 CATEGORIES = ("attention core", "indexer select", "compressors", "attention projections", "moe", "mhc",
               "norms", "lm_head/embedding")
 OTHER = "other"
 
+# nn.Module units, probed with forward hooks: (path, category). "[i]" = every element of a
+# ModuleList; "class of P" = every module of the model whose class is that of the module at P.
+MODULE_UNITS = (("model.layers[i]", "mhc"), ("model.hc_head", "mhc"),
+                ("model.layers[i].self_attn", "attention projections"), ("model.layers[i].mlp", "moe"),
+                ("class of model.norm", "norms"),
+                ("lm_head", "lm_head/embedding"), ("model.embed_tokens", "lm_head/embedding"))
+def _resolve(model, path: str) -> list:
+    """The modules at `path` ("model.layers[i].self_attn": one per layer; absent ones skipped)."""
+    found = [model]
+    for part in path.split("."):
+        each = part.endswith("[i]")
+        name = part[:-3] if each else part
+        nxt = []
+        for m in found:
+            v = getattr(m, name, None)
+            if v is not None:
+                nxt += list(v) if each else [v]
+        found = nxt
+    return found
+
 
 class _Timer:
-    """Exclusive time per category over nested wrapped calls."""
+    """Exclusive time per category over nested units: `enter(category)` ... `exit()`."""
 
     def __init__(self, record_functions: bool = False):
         self.totals: dict[str, float] = defaultdict(float)
         self.calls: Counter = Counter()
-        self.stack: list[list[float]] = []  # per open call: [children's time]
+        self.open: list[list[Any]] = []  # per open unit: [category, record_function | None, children's time, t0]
         self.record_functions = record_functions
 
-    def wrap(self, fn: Callable, category: str) -> Callable:
-        import torch
+    def enter(self, category: str) -> None:
+        rf = None
+        if self.record_functions:
+            import torch
+            rf = torch.profiler.record_function("kvfold::" + category)
+            rf.__enter__()
+        self.open.append([category, rf, 0.0, time.perf_counter()])
 
-        def wrapped(*args, **kwargs):
-            rf = torch.profiler.record_function("kvfold::" + category) if self.record_functions \
-                else contextlib.nullcontext()
-            self.stack.append([0.0])
-            t0 = time.perf_counter()
-            try:
-                with rf:
-                    return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                child = self.stack.pop()[0]
-                self.totals[category] += dt - child
-                self.calls[category] += 1
-                if self.stack:
-                    self.stack[-1][0] += dt
-        return wrapped
+    def exit(self) -> None:
+        t1 = time.perf_counter()
+        category, rf, child, t0 = self.open.pop()
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        dt = t1 - t0
+        self.totals[category] += dt - child
+        self.calls[category] += 1
+        if self.open:
+            self.open[-1][2] += dt
+
+
+def _module_units(model) -> list[tuple[Any, str]]:
+    """(module, category) for the modules MODULE_UNITS names, each once."""
+    units: dict[int, tuple[Any, str]] = {}
+    for path, category in MODULE_UNITS:
+        if path.startswith("class of "):
+            classes = {type(m) for m in _resolve(model, path[len("class of "):])}
+            found = [m for m in model.modules() if type(m) in classes]
+        else:
+            found = _resolve(model, path)
+        for m in found:
+            units.setdefault(id(m), (m, category))
+    return list(units.values())
+
+
+def _hook(module, category: str, timer: _Timer) -> list:
+    """Forward pre-hook + forward hook that bracket `module`'s forward as one `category` unit."""
+    def opened(mod, args) -> None:
+        timer.enter(category)
+
+    def closed(mod, args, output) -> None:
+        timer.exit()
+
+    return [module.register_forward_pre_hook(opened),  # the last pre-hook: nearest the forward
+            module.register_forward_hook(closed, prepend=True, always_call=True)]
 
 
 @contextlib.contextmanager
-def instrumented(model, timer: _Timer):
-    """Wrap the model's pieces (classes for the per-layer modules, the instances for lm_head and the
-    embedding); restores everything on exit."""
-    from ..models.deepseek_v4.attention import Attention
-    from ..layers.basic import Norm
-    from ..models.deepseek_v4.compressor import Compressor
-    from ..models.deepseek_v4.indexer import Indexer
-    from ..layers.mhc import HyperConnection, HyperHead
-    from ..layers.moe import MoE
-
-    patches = []  # (owner, name, original value in owner.__dict__ or None)
-
-    def patch(owner, name: str, category: str, static: bool = False) -> None:
-        had = name in vars(owner)
-        orig = vars(owner)[name] if had else None
-        fn = getattr(owner, name)
-        new = timer.wrap(fn, category)
-        setattr(owner, name, staticmethod(new) if static else new)
-        patches.append((owner, name, had, orig))
-
-    patch(Attention, "_attend", "attention core")
-    patch(Attention, "forward", "attention projections")
-    patch(Indexer, "queries", "indexer select")
-    patch(Indexer, "select", "indexer select")
-    patch(Compressor, "project", "compressors")
-    patch(Compressor, "fold", "compressors")
-    patch(MoE, "forward", "moe")
-    patch(HyperConnection, "collapse", "mhc")
-    patch(HyperConnection, "expand", "mhc", static=True)
-    patch(HyperHead, "forward", "mhc")
-    patch(Norm, "forward", "norms")
-    patch(model.lm_head, "forward", "lm_head/embedding")
-    patch(model.model.embed_tokens, "forward", "lm_head/embedding")
+def probes(model, timer: _Timer) -> Iterator[_Timer]:
+    """Attach the probes of the module doc to `model` for the duration of the block."""
+    handles: list = []
     try:
-        yield timer
+        for module, category in _module_units(model):
+            handles += _hook(module, category, timer)
+        with profiling.listening(timer):
+            yield timer
     finally:
-        for owner, name, had, orig in reversed(patches):
-            if had:
-                setattr(owner, name, orig)
-            else:
-                delattr(owner, name)
+        for h in handles:
+            h.remove()
 
 
 def _decode(model, state, tok: int, steps: int) -> tuple[int, float]:
@@ -125,7 +163,7 @@ def profile_decode(model, context: int, steps: int = 32, warmup: int = 4, seed: 
 
     tok, wall = _decode(model, state, tok, steps)
     timer = _Timer()
-    with instrumented(model, timer):
+    with probes(model, timer):
         tok, wall_i = _decode(model, state, tok, steps)
     cats = {c: timer.totals.get(c, 0.0) / steps * 1e3 for c in CATEGORIES}
     cats[OTHER] = max(0.0, wall_i / steps * 1e3 - sum(cats.values()))
@@ -142,7 +180,7 @@ def _count_aten(model, state, tok: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     timer = _Timer(record_functions=True)
-    with instrumented(model, timer), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with probes(model, timer), profile(activities=[ProfilerActivity.CPU]) as prof:
         _decode(model, state, tok, steps)
     label = {"kvfold::" + c: c for c in CATEGORIES}
     total = top = 0

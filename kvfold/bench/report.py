@@ -202,44 +202,47 @@ def _llama_line(result: dict[str, Any], lc: dict[str, Any]) -> str:
     return line
 
 
-def format_report(result: dict[str, Any]) -> str:
+def _header_lines(result: dict[str, Any]) -> list[str]:
+    """Settings, command, machine and checkpoint."""
     s = result["settings"]
     m = result["machine"]
-    lines = [f"kvfold bench: config {s['config']} ({result['model']['parameters']:,} parameters, "
-             f"{result['model']['weight_bytes'] / _MIB:.1f} MiB fp32), decode {s['decode_tokens']} tokens, "
-             f"{s['threads']} threads, time limit {s['time_limit_s']:g} s/cell, "
-             f"memory cap {s['mem_limit_gib']:g} GiB/cell, "
-             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits"
-             + (f", kvfold in {s['kvfold_dtype']}" if s.get("kvfold_dtype", "float32") != "float32" else ""),
-             f"command: {result['command']}",
-             f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
-             f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
-             f"load avg at start {m['loadavg_start']}"
-             + (f", kvfold native CPU kernels {'on' if m['kvfold_native'] else 'off'}" if "kvfold_native" in m else ""),
-             f"checkpoint: {result['checkpoint']}"]
-    san = result.get("sanity")
-    if san:
-        if san.get("status") == "ok":
-            lines.append(
-                f"sanity (transformers float32 vs kvfold {san.get('dtype', 'float32')}, {san['tokens']} tokens + "
-                f"{san['decode_steps']} decode steps): "
-                f"max |logit diff| prefill {san['max_abs_diff_prefill']:.2e}, decode {san['max_abs_diff_decode']:.2e} "
-                f"of logits up to {san['logits_scale']:.2f}, greedy argmax agree {san['same_argmax']}/"
-                f"{san['compared_argmax']} "
-                + (f"(tolerance {san['tolerance']:g}: {'PASS' if san['passed'] else 'FAIL'}); "
-                   if san["tolerance"] is not None else "(drift of a lower precision, not judged); ")
-                + f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
-        else:
-            lines.append(f"sanity: {san.get('status')}")
-    lc = result.get("llama_cpp")
-    if lc is not None:
-        lines.append(_llama_line(result, lc))
-    lines += ["", format_table(result), ""]
-    lines.append("peak RSS = max resident set of the cell process during the prefill (model loaded, state/cache "
-                 "and logits included); (+N) = growth over the loaded model."
-                 + (" ratio = kvfold / transformers." if "transformers" in s["engines"] else "")
-                 + (" kv/llama = kvfold / llama.cpp; llama.cpp's peak RSS is its prefill process's ru_maxrss "
-                    "(load, warm-up and prefill; mmap'd weights it touched count)." if LLAMA in s["engines"] else ""))
+    return [f"kvfold bench: config {s['config']} ({result['model']['parameters']:,} parameters, "
+            f"{result['model']['weight_bytes'] / _MIB:.1f} MiB fp32), decode {s['decode_tokens']} tokens, "
+            f"{s['threads']} threads, time limit {s['time_limit_s']:g} s/cell, "
+            f"memory cap {s['mem_limit_gib']:g} GiB/cell, "
+            f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits"
+            + (f", kvfold in {s['kvfold_dtype']}" if s.get("kvfold_dtype", "float32") != "float32" else ""),
+            f"command: {result['command']}",
+            f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
+            f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
+            f"load avg at start {m['loadavg_start']}"
+            + (f", kvfold native CPU kernels {'on' if m['kvfold_native'] else 'off'}" if "kvfold_native" in m else ""),
+            f"checkpoint: {result['checkpoint']}"]
+
+
+def _sanity_line(san: dict[str, Any]) -> str:
+    if san.get("status") != "ok":
+        return f"sanity: {san.get('status')}"
+    return (f"sanity (transformers float32 vs kvfold {san.get('dtype', 'float32')}, {san['tokens']} tokens + "
+            f"{san['decode_steps']} decode steps): "
+            f"max |logit diff| prefill {san['max_abs_diff_prefill']:.2e}, decode {san['max_abs_diff_decode']:.2e} "
+            f"of logits up to {san['logits_scale']:.2f}, greedy argmax agree {san['same_argmax']}/"
+            f"{san['compared_argmax']} "
+            + (f"(tolerance {san['tolerance']:g}: {'PASS' if san['passed'] else 'FAIL'}); "
+               if san["tolerance"] is not None else "(drift of a lower precision, not judged); ")
+            + f"missing/unexpected/mismatched tensors: {san['missing']}/{san['unexpected']}/{san['mismatched']}")
+
+
+def _legend_line(engines: list[str]) -> str:
+    return ("peak RSS = max resident set of the cell process during the prefill (model loaded, state/cache "
+            "and logits included); (+N) = growth over the loaded model."
+            + (" ratio = kvfold / transformers." if "transformers" in engines else "")
+            + (" kv/llama = kvfold / llama.cpp; llama.cpp's peak RSS is its prefill process's ru_maxrss "
+               "(load, warm-up and prefill; mmap'd weights it touched count)." if LLAMA in engines else ""))
+
+
+def _flatness_lines(result: dict[str, Any]) -> list[str]:
+    lines = []
     for e, fl in result["flatness"].items():
         if fl:
             best = fl.get("flatness_best_step")
@@ -248,27 +251,49 @@ def format_report(result: dict[str, Any]) -> str:
                          f"from the fastest step: {_f(best, '{:.2f}')}")
         else:
             lines.append(f"decode flatness {e}: - (fewer than two contexts decoded)")
+    return lines
+
+
+def _bandwidth_lines(result: dict[str, Any]) -> list[str]:
+    """The copy bandwidth, and each decode's achieved bytes/s as a share of it."""
     bw = result.get("bandwidth")
-    if bw:
-        if bw.get("bytes_per_s"):
-            lines.append(f"copy bandwidth: {bw['bytes_per_s'] / 1e9:.2f} GB/s read+write (dst.copy_(src), "
-                         f"{bw['tensor_mib']} MiB fp32, best of {bw['repeats']}, {bw['threads']} threads)")
-            for c in result["cells"]:
-                if c.get("decode_achieved_bytes_per_s"):
-                    per = result["decode_bytes_per_token"][str(c["context"])]
-                    lines.append(
-                        f"  decode {c['engine']} @ {c['context']}: {per['total'] / 1e6:.1f} MB/token "
-                        f"(weights {per['weights_total'] / 1e6:.1f} MB incl. "
-                        f"{per['routed_experts_active'] / 1e6:.1f} MB "
-                        f"active experts, state {per['state'] / 1e6:.2f} MB) x {c['decode_tok_s']:.1f} tok/s = "
-                        f"{c['decode_achieved_bytes_per_s'] / 1e9:.2f} GB/s = "
-                        f"{100 * c['decode_fraction_of_copy_bandwidth']:.1f}% of copy bandwidth")
-        else:
-            lines.append(f"copy bandwidth: {bw.get('status')}")
+    if not bw:
+        return []
+    if not bw.get("bytes_per_s"):
+        return [f"copy bandwidth: {bw.get('status')}"]
+    lines = [f"copy bandwidth: {bw['bytes_per_s'] / 1e9:.2f} GB/s read+write (dst.copy_(src), "
+             f"{bw['tensor_mib']} MiB fp32, best of {bw['repeats']}, {bw['threads']} threads)"]
+    for c in result["cells"]:
+        if c.get("decode_achieved_bytes_per_s"):
+            per = result["decode_bytes_per_token"][str(c["context"])]
+            lines.append(
+                f"  decode {c['engine']} @ {c['context']}: {per['total'] / 1e6:.1f} MB/token "
+                f"(weights {per['weights_total'] / 1e6:.1f} MB incl. "
+                f"{per['routed_experts_active'] / 1e6:.1f} MB "
+                f"active experts, state {per['state'] / 1e6:.2f} MB) x {c['decode_tok_s']:.1f} tok/s = "
+                f"{c['decode_achieved_bytes_per_s'] / 1e9:.2f} GB/s = "
+                f"{100 * c['decode_fraction_of_copy_bandwidth']:.1f}% of copy bandwidth")
+    return lines
+
+
+def _note_lines(result: dict[str, Any]) -> list[str]:
+    return [f"note: {c['engine']} @ {c['context']}: {c['status']}"
+            + (f" (after {c['wall_s']:.0f} s)" if c.get("wall_s") else "")
+            for c in result["cells"] if c["status"] != "ok"]
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = _header_lines(result)
+    if result.get("sanity"):
+        lines.append(_sanity_line(result["sanity"]))
+    lc = result.get("llama_cpp")
+    if lc is not None:
+        lines.append(_llama_line(result, lc))
+    lines += ["", format_table(result), ""]
+    lines.append(_legend_line(result["settings"]["engines"]))
+    lines += _flatness_lines(result)
+    lines += _bandwidth_lines(result)
     lines += ["", "per cell (cpu pressure = share of the cell's wall time in which some task waited for a CPU, "
                   "from /proc/pressure/cpu; high = other work competed):", format_noise_table(result)]
-    notes = [c for c in result["cells"] if c["status"] != "ok"]
-    for c in notes:
-        lines.append(f"note: {c['engine']} @ {c['context']}: {c['status']}"
-                     + (f" (after {c['wall_s']:.0f} s)" if c.get("wall_s") else ""))
+    lines += _note_lines(result)
     return "\n".join(lines)

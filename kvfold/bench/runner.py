@@ -20,14 +20,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from . import configs as C
 from . import llamacpp as LL
+from .deps import require
 from .protocol import MARK
 from .report import OOM, SKIP_TIME, _GIB, format_report, summarize
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
+from ..errors import KvfoldError
 
 
 # ---- argument parsing ------------------------------------------------------------------------------
@@ -164,36 +167,33 @@ def _child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_subprocess_cell(mode: str, *, checkpoint: str | None = None, context: int = 0, decode_tokens: int = 0,
-                        threads: int = 2, seed: int = 0, warmup: int = 0, time_limit: float = 300.0,
-                        mem_limit_bytes: int = 0, prefill_logits: str = "all",
-                        extra: list[str] | None = None) -> dict[str, Any]:
-    """Run one cell in a fresh process. Returns {"status": "ok" | SKIP_TIME | OOM | "error: ...",
-    "phases": {phase: data}, "wall_s", ...}; never raises for a failing cell."""
+def _cell_command(mode: str, *, checkpoint: str | None, context: int, decode_tokens: int, threads: int, seed: int,
+                  warmup: int, mem_limit_bytes: int, prefill_logits: str, extra: list[str] | None) -> list[str]:
     cmd = [sys.executable, "-m", "kvfold.bench.cell", "--mode", mode, "--threads", str(threads),
            "--seed", str(seed), "--warmup", str(warmup), "--context", str(context),
            "--decode-tokens", str(decode_tokens), "--mem-limit-bytes", str(int(mem_limit_bytes)),
            "--prefill-logits", prefill_logits]
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
-    cmd += list(extra or [])
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    psi0 = _cpu_pressure_us()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_child_env(threads), start_new_session=True)
-    timed_out = False
+    return cmd + list(extra or [])
+
+
+def _communicate(proc: subprocess.Popen, time_limit: float) -> tuple[str, str, bool]:
+    """(stdout, stderr, timed_out) of `proc`; past `time_limit` its process group is killed."""
     try:
         out, err = proc.communicate(timeout=time_limit)
+        return out, err, False
     except subprocess.TimeoutExpired:
-        timed_out = True
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # the cell's own process group (start_new_session)
         except ProcessLookupError:
             pass
         out, err = proc.communicate()
-    wall = time.perf_counter() - t0
-    psi1 = _cpu_pressure_us()
+        return out, err, True
+
+
+def _parse_phases(out: str | None) -> dict[str, Any]:
+    """The cell's reports (protocol.MARK lines), by phase."""
     phases: dict[str, Any] = {}
     for line in (out or "").splitlines():
         if line.startswith(MARK):
@@ -202,26 +202,52 @@ def run_subprocess_cell(mode: str, *, checkpoint: str | None = None, context: in
             except json.JSONDecodeError:
                 continue
             phases[d.pop("phase", "?")] = d
-    res: dict[str, Any] = {"wall_s": wall, "returncode": proc.returncode, "phases": phases,
+    return phases
+
+
+def _cell_status(res: dict[str, Any], timed_out: bool, returncode: int | None, err: str | None) -> None:
+    """Set res["status"] (and res["signal"] for a killed cell) from how the cell process ended."""
+    phases = res["phases"]
+    if timed_out:
+        res["status"] = SKIP_TIME
+    elif "done" in phases and returncode == 0:
+        res["status"] = "ok"
+    elif "error" in phases:
+        e = phases["error"]
+        res["status"] = OOM if e.get("oom") else "error: " + e.get("error", "?").splitlines()[0][:300]
+    elif returncode is not None and returncode < 0 and -returncode in (signal.SIGKILL, signal.SIGABRT):
+        # killed by the kernel's OOM killer, or a C++ bad_alloc abort under the address-space cap
+        res["status"] = OOM
+        res["signal"] = -returncode
+    else:
+        tail = (err or "").strip().splitlines()[-1:] or [f"exit code {returncode}"]
+        res["status"] = "error: " + tail[0][:300]
+
+
+def run_subprocess_cell(mode: str, *, checkpoint: str | None = None, context: int = 0, decode_tokens: int = 0,
+                        threads: int = 2, seed: int = 0, warmup: int = 0, time_limit: float = 300.0,
+                        mem_limit_bytes: int = 0, prefill_logits: str = "all",
+                        extra: list[str] | None = None) -> dict[str, Any]:
+    """Run one cell in a fresh process. Returns {"status": "ok" | SKIP_TIME | OOM | "error: ...",
+    "phases": {phase: data}, "wall_s", ...}; never raises for a failing cell."""
+    cmd = _cell_command(mode, checkpoint=checkpoint, context=context, decode_tokens=decode_tokens, threads=threads,
+                        seed=seed, warmup=warmup, mem_limit_bytes=mem_limit_bytes, prefill_logits=prefill_logits,
+                        extra=extra)
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    psi0 = _cpu_pressure_us()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_child_env(threads), start_new_session=True)
+    out, err, timed_out = _communicate(proc, time_limit)
+    wall = time.perf_counter() - t0
+    psi1 = _cpu_pressure_us()
+    res: dict[str, Any] = {"wall_s": wall, "returncode": proc.returncode, "phases": _parse_phases(out),
                            "loadavg_1m_at_start": load0, "mem_limit_bytes": int(mem_limit_bytes),
                            # share of the cell's wall time in which some task waited for a CPU: a
                            # high value means other work competed for the cores during the cell
                            "cpu_pressure_some": ((psi1 - psi0) / 1e6 / wall) if psi0 is not None and psi1 is not None
                            and wall > 0 else None}
-    if timed_out:
-        res["status"] = SKIP_TIME
-    elif "done" in phases and proc.returncode == 0:
-        res["status"] = "ok"
-    elif "error" in phases:
-        e = phases["error"]
-        res["status"] = OOM if e.get("oom") else "error: " + e.get("error", "?").splitlines()[0][:300]
-    elif proc.returncode is not None and proc.returncode < 0 and -proc.returncode in (signal.SIGKILL, signal.SIGABRT):
-        # killed by the kernel's OOM killer, or a C++ bad_alloc abort under the address-space cap
-        res["status"] = OOM
-        res["signal"] = -proc.returncode
-    else:
-        tail = (err or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        res["status"] = "error: " + tail[0][:300]
+    _cell_status(res, timed_out, proc.returncode, err)
     if res["status"] != "ok":
         res["stderr_tail"] = (err or "")[-3000:]
     return res
@@ -330,21 +356,52 @@ def _log(msg: str) -> None:
 def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log) -> int:
     """Run the benchmark described by parsed `args`; print the report; write the JSON. Returns 0,
     or 1 when a kvfold cell failed or the logits check did not pass. `bench serve` goes to
-    `kvfold.bench.serve.run_bench_serve`."""
+    `kvfold.bench.serve.run_bench_serve`. Raises MissingPackageError (a KvfoldError) before any
+    work when `--vs transformers` is asked for without the transformers package."""
     log = log or (lambda m: None)
     if getattr(args, "mode", None) == "serve":
         from .serve import run_bench_serve
         return run_bench_serve(args, log=log)
-    vs = args.vs or []
-    vs = _vs(vs) if isinstance(vs, str) else list(vs)
-    engines = ["kvfold"] + vs
-    contexts = list(args.contexts)
+    engines = _engines(args)
+    if "transformers" in engines:
+        require("transformers", "kvfold bench --vs transformers")
     started = _dt.datetime.now(_dt.timezone.utc)
     ckpt = C.ensure_checkpoint(args.config, args.cache_dir, args.seed, log=log)
+    result = _new_result(args, ckpt, engines, started)
+    mem_limit = _CellMemLimit(int(args.mem_limit_gib * _GIB))
+    if "transformers" in engines and not args.no_sanity:
+        result["sanity"] = _run_sanity(args, ckpt, mem_limit, log)
+    llama = _prepare_llama(args, ckpt, log) if LL.ENGINE in engines else None
+    if llama is not None:
+        result["llama_cpp"] = llama.info
+    if args.bandwidth == "on" or (args.bandwidth == "auto" and args.config == "medium"):
+        result["bandwidth"] = _run_bandwidth(args, mem_limit, log)
+    result["cells"] = _run_cells(args, ckpt, engines, llama, mem_limit, log)
+    return _finish(args, result)
+
+
+def _engines(args: argparse.Namespace) -> list[str]:
+    vs = args.vs or []
+    return ["kvfold"] + (_vs(vs) if isinstance(vs, str) else list(vs))
+
+
+def _prefill_calls(prefill_logits: str) -> dict[str, str]:
+    """What each engine's timed prefill call is, for the JSON's settings."""
+    last = prefill_logits == "last"
+    return {"kvfold": "model.forward(ids, state" + (", last_only=True)" if last else ")  # all T rows of logits"),
+            "transformers": "model(input_ids, past_key_values=DynamicCache, use_cache=True"
+                            + (", logits_to_keep=1)" if last else ")"),
+            "llama.cpp": "llama-bench -p CONTEXT -n 0 -r 1 -t THREADS  # logits of the last token "
+                         "only, whatever --prefill-logits"}
+
+
+def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
+                started: _dt.datetime) -> dict[str, Any]:
+    """The JSON result before any cell ran: command, machine, settings, model and its bytes/token."""
+    contexts = list(args.contexts)
     cfg = C.build_config(args.config)
     tensors = C.checkpoint_tensor_sizes(ckpt)
-    mem_limit = int(args.mem_limit_gib * _GIB)
-    result: dict[str, Any] = {
+    return {
         "command": getattr(args, "command_line", None) or _command_line(),
         "started_utc": started.isoformat(timespec="seconds"),
         "machine": _machine_info(),
@@ -353,13 +410,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                      "mem_limit_gib": args.mem_limit_gib, "threads": args.threads, "seed": args.seed,
                      "warmup_tokens": args.warmup,
                      "prefill_logits": args.prefill_logits, "kvfold_dtype": args.dtype,
-                     "prefill_call": {
-                         "kvfold": "model.forward(ids, state" + (", last_only=True)" if args.prefill_logits == "last"
-                                                                 else ")  # all T rows of logits"),
-                         "transformers": "model(input_ids, past_key_values=DynamicCache, use_cache=True"
-                                         + (", logits_to_keep=1)" if args.prefill_logits == "last" else ")"),
-                         "llama.cpp": "llama-bench -p CONTEXT -n 0 -r 1 -t THREADS  # logits of the last token "
-                                      "only, whatever --prefill-logits"}},
+                     "prefill_call": _prefill_calls(args.prefill_logits)},
         "checkpoint": str(ckpt),
         "model": {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_hf_dict().items()},
                   "parameters": sum(_numel(s) for s, _ in tensors.values()),
@@ -368,105 +419,146 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         "cells": [],
     }
 
-    def cell_mem_limit() -> int:
+
+class _CellMemLimit:
+    """The address-space cap of a cell about to start: --mem-limit-gib, lowered to 90% of the
+    memory available at that moment."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+
+    def __call__(self) -> int:
         avail = _mem_available()
-        return min(mem_limit, int(0.9 * avail)) if avail else mem_limit
+        return min(self.cap, int(0.9 * avail)) if avail else self.cap
 
-    if "transformers" in engines and not args.no_sanity:
-        n = C.SANITY_TOKENS.get(args.config, 256)
-        log(f"sanity check: transformers vs kvfold logits on {n} tokens + 4 decode steps")
-        raw = run_subprocess_cell("sanity", checkpoint=str(ckpt), context=n, decode_tokens=4, threads=args.threads,
-                                  seed=args.seed, time_limit=max(args.time_limit, 120.0),
-                                  mem_limit_bytes=cell_mem_limit(), extra=["--dtype", args.dtype])
-        # kvfold in bf16 (~3 significant digits per op) cannot match fp32: the check becomes a
-        # measurement of its drift, reported but not judged (tolerance None)
-        san: dict[str, Any] = {"status": raw["status"], "dtype": args.dtype,
-                               "tolerance": 1e-3 if args.dtype == "float32" else None}
-        d = raw["phases"].get("done")
-        if raw["status"] == "ok" and d:
-            li = d["loading_info"]
-            san.update(tokens=d["tokens"], decode_steps=d["decode_steps"],
-                       max_abs_diff_prefill=d["max_abs_diff_prefill"], max_abs_diff_decode=d["max_abs_diff_decode"],
-                       logits_scale=d["logits_scale"], same_argmax=d["same_argmax"],
-                       compared_argmax=d["compared_argmax"],
-                       missing=len(li.get("missing_keys", [])), unexpected=len(li.get("unexpected_keys", [])),
-                       mismatched=len(li.get("mismatched_keys", [])), loading_info=li)
-            worst = max(d["max_abs_diff_prefill"], d["max_abs_diff_decode"] or 0.0)
-            san["max_abs_diff"] = worst
-            close = san["tolerance"] is None or worst <= san["tolerance"]
-            san["passed"] = close and not (san["missing"] or san["unexpected"] or san["mismatched"])
-        else:
-            san["passed"] = False
-            san["detail"] = raw.get("stderr_tail", "")[-2000:]
-        result["sanity"] = san
-        log(f"sanity: {san['status']}" + (f", max diff {san['max_abs_diff']:.2e}" if "max_abs_diff" in san else ""))
 
-    llama_why: str | None = None  # why no llama.cpp cell can run
-    llama = gguf = None
-    if LL.ENGINE in engines:
-        llama = LL.locate(getattr(args, "llama_cpp", None))
-        info: dict[str, Any] = llama.describe()
-        info["llama_bench_args"] = shlex.split(getattr(args, "llama_bench_args", "") or "")
-        if llama.problem:
-            llama_why = llama.problem
-        else:
-            gguf = LL.ensure_gguf(ckpt, llama, time_limit=max(args.time_limit, 900.0), log=log)
-            info.update(gguf=str(gguf.path) if gguf.path else None, gguf_cached=gguf.cached,
-                        convert_s=gguf.convert_s, pre_tokenizer=LL.PRE_TOKENIZER)
-            if gguf.problem:
-                llama_why = gguf.problem
-                info["conversion_detail"] = gguf.detail
-        info["problem"] = llama_why
-        result["llama_cpp"] = info
-        if llama_why:
-            log(f"llama.cpp: {llama_why}")
+def _run_sanity(args: argparse.Namespace, ckpt: Path, mem_limit: Callable[[], int],
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """The transformers-vs-kvfold logits check (one cell running both engines)."""
+    n = C.SANITY_TOKENS.get(args.config, 256)
+    log(f"sanity check: transformers vs kvfold logits on {n} tokens + 4 decode steps")
+    raw = run_subprocess_cell("sanity", checkpoint=str(ckpt), context=n, decode_tokens=4, threads=args.threads,
+                              seed=args.seed, time_limit=max(args.time_limit, 120.0),
+                              mem_limit_bytes=mem_limit(), extra=["--dtype", args.dtype])
+    san = _sanity_record(raw, args.dtype)
+    log(f"sanity: {san['status']}" + (f", max diff {san['max_abs_diff']:.2e}" if "max_abs_diff" in san else ""))
+    return san
 
-    want_bw = args.bandwidth == "on" or (args.bandwidth == "auto" and args.config == "medium")
-    if want_bw:
-        log("measuring copy bandwidth (512 MiB fp32)")
-        raw = run_subprocess_cell("bandwidth", threads=args.threads, time_limit=120.0,
-                                  mem_limit_bytes=cell_mem_limit(),
-                                  extra=getattr(args, "bandwidth_extra", None))
-        result["bandwidth"] = dict(raw["phases"].get("done") or {}, status=raw["status"])
 
+def _sanity_record(raw: dict[str, Any], dtype: str) -> dict[str, Any]:
+    # kvfold in bf16 (~3 significant digits per op) cannot match fp32: the check becomes a
+    # measurement of its drift, reported but not judged (tolerance None)
+    san: dict[str, Any] = {"status": raw["status"], "dtype": dtype,
+                           "tolerance": 1e-3 if dtype == "float32" else None}
+    d = raw["phases"].get("done")
+    if raw["status"] != "ok" or not d:
+        san["passed"] = False
+        san["detail"] = raw.get("stderr_tail", "")[-2000:]
+        return san
+    li = d["loading_info"]
+    san.update(tokens=d["tokens"], decode_steps=d["decode_steps"],
+               max_abs_diff_prefill=d["max_abs_diff_prefill"], max_abs_diff_decode=d["max_abs_diff_decode"],
+               logits_scale=d["logits_scale"], same_argmax=d["same_argmax"],
+               compared_argmax=d["compared_argmax"],
+               missing=len(li.get("missing_keys", [])), unexpected=len(li.get("unexpected_keys", [])),
+               mismatched=len(li.get("mismatched_keys", [])), loading_info=li)
+    worst = max(d["max_abs_diff_prefill"], d["max_abs_diff_decode"] or 0.0)
+    san["max_abs_diff"] = worst
+    close = san["tolerance"] is None or worst <= san["tolerance"]
+    san["passed"] = close and not (san["missing"] or san["unexpected"] or san["mismatched"])
+    return san
+
+
+@dataclass
+class _Llama:
+    """What `--vs llama.cpp` found: the build, its GGUF, the JSON's "llama_cpp" entry, `why` no
+    llama.cpp cell can run (None when they can) and the extra llama-bench arguments."""
+    found: LL.LlamaCpp
+    gguf: LL.Gguf | None
+    info: dict[str, Any]
+    why: str | None
+    extra: list[str]
+
+
+def _prepare_llama(args: argparse.Namespace, ckpt: Path, log: Callable[[str], None]) -> _Llama:
+    """Locate llama.cpp and convert (or reuse) the checkpoint's GGUF; never raises."""
+    llama = LL.locate(getattr(args, "llama_cpp", None))
+    info: dict[str, Any] = llama.describe()
+    extra = shlex.split(getattr(args, "llama_bench_args", "") or "")
+    info["llama_bench_args"] = extra
+    why, gguf = llama.problem, None
+    if not why:
+        gguf = LL.ensure_gguf(ckpt, llama, time_limit=max(args.time_limit, 900.0), log=log)
+        info.update(gguf=str(gguf.path) if gguf.path else None, gguf_cached=gguf.cached,
+                    convert_s=gguf.convert_s, pre_tokenizer=LL.PRE_TOKENIZER)
+        if gguf.problem:
+            why = gguf.problem
+            info["conversion_detail"] = gguf.detail
+    info["problem"] = why
+    if why:
+        log(f"llama.cpp: {why}")
+    return _Llama(llama, gguf, info, why, extra)
+
+
+def _run_bandwidth(args: argparse.Namespace, mem_limit: Callable[[], int],
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    log("measuring copy bandwidth (512 MiB fp32)")
+    raw = run_subprocess_cell("bandwidth", threads=args.threads, time_limit=120.0, mem_limit_bytes=mem_limit(),
+                              extra=getattr(args, "bandwidth_extra", None))
+    return dict(raw["phases"].get("done") or {}, status=raw["status"])
+
+
+def _run_cells(args: argparse.Namespace, ckpt: Path, engines: list[str], llama: _Llama | None,
+               mem_limit: Callable[[], int], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every (context, engine) cell, engines alternating per context. An engine that ran out of
+    time or memory at one context is not run at longer ones (they only get worse)."""
+    cells: list[dict[str, Any]] = []
     failed_at: dict[str, str] = {}
-    for ctx in contexts:
+    for ctx in list(args.contexts):
         for eng in engines:
             if eng in failed_at:
                 rec = {"engine": eng, "context": ctx, "status": failed_at[eng], "prefill_status": failed_at[eng],
                        "decode_status": failed_at[eng], "not_run": True}
-                result["cells"].append(rec)
                 log(f"{eng} @ {ctx}: {failed_at[eng]}")
-                continue
-            if eng == LL.ENGINE:
-                if llama_why:
-                    rec = LL.unavailable_record(ctx, llama_why)
-                    result["cells"].append(rec)
-                    log(f"{eng} @ {ctx}: {rec['status']}")
-                    continue
-                log(f"{eng} @ {ctx}: running llama-bench (limit {args.time_limit:g} s)")
-                rec = LL.run_cell(llama, gguf.path, ctx, decode_tokens=args.decode_tokens, threads=args.threads,
-                                  time_limit=args.time_limit, mem_limit_bytes=cell_mem_limit(),
-                                  env=_child_env(args.threads), pressure=_cpu_pressure_us,
-                                  extra=shlex.split(getattr(args, "llama_bench_args", "") or ""))
-                result["cells"].append(rec)
+            elif eng == LL.ENGINE and llama.why:
+                rec = LL.unavailable_record(ctx, llama.why)
+                log(f"{eng} @ {ctx}: {rec['status']}")
+            else:
+                rec, hit = (_llama_cell(args, llama, ctx, mem_limit, log) if eng == LL.ENGINE
+                            else _engine_cell(args, ckpt, eng, ctx, mem_limit, log))
                 log(_cell_message(rec))
-                hit = next((s for s in (rec.get("prefill_status"), rec.get("decode_status")) if s in (SKIP_TIME, OOM)),
-                           None)
                 if hit:
                     failed_at[eng] = f"{hit} (not run: hit at context {ctx})"
-                continue
-            log(f"{eng} @ {ctx}: running (limit {args.time_limit:g} s)")
-            raw = run_subprocess_cell(eng, checkpoint=str(ckpt), context=ctx, decode_tokens=args.decode_tokens,
-                                      threads=args.threads, seed=args.seed, warmup=args.warmup,
-                                      time_limit=args.time_limit, mem_limit_bytes=cell_mem_limit(),
-                                      prefill_logits=args.prefill_logits,
-                                      extra=["--dtype", args.dtype] if eng == "kvfold" else None)
-            rec = _cell_record(eng, ctx, raw)
-            result["cells"].append(rec)
-            log(_cell_message(rec))
-            if raw["status"] in (SKIP_TIME, OOM):  # longer contexts only get worse
-                failed_at[eng] = f"{raw['status']} (not run: hit at context {ctx})"
+            cells.append(rec)
+    return cells
+
+
+def _llama_cell(args: argparse.Namespace, llama: _Llama, ctx: int, mem_limit: Callable[[], int],
+                log: Callable[[str], None]) -> tuple[dict[str, Any], str | None]:
+    """One llama.cpp cell: (its record, SKIP_TIME / OOM if either of its runs hit a limit, else None)."""
+    log(f"{LL.ENGINE} @ {ctx}: running llama-bench (limit {args.time_limit:g} s)")
+    rec = LL.run_cell(llama.found, llama.gguf.path, ctx, decode_tokens=args.decode_tokens, threads=args.threads,
+                      time_limit=args.time_limit, mem_limit_bytes=mem_limit(), env=_child_env(args.threads),
+                      pressure=_cpu_pressure_us, extra=llama.extra)
+    hit = next((s for s in (rec.get("prefill_status"), rec.get("decode_status")) if s in (SKIP_TIME, OOM)), None)
+    return rec, hit
+
+
+def _engine_cell(args: argparse.Namespace, ckpt: Path, eng: str, ctx: int, mem_limit: Callable[[], int],
+                 log: Callable[[str], None]) -> tuple[dict[str, Any], str | None]:
+    """One kvfold or transformers cell (a `python -m kvfold.bench.cell` process): (its JSON record,
+    SKIP_TIME / OOM if it hit a limit, else None)."""
+    log(f"{eng} @ {ctx}: running (limit {args.time_limit:g} s)")
+    raw = run_subprocess_cell(eng, checkpoint=str(ckpt), context=ctx, decode_tokens=args.decode_tokens,
+                              threads=args.threads, seed=args.seed, warmup=args.warmup,
+                              time_limit=args.time_limit, mem_limit_bytes=mem_limit(),
+                              prefill_logits=args.prefill_logits,
+                              extra=["--dtype", args.dtype] if eng == "kvfold" else None)
+    return _cell_record(eng, ctx, raw), (raw["status"] if raw["status"] in (SKIP_TIME, OOM) else None)
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """Summarize, print the report, write the JSON (atomically); the exit status."""
     result["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if hasattr(os, "getloadavg"):
         result["machine"]["loadavg_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -493,8 +585,13 @@ def _numel(shape) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m kvfold.bench`: as `kvfold bench`, KvfoldError included (message, exit status 2)."""
     args = build_parser().parse_args(argv)
     try:
         return run_bench(args)
+    except KvfoldError as exc:
+        sys.stdout.flush()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130

@@ -4,7 +4,8 @@ It sends `--requests` completions (random token-id prompts of `--prompt-tokens` 
 `--max-tokens` each, a fixed seed) with at most `--concurrency` in flight, through the `openai`
 AsyncOpenAI client, and reports requests/s, output tokens/s and the p50/p90/p99 of the time to
 first token, the inter-token latency (with `--stream`), the time per output token and the
-end-to-end latency, plus the errors. It prints a table and writes the JSON (`--out`).
+end-to-end latency, plus the errors. It prints a table and writes the JSON (`--out`). The client
+is the `bench` extra's (`pip install 'kvfold[bench]'`); without it the command stops at once.
 
 Without `--url` it serves `--model` itself, in this process, on 127.0.0.1 (a free port) and stops
 the server afterwards; client and server then share this process (and its GIL). With `--url` the
@@ -36,6 +37,7 @@ from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from ..errors import KvfoldError
+from .deps import require
 
 MAX_REQUESTS = 10_000
 MAX_CONCURRENCY = 256
@@ -451,8 +453,10 @@ def _log(msg: str) -> None:
 def run_bench_serve(args: argparse.Namespace, log: Callable[[str], None] | None = _log) -> int:
     """Run `kvfold bench serve`; print the table; write the JSON. Returns 0, or 1 when any request
     failed. Raises BenchServeError (a KvfoldError: exit status 2 from the CLI) for a refused URL or
-    limit, or a server that cannot be reached."""
+    limit, or a server that cannot be reached, and MissingPackageError (also a KvfoldError) before
+    anything runs when the openai package (the `bench` extra) is not installed."""
     log = log or (lambda m: None)
+    require("openai", "kvfold bench serve")
     check_limits(args)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("KVFOLD_API_KEY") or None)
     started = _dt.datetime.now(_dt.timezone.utc)
@@ -479,6 +483,12 @@ def run_bench_serve(args: argparse.Namespace, log: Callable[[str], None] | None 
                            f"{args.device}, {args.dtype}; client and server share one process)")
             run = go(check_loopback_url(url), vocab)
 
+    return _write_result(args, run, started=started, machine=machine, server_desc=server_desc, vocab=vocab)
+
+
+def _write_result(args: argparse.Namespace, run: dict[str, Any], *, started: _dt.datetime, machine: str,
+                  server_desc: str, vocab: int) -> int:
+    """Print the table of a finished run and write its JSON (atomically); the exit status."""
     records = run["records"]
     result: dict[str, Any] = {
         "command": getattr(args, "command_line", None) or " ".join(["kvfold"] + sys.argv[1:]),

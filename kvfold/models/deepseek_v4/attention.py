@@ -17,6 +17,7 @@ from torch import nn
 from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, unweighted_rms_norm
 from ...numerics.rows import grouped_row_mm, own_rows, rows_invariant
+from ...profiling import scope
 from .state import LayerState
 from ...state.kv_rows import fp8_roundtrip, plain_rows
 from ...layers.basic import Linear, Norm, QuantizedWeight, _param
@@ -98,61 +99,74 @@ class Attention(nn.Module):
         """x [R, hidden]: the batch's rows (each segment one sequence at its positions)."""
         t = x.shape[0]
         rope, cos, sin = batch.rope[SLIDING if self.kind == SLIDING else "compressed"]
-
-        # token-parallel: every projection of every row at once
-        q_lora = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [R, D], K = V
-        if self.simulate_kv:
-            kv = simulate_kv_fp8(kv, self.head_dim - self.rope_dim)
-        comp = idx_kv = idx_q = None
-        if self.compressor is not None:
-            first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
-            comp = self.compressor.project(x, batch.positions, first)
-            if self.kind == CSA:
-                idx = self.compressor.indexer
-                idx_kv = idx.project(x, batch.positions, first)
-                idx_q = idx.queries(x, q_lora, cos, sin)
-
-        # per sequence: fold its compressors, select, attend to its own state, write its window
+        rows = self._project(x, batch, cos, sin)
         out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
-        invariant = rows_invariant()
         for seg in batch.segments:
-            ls: LayerState = seg.state.layers[self.layer_idx]
-            rows, start = seg.rows, seg.start
-            if invariant and seg.length > 1:  # a chunk's rows in a fresh buffer, as when it runs alone
-                def take(a: torch.Tensor) -> torch.Tensor:
-                    return own_rows(a, rows)
-            elif seg.length == t:  # the only segment: its rows are the whole tensors
-                def take(a: torch.Tensor) -> torch.Tensor:
-                    return a
-            else:
-                def take(a: torch.Tensor) -> torch.Tensor:
-                    return a[rows]
-            selected = None
-            if comp is not None:
-                self.compressor.fold(take(comp[0]), take(comp[1]), start, ls.compressor, rope)
-                if self.kind == CSA:
-                    idx.fold(take(idx_kv[0]), take(idx_kv[1]), start, ls.indexer, rope)
-                    selected = idx.select(take(idx_q[0]), take(idx_q[1]), start, ls.indexer)
-            kv_seg = take(kv)
-            fp8_nope = ls.window.store.fp8_nope
-            if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
-                kv_seg = fp8_roundtrip(kv_seg, fp8_nope)
-            # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
-            prev_start = max(0, start - self.window + 1)
-            local = ls.window.read_then(prev_start, start, kv_seg)
-            o = self._attend(take(q), local, prev_start, start, ls, selected, take(batch.positions))
-            ls.window.write(start, kv_seg)
+            o = self._one_sequence(seg, self._taker(seg, t), rows, rope)
             if out is None:
                 out = o
             else:
-                out[rows] = o
-
+                out[seg.rows] = o
         out = apply_rope(out if out.dtype == x.dtype else out.to(x.dtype), cos, sin, inverse=True)
         grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
         return self.o_b_proj(grouped)
+
+    def _project(self, x: torch.Tensor, batch: RowBatch, cos: torch.Tensor, sin: torch.Tensor) -> dict:
+        """Token-parallel: every projection of every row at once."""
+        t = x.shape[0]
+        q_lora = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
+        rows = {"q": apply_rope(unweighted_rms_norm(q, self.eps), cos, sin),
+                "kv": apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)}  # [R, D], K = V
+        if self.simulate_kv:
+            rows["kv"] = simulate_kv_fp8(rows["kv"], self.head_dim - self.rope_dim)
+        if self.compressor is not None:
+            first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
+            with scope("compressors"):
+                rows["comp"] = self.compressor.project(x, batch.positions, first)
+                if self.kind == CSA:
+                    rows["idx_kv"] = self.compressor.indexer.project(x, batch.positions, first)
+            if self.kind == CSA:
+                with scope("indexer select"):
+                    rows["idx_q"] = self.compressor.indexer.queries(x, q_lora, cos, sin)
+        rows["positions"] = batch.positions
+        return rows
+
+    @staticmethod
+    def _taker(seg, t: int):
+        """How a sequence reads its rows of a batch tensor."""
+        if rows_invariant() and seg.length > 1:  # a chunk's rows in a fresh buffer, as when it runs alone
+            return lambda a: own_rows(a, seg.rows)
+        if seg.length == t:  # the only segment: its rows are the whole tensors
+            return lambda a: a
+        return lambda a: a[seg.rows]
+
+    def _one_sequence(self, seg, take, rows: dict, rope) -> torch.Tensor:
+        """One sequence: fold its compressors, select, attend to its own state, write its window."""
+        ls: LayerState = seg.state.layers[self.layer_idx]
+        start = seg.start
+        selected = None
+        if self.compressor is not None:
+            with scope("compressors"):
+                self.compressor.fold(take(rows["comp"][0]), take(rows["comp"][1]), start, ls.compressor, rope)
+                if self.kind == CSA:
+                    self.compressor.indexer.fold(take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), start,
+                                                 ls.indexer, rope)
+            if self.kind == CSA:
+                with scope("indexer select"):
+                    selected = self.compressor.indexer.select(take(rows["idx_q"][0]), take(rows["idx_q"][1]),
+                                                              start, ls.indexer)
+        kv_seg = take(rows["kv"])
+        fp8_nope = ls.window.store.fp8_nope
+        if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
+            kv_seg = fp8_roundtrip(kv_seg, fp8_nope)
+        # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
+        prev_start = max(0, start - self.window + 1)
+        local = ls.window.read_then(prev_start, start, kv_seg)
+        with scope("attention core"):
+            o = self._attend(take(rows["q"]), local, prev_start, start, ls, selected, take(rows["positions"]))
+        ls.window.write(start, kv_seg)
+        return o
 
     def _attend(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, ls: LayerState,
                 selected: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
