@@ -1,29 +1,50 @@
-"""`kvfold.load_model`: a checkpoint directory or "tiny" -> a ready Dsv4Model with its tokenizer."""
+"""`kvfold.load_model`: a checkpoint directory or "tiny" -> a ready model of its family, with its tokenizer.
+
+The family comes from the directory's `config.json` (`model_type` / `architectures`): the first
+entry of FAMILIES whose test accepts it. DeepSeek-V4 is last and takes the rest, including the
+official release layout, whose config lives in `inference/config.json`.
+"""
 from __future__ import annotations
 
-import sys
+import json
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, load_weights
-from .deepseek_v4.config import load_config
 from ..errors import ConfigError
-from .deepseek_v4.model import Dsv4Model
-from .deepseek_v4.mtp import MtpModule
-from .deepseek_v4.tiny import init_random_, tiny_config
+from .deepseek_v4.checkpoint import WEIGHT_RESIDENCIES
+from .deepseek_v4.loader import load_dsv4, load_tiny
+from .glm5.checkpoint import load_glm5
+from .glm5.config import is_glm5_config
 
-TINY_SEED = 1234
+
+class Family(NamedTuple):
+    name: str
+    accepts: Callable[[dict[str, Any]], bool]  # the parsed config.json
+    load: Callable[..., Any]  # (directory, device=, dtype=, numerics=, weights=) -> model
 
 
-def _tokenizer_for(directory: Path | None, cfg):
-    from ..tokenizer import load_tokenizer
-    eos = cfg.eos_ids[0] if cfg.eos_ids else None
-    return load_tokenizer(str(directory) if directory else None, cfg.bos_token_id, eos, cfg.vocab_size)
+FAMILIES = (Family("glm5_next", is_glm5_config, load_glm5), Family("deepseek_v4", lambda d: True, load_dsv4))
+
+
+def _config_json(directory: Path) -> dict[str, Any]:
+    f = directory / "config.json"
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f} is not valid JSON: {e}") from None
+
+
+def family_of(directory: str | Path) -> Family:
+    d = _config_json(Path(directory))
+    return next(f for f in FAMILIES if f.accepts(d))
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         numerics: str = "hf", weights: str = "dequant") -> Dsv4Model:
+         numerics: str = "hf", weights: str = "dequant"):
     """`weights`: "dequant" decodes FP8 / FP4 checkpoint weights into `dtype` at load; "quantized" keeps
     them in memory as stored (float8_e4m3fn / packed FP4 bytes + e8m0 scales) and decodes each one for
     the matmul that reads it (routed experts: only the experts a batch uses). Logits are bit-identical
@@ -34,27 +55,6 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         raise ConfigError(f"numerics must be 'hf' or 'reference', got {numerics!r}")
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
-    if str(path) != "tiny" and (Path(path) / "config.json").is_file():
-        from .glm5.config import is_glm5_config, read_config_json
-        if is_glm5_config(read_config_json(path)):  # GLM-5.3 (`glm5_next*`): its own model and loader
-            from .glm5.checkpoint import load_glm5
-            return load_glm5(path, device=device, dtype=dtype, numerics=numerics, weights=weights)
     if str(path) == "tiny":
-        model = Dsv4Model(tiny_config(), dtype=dtype, device=device)
-        model.mtp = MtpModule(model.config, model.dtype, model.device)
-        init_random_(model, TINY_SEED)
-        model.tokenizer = _tokenizer_for(None, model.config)
-        model.set_numerics(numerics)
-        return model.eval()
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ConfigError(f"{directory} is not a directory; pass a checkpoint directory or 'tiny'")
-    cfg = load_config(directory)
-    model = Dsv4Model(cfg, dtype=dtype, device=device)
-    load_weights(model, directory, weights=weights)
-    try:
-        model.tokenizer = _tokenizer_for(directory, cfg)
-    except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing
-        print(f"kvfold: note: {e}", file=sys.stderr)
-    model.set_numerics(numerics)
-    return model.eval()
+        return load_tiny(device=device, dtype=dtype, numerics=numerics)
+    return family_of(path).load(path, device=device, dtype=dtype, numerics=numerics, weights=weights)

@@ -1,0 +1,49 @@
+"""Load a DeepSeek-V4 model: a checkpoint directory (transformers or official layout), or the built-in
+random "tiny" model with its byte-level tokenizer."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ...errors import ConfigError
+from .checkpoint import load_weights
+from .config import load_config
+from .model import Dsv4Model
+from .mtp import MtpModule
+from .tiny import init_random_, tiny_config
+
+TINY_SEED = 1234
+
+
+def _tokenizer_for(directory: Path | None, cfg):
+    from ...tokenizer import load_tokenizer
+    eos = cfg.eos_ids[0] if cfg.eos_ids else None
+    return load_tokenizer(str(directory) if directory else None, cfg.bos_token_id, eos, cfg.vocab_size)
+
+
+def load_tiny(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+              numerics: str = "hf") -> Dsv4Model:
+    model = Dsv4Model(tiny_config(), dtype=dtype, device=device)
+    model.mtp = MtpModule(model.config, model.dtype, model.device)
+    init_random_(model, TINY_SEED)
+    model.tokenizer = _tokenizer_for(None, model.config)
+    model.set_numerics(numerics)
+    return model.eval()
+
+
+def load_dsv4(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+              numerics: str = "hf", weights: str = "dequant") -> Dsv4Model:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"{directory} is not a directory; pass a checkpoint directory or 'tiny'")
+    cfg = load_config(directory)
+    model = Dsv4Model(cfg, dtype=dtype, device=device)
+    load_weights(model, directory, weights=weights)
+    try:
+        model.tokenizer = _tokenizer_for(directory, cfg)
+    except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing
+        print(f"kvfold: note: {e}", file=sys.stderr)
+    model.set_numerics(numerics)
+    return model.eval()
