@@ -69,12 +69,12 @@ class Engine:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if max_queue < 0 or prefix_cache_bytes < 0 or (kv_page_bytes is not None and kv_page_bytes < 0):
             raise ValueError("max_queue, prefix_cache_bytes and kv_page_bytes must be >= 0")
-        limit = getattr(model.config, "max_position_embeddings", None)
+        limit = model.config.max_position_embeddings
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
         self.model = model
         model.set_batch_invariant(model.supports_batch_invariance if batch_invariant is None else batch_invariant)
-        self.tokenizer = getattr(model, "tokenizer", None)
+        self.tokenizer = model.tokenizer
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.vocab_size = model.config.vocab_size
