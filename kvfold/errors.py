@@ -6,7 +6,8 @@ class KvfoldError(Exception):
 
 
 class InvalidInputError(KvfoldError, ValueError):
-    """Token ids that are not a non-empty 1-D sequence of ids inside the vocabulary."""
+    """Token ids that are not a non-empty 1-D sequence of ids inside the vocabulary, or text that
+    cannot be encoded (a lone surrogate)."""
 
 
 class ConfigError(KvfoldError):

@@ -12,7 +12,7 @@ import codecs
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, InvalidInputError
 
 BYTE_BOS_ID = 256
 BYTE_EOS_ID = 257
@@ -41,6 +41,15 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def stream_decoder(self) -> StreamDecoder: ...
+
+
+def utf8(text: str) -> bytes:
+    """text as UTF-8, or InvalidInputError where it holds a lone surrogate (no UTF-8 form)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, "
+                                f"which has no UTF-8 form; send valid Unicode text") from None
 
 
 # --- byte-level ---------------------------------------------------------------------------
@@ -77,7 +86,7 @@ class ByteTokenizer:
         self.eos_ids: tuple[int, ...] = (BYTE_EOS_ID,)
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(utf8(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -156,6 +165,7 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         # BOS is the caller's choice (the CLI prepends `bos_id`), so no template specials here.
+        utf8(text)  # a text that is not valid Unicode is refused before the tokenizer sees it
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -216,6 +216,35 @@ def test_request_errors(server):
     assert m['kvfold_http_errors_total{status="413"}'] >= 1
 
 
+def test_inputs_that_crashed_a_request_get_a_400_and_keep_the_connection(server):
+    """A lone surrogate in a completion prompt (no UTF-8 form) and a body nested 100,000 levels deep
+    (past the JSON parser's stack) are the client's errors: 400s in OpenAI's shape, and the same
+    keep-alive connection serves the next request. (The openai client cannot send a lone surrogate
+    at all: it fails to encode its own body, so the requests are written by hand.)"""
+    import http.client
+    import urllib.parse
+    url, _ = server
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def post(body: str) -> tuple[int, dict]:
+        conn.request("POST", "/v1/completions", body=body, headers=headers)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+
+    try:
+        status, body = post('{"model": "tiny", "prompt": "\\ud800x", "max_tokens": 2}')  # JSON escape, ASCII body
+        assert status == 400 and body["error"]["param"] == "prompt" and "surrogate" in body["error"]["message"]
+        status, body = post("[" * 100_000 + "]" * 100_000)
+        assert status == 400 and "nested too deeply" in body["error"]["message"]
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        status, body = post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        conn.close()
+
+
 def test_queue_full_is_503(tiny):
     """One running sequence, one waiting: the third request is refused with 503, the others complete."""
     engine = kvfold.Engine(tiny, max_seq_len=512, max_running=1, max_queue=1)

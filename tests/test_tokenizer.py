@@ -145,3 +145,10 @@ def test_load_falls_back_to_bytes(tmp_path):
 def test_load_small_vocab_without_tokenizer_json_fails(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer.json is needed"):
         load_tokenizer(str(tmp_path), None, None, vocab_size=100)
+
+
+def test_text_with_a_lone_surrogate_is_refused_with_a_clear_error():
+    from kvfold.errors import InvalidInputError
+    from kvfold.tokenizer import ByteTokenizer
+    with pytest.raises(InvalidInputError, match="lone surrogate U\\+D800 at character 1"):
+        ByteTokenizer().encode("a\ud800b")

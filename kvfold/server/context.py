@@ -59,6 +59,8 @@ class ServerContext:
             return json.loads(body)
         except ValueError:
             raise ApiError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # the parser's stack, not the client's fault to know about: a 400
+            raise ApiError(400, "the request body is nested too deeply to parse") from None
 
     def check_model(self, name: str) -> None:
         """404 for any model id but the one this server serves."""

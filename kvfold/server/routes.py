@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from ..errors import InvalidInputError
 from . import metrics as prom
 from .context import ServerContext, sampling, server_context
 from .formats import ChatFormat, CompletionFormat
@@ -77,7 +78,11 @@ def _prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
     tokenizer = ctx.tokenizer
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+    try:
+        ids = tokenizer.encode(prompt)
+    except InvalidInputError as e:
+        raise ApiError(400, str(e), param="prompt") from None
+    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
 
 
 def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
