@@ -215,7 +215,8 @@ def test_bad_snapshots_are_refused_in_order_and_change_nothing(pair, seq):
     flipped[len(blob) - 100] ^= 1
     cases = [(blob[:20], errors.SnapshotTruncatedError), (blob[:hdr + 10], errors.SnapshotTruncatedError),
              (b"XXXXXXXX" + blob[8:], errors.SnapshotMagicError),
-             (blob[:8] + (2).to_bytes(4, "little") + blob[12:], errors.SnapshotVersionError),
+             (blob[:8] + (1).to_bytes(4, "little") + blob[12:], errors.SnapshotVersionError),  # the old layout
+             (blob[:8] + (3).to_bytes(4, "little") + blob[12:], errors.SnapshotVersionError),
              (blob[:16] + b"0" * 16 + blob[32:], errors.SnapshotModelError),
              (blob[:32] + (2).to_bytes(4, "little") + blob[36:], errors.SnapshotDtypeError),
              (blob[:40] + (46).to_bytes(8, "little") + blob[48:], errors.SnapshotCountsError),

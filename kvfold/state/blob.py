@@ -47,11 +47,13 @@ class Section:
 
 @dataclass(frozen=True)
 class Format:
-    """One snapshot family: its magic, the header flags it defines, and its section names."""
+    """One snapshot family: its magic, its format version, the header flags it defines, and its
+    section names. Each family versions its own layout: a blob of another version is refused."""
     magic: bytes
     what: str  # "kvfold state", "kvfold GLM-5 state": for messages
     kind_names: Sequence[str]
     known_flags: int = 0
+    version: int = VERSION
     # flags that choose which sections a blob holds (not how the state stores rows): they are
     # not compared with the state's, and `expected_sections` receives them as a second argument
     layout_flags: int = 0
@@ -63,7 +65,7 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 
 def encode(fmt: Format, state, flags: int, sections: list[Section], rows_of: Callable[[Section], torch.Tensor]) -> bytes:
     body = b"".join(_to_bytes(rows_of(s)) for s in sections)
-    header = HEADER.pack(fmt.magic, VERSION, flags, state.fingerprint.encode().ljust(16, b"\0")[:16],
+    header = HEADER.pack(fmt.magic, fmt.version, flags, state.fingerprint.encode().ljust(16, b"\0")[:16],
                          DTYPE_CODES[state.dtype], len(sections), state.pos, len(body), 0)
     table = b"".join(SECTION.pack(s.layer, s.kind, s.first, s.rows, s.width, s.dtype) for s in sections)
     payload = header + table + body
@@ -115,13 +117,13 @@ def _read_header(fmt: Format, blob: bytes) -> _Header:
         raise SnapshotTruncatedError(f"snapshot is {len(blob)} bytes but its section table ends at {h.table_end}")
     if h.magic != fmt.magic:
         raise SnapshotMagicError(f"not a {fmt.what} snapshot (magic {h.magic!r}, expected {fmt.magic!r})")
-    if h.version != VERSION:
-        raise SnapshotVersionError(f"snapshot format version {h.version} is not supported (this kvfold reads "
-                                   f"version {VERSION}); re-save it with a matching kvfold")
+    if h.version != fmt.version:
+        raise SnapshotVersionError(f"{fmt.what} snapshot format version {h.version} is not supported (this kvfold "
+                                   f"reads version {fmt.version}); re-save it with a matching kvfold")
     if h.flags & ~fmt.known_flags or h.reserved:
         # a later format may give these meaning; reading them as version 1 would misread the blob
         raise SnapshotVersionError(f"snapshot uses header flags {h.flags:#x} / reserved {h.reserved:#x} that "
-                                   f"format version {VERSION} does not define; re-save it with a matching kvfold")
+                                   f"format version {fmt.version} does not define; re-save it with a matching kvfold")
     return h
 
 

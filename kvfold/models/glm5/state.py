@@ -148,7 +148,8 @@ class Glm5State(SequenceState):
 # restore goes back through `check_blob` / `restore_blob`. docs/state-format.md has the layout.
 KDA_CONV, KDA_REC, MLA_LATENT, DSA_BLOB = range(4)
 KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA indexer blob"]
-FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES)
+# version 2: each DSA layer's indexer cache is one section holding its Glm5NextDsaState blob
+FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES, version=2)
 MAGIC = FORMAT.magic
 
 
