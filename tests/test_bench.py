@@ -333,7 +333,7 @@ def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
     calls = (build / "bin" / "calls.log").read_text().splitlines()
     assert [c.split(" -t ")[0].split(" -p ")[1] for c in calls] == [
         "16 -n 0 -d 0", "0 -n 4 -d 16", "40 -n 0 -d 0", "0 -n 4 -d 40"]
-    assert all(c.endswith(" -r 1 -o jsonl -ctk q8_0 -ctv q8_0") for c in calls)
+    assert all(c.endswith(" -r 3 -o jsonl -ctk q8_0 -ctv q8_0") for c in calls)  # the median of 3, by default
     rep = res["report"]
     assert "llama.cpp prefill tok/s" in rep and "llama.cpp decode tok/s" in rep and "kv/llama" in rep
     assert "build abc1234" in rep and "MXFP4" in rep

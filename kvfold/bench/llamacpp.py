@@ -29,7 +29,8 @@ The GGUF is cached next to the checkpoint (`<checkpoint>/llama.cpp/model-<key>.g
 the checkpoint, the converter's source files and this recipe), so it is rebuilt when any changes
 and removed with the checkpoint.
 
-A cell runs `llama-bench -o jsonl -r 1 -t THREADS` twice in fresh processes: `-p CONTEXT -n 0` (the
+A cell runs `llama-bench -o jsonl -r 3 -t THREADS` twice in fresh processes (three timed repetitions,
+their median reported: llama.cpp's first repetition runs slow, so one alone would understate it): `-p CONTEXT -n 0` (the
 prefill; llama-bench's own warm-up first runs the same prompt once, untimed) and `-p 0 -n DECODE -d
 CONTEXT` (DECODE single-token steps after an untimed CONTEXT-token prefill; warm-up 1 step). Prefill
 peak RSS = the prefill process's ru_maxrss (whole process: load, warm-up and prefill; the GGUF is
@@ -375,8 +376,8 @@ def parse_llama_bench(text: str) -> list[dict[str, Any]]:
 
 
 def _test_seconds(t: dict[str, Any]) -> float | None:
-    """Seconds of one timed repetition of a llama-bench test (the bench runs one, `-r 1`; the median
-    when more were asked for with --llama-bench-args)."""
+    """Seconds of one timed repetition of a llama-bench test: the median of its repetitions (`-r 3`
+    unless --llama-bench-args asks for another count)."""
     ns = sorted(x for x in (t.get("samples_ns") or ([t["avg_ns"]] if t.get("avg_ns") else [])) if x)
     return ns[len(ns) // 2] / 1e9 if ns else None
 
@@ -455,10 +456,13 @@ def _run_limited(cmd: list[str], time_limit: float, mem_limit_bytes: int, env: d
                 "timed_out": timed_out, "wall_s": wall, "maxrss": maxrss}
 
 
+LLAMA_REPETITIONS = 3  # timed repetitions per llama-bench test; --llama-bench-args "-r N" overrides
+
+
 def llama_bench_command(llama: LlamaCpp, gguf: Path, *, prompt: int, gen: int, depth: int, threads: int,
                         extra: list[str] | None = None) -> list[str]:
     return [str(llama.bench), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-d", str(depth),
-            "-t", str(threads), "-r", "1", "-o", "jsonl", *(extra or [])]
+            "-t", str(threads), "-r", str(LLAMA_REPETITIONS), "-o", "jsonl", *(extra or [])]
 
 
 def _failure(run: dict[str, Any], what: str) -> str:

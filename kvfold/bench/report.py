@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .llamacpp import LLAMA_REPETITIONS
+
 ENGINES = ("kvfold", "transformers", "llama.cpp")
 LLAMA = "llama.cpp"
 SKIP_TIME = "skipped: > time limit"
@@ -192,7 +194,7 @@ def _llama_line(result: dict[str, Any], lc: dict[str, Any]) -> str:
     line = (f"llama.cpp: {lc.get('llama_bench')} (build {build.get('build_commit') or '?'}"
             f"{', ' + build['backends'] if build.get('backends') else ''}), GGUF {lc.get('gguf')} "
             f"(routed experts MXFP4, everything else F32; converted by {lc.get('converter')}"
-            f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r 1"
+            f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r {LLAMA_REPETITIONS} (median)"
             f"{' ' + ' '.join(lc['llama_bench_args']) if lc.get('llama_bench_args') else ''}, "
             f"KV cache {build.get('type_k') or '?'}/{build.get('type_v') or '?'}, its own warm-up "
             f"(the prompt once, 1 decode step); prefill = -p CONTEXT -n 0, decode = -p 0 -n N -d CONTEXT")

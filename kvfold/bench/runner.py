@@ -391,7 +391,7 @@ def _prefill_calls(prefill_logits: str) -> dict[str, str]:
     return {"kvfold": "model.forward(ids, state" + (", last_only=True)" if last else ")  # all T rows of logits"),
             "transformers": "model(input_ids, past_key_values=DynamicCache, use_cache=True"
                             + (", logits_to_keep=1)" if last else ")"),
-            "llama.cpp": "llama-bench -p CONTEXT -n 0 -r 1 -t THREADS  # logits of the last token "
+            "llama.cpp": "llama-bench -p CONTEXT -n 0 -r 3 -t THREADS  # logits of the last token "
                          "only, whatever --prefill-logits"}
 
 
