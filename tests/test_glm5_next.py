@@ -496,10 +496,7 @@ def test_server_serves_glm5_with_greedy_equal_to_generate(pair, seq):
         r = c.completions.create(model="glm5", prompt=prompt, max_tokens=8, temperature=0,
                                  extra_body={"return_token_ids": True, "stop_token_ids": []})
         got = r.choices[0].token_ids
-    eos = set(model.config.eos_ids) if hasattr(model.config, "eos_ids") else set()
-    # the server stops at EOS (generate was told not to): equal up to there, and the full 8 otherwise
-    assert got == want[:len(got)]
-    assert len(got) == 8 or got[-1] in eos
+    assert got == want  # stop_token_ids [] (vLLM's extension): no early stop, as generate was told
     assert engine.metrics()["live_states"] == 0
 
 

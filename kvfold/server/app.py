@@ -2,25 +2,30 @@
 app (state, lifespan, error handlers); the routes are in `routes`, the checks they share in `context`,
 and the response bodies in `responses` and `formats`.
 
-Routes: GET /health, GET /metrics (Prometheus text), and, behind the API key when one is set,
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent
-events with `"stream": true`). Errors use OpenAI's shape {"error": {message, type, param, code}}.
+Routes: GET /health, GET /metrics (Prometheus text), GET /openapi.json and /docs, and, behind
+the API key when one is set, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions (both streamed as server-sent events with `"stream": true`). Errors use
+OpenAI's shape {"error": {message, type, param, code}}; whatever a client sends, a bad request is
+a 4xx, never a 500, and its keep-alive connection serves on.
 
 kvfold extension: `"return_token_ids": true` in a request adds `token_ids` (the generated ids)
 to each choice, and to each streamed chunk's choice (the ids new in that chunk).
 """
 from __future__ import annotations
 
+import json
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import AsyncEngine, Engine
 from .chat_template import ChatTemplate
 from .context import ServerContext, server_context
+from .openapi import build_openapi
 from .routes import router
 from .schemas import ApiError
 
@@ -34,15 +39,18 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     async_engine = AsyncEngine(engine)
     tokenizer = engine.tokenizer
     template = chat_template or (ChatTemplate(tokenizer) if tokenizer is not None else None)
-    app = FastAPI(title="kvfold", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvfold", description="OpenAI-compatible API over kvfold's engine", lifespan=_lifespan,
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.engine = async_engine
     app.state.server = ServerContext(engine=engine, async_engine=async_engine, model_name=model_name,
                                      api_key=api_key, tokenizer=tokenizer, template=template,
                                      max_body_bytes=max_body_bytes, created=int(time.time()))
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    app.openapi = lambda: build_openapi(app, app.state.server)
     return app
 
 
@@ -59,18 +67,29 @@ async def _lifespan(app: FastAPI):
 
 # ---- errors: every one in OpenAI's shape, and counted by status for /metrics ---------------------
 
-async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    server_context(request).http_errors[exc.status] += 1
-    return JSONResponse(exc.body(), status_code=exc.status)
+def _error_response(request: Request, err: ApiError, headers=None) -> Response:
+    server_context(request).http_errors[err.status] += 1
+    # ASCII JSON: a lone surrogate echoed in a message must not fail the encoding of the error itself
+    return Response(json.dumps(err.body(), ensure_ascii=True), status_code=err.status, headers=headers,
+                    media_type="application/json")
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (an unknown route, a wrong method)."""
-    server_context(request).http_errors[exc.status_code] += 1
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return _error_response(request, exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Starlette's own errors (an unknown route, a wrong method: its Allow header kept)."""
     err = ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-    return JSONResponse(err.body(), status_code=exc.status_code)
+    return _error_response(request, err, headers=exc.headers)
 
 
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    server_context(request).http_errors[500] += 1
-    return JSONResponse(ApiError(500, f"internal error: {exc!r}", type="server_error").body(), status_code=500)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """FastAPI's check of path and query parameters (the routes parse their bodies themselves)."""
+    first = (exc.errors() or [{}])[0]
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return _error_response(request, ApiError(400, f"{param}: {first.get('msg', 'invalid')}", param=param))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return _error_response(request, ApiError(500, f"internal error: {exc!r}", type="server_error"))

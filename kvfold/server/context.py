@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,29 @@ class ServerContext:
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> Any:
-        """The body as JSON, refusing (413) anything over max_body_bytes without reading it all."""
+        """The body as JSON: 415 unless it is declared JSON, 413 for anything over max_body_bytes
+        (without reading it all), 400 for text that is not JSON (NaN and Infinity included) or
+        holds a lone surrogate (no UTF-8 form: it could reach neither the tokenizer nor a reply)."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise ApiError(415, f"the request body must be application/json, not {media_type or 'undeclared'!r}",
+                           code="unsupported_media_type")
+        body = await self._read_body(request)
+        try:
+            data = json.loads(body, parse_constant=_no_constant)
+        except RecursionError:  # the parser's stack, not the client's fault to know about: a 400
+            raise ApiError(400, "the request body is nested too deeply to parse") from None
+        except ValueError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {_ascii(exc)}") from None
+        if _SURROGATE_ESCAPE.search(body):  # only a \u escape can write one
+            path = _lone_surrogate_at(data)
+            if path is not None:
+                param = ".".join(path) or None
+                raise ApiError(400, f"{param or 'the body'}: a lone surrogate (\\ud800-\\udfff) is not text",
+                               param=param)
+        return data
+
+    async def _read_body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -55,12 +78,7 @@ class ServerContext:
             body += chunk
             if len(body) > limit:
                 raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
-        except RecursionError:  # the parser's stack, not the client's fault to know about: a 400
-            raise ApiError(400, "the request body is nested too deeply to parse") from None
+        return bytes(body)
 
     def check_model(self, name: str) -> None:
         """404 for any model id but the one this server serves."""
@@ -68,16 +86,57 @@ class ServerContext:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def start(self, ids: list[int], params: SamplingParams) -> RequestStream:
-        """Submit a request, answering the engine's refusals as OpenAI errors (400, or 503 when full)."""
+    async def start(self, ids: list[int], params: SamplingParams, param: str | None = None,
+                    length_param: str = "max_tokens") -> RequestStream:
+        """Submit a request, answering the engine's refusals as OpenAI errors (400, or 503 when full);
+        `param` names the field an invalid request blames (the prompt's ids), `length_param` the one
+        a request too long for the context does (the token limit the client set, else the prompt)."""
         try:
             return await self.async_engine.add_request(ids, params)
         except RequestTooLongError as exc:
-            raise ApiError(400, str(exc), param="max_tokens", code="context_length_exceeded") from None
+            raise ApiError(400, str(exc), param=length_param, code="context_length_exceeded") from None
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), param=param) from None
         except QueueFullError as exc:
             raise ApiError(503, str(exc), type="server_error", code="queue_full") from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _ascii(x: object) -> str:
+    return str(x).encode("ascii", "backslashreplace").decode()
+
+
+def _lone_surrogate_at(data: Any) -> list[str] | None:
+    """The path of the first string (or key) in `data` with a lone surrogate, else None.
+    Iterative: the body may nest as deep as the JSON parser allows."""
+    stack = [([], data)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not _is_utf8(v):
+                return path
+        elif isinstance(v, dict):
+            for k in v:
+                if not _is_utf8(k):
+                    return path + [_ascii(k)]
+            stack += [(path + [k], x) for k, x in reversed(v.items())]
+        elif isinstance(v, list):
+            stack += [(path + [str(i)], x) for i, x in reversed(list(enumerate(v)))]
+    return None
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def server_context(request: Request) -> ServerContext:
@@ -88,4 +147,4 @@ def server_context(request: Request) -> ServerContext:
 def sampling(req, max_tokens: int) -> SamplingParams:
     """The engine's sampling parameters for a parsed completion or chat request."""
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                          stop=tuple(req.stop or ()))
+                          stop=tuple(req.stop or ()), stop_token_ids=req.stop_token_ids)

@@ -2,6 +2,7 @@
 
 kvfold extension: with `token_ids` set (the request's `"return_token_ids": true`) each choice also
 carries `token_ids`: all generated ids in a whole response, the ids new in that chunk in a stream.
+A completion with a batch of prompts has one choice per prompt, `index` its place in the batch.
 """
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ from typing import Any
 from ..engine import RequestOutput
 
 
-def usage_of(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's `usage` object for a finished request (its last output)."""
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def usage_of(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's `usage` object for finished requests (the last output of each), summed over them."""
+    prompt, completion = sum(o.prompt_tokens for o in lasts), sum(o.completion_tokens for o in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in lasts)}}
 
 
 class ResponseFormat:
-    """Builds the JSON bodies of one response kind."""
+    """Builds the JSON bodies of one response kind. A response has one choice per prompt: `whole`
+    takes each choice's outputs in index order, `chunk` one output and its choice's index."""
     object_whole = object_chunk = prefix = ""
 
     def __init__(self, model_name: str, token_ids: bool):
@@ -38,18 +40,26 @@ class ResponseFormat:
     def first_chunk(self) -> dict | None:
         return None
 
-    def usage_chunk(self, last: RequestOutput) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [], usage_of(last))
+    def usage_chunk(self, lasts: list[RequestOutput]) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [], usage_of(lasts))
 
     def _choice(self, out_choice: dict, ids: list[int]) -> dict:
         if self.token_ids:
             out_choice["token_ids"] = ids
         return out_choice
 
-    def chunk(self, out: RequestOutput) -> dict[str, Any]:
+    def chunk(self, out: RequestOutput, index: int = 0) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, [self._choice(self._chunk_choice(out, index), out.new_token_ids)])
+
+    def whole(self, outs_by_choice: list[list[RequestOutput]]) -> dict[str, Any]:
+        choices = [self._choice(self._whole_choice(outs, i), [t for o in outs for t in o.new_token_ids])
+                   for i, outs in enumerate(outs_by_choice)]
+        return self._envelope(self.object_whole, choices, usage_of([outs[-1] for outs in outs_by_choice]))
+
+    def _chunk_choice(self, out: RequestOutput, index: int) -> dict:
         raise NotImplementedError
 
-    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
+    def _whole_choice(self, outs: list[RequestOutput], index: int) -> dict:
         raise NotImplementedError
 
 
@@ -57,16 +67,13 @@ class CompletionFormat(ResponseFormat):
     object_whole = object_chunk = "text_completion"
     prefix = "cmpl"
 
-    def chunk(self, out: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "text": out.new_text, "logprobs": None,
-                  "finish_reason": out.finish_reason if out.finished else None}
-        return self._envelope(self.object_chunk, [self._choice(choice, out.new_token_ids)])
+    def _chunk_choice(self, out: RequestOutput, index: int) -> dict:
+        return {"index": index, "text": out.new_text, "logprobs": None,
+                "finish_reason": out.finish_reason if out.finished else None}
 
-    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        ids = [t for o in outs for t in o.new_token_ids]
-        choice = {"index": 0, "text": "".join(o.new_text for o in outs), "logprobs": None,
-                  "finish_reason": outs[-1].finish_reason}
-        return self._envelope(self.object_whole, [self._choice(choice, ids)], usage_of(outs[-1]))
+    def _whole_choice(self, outs: list[RequestOutput], index: int) -> dict:
+        return {"index": index, "text": "".join(o.new_text for o in outs), "logprobs": None,
+                "finish_reason": outs[-1].finish_reason}
 
 
 class ChatFormat(ResponseFormat):
@@ -77,14 +84,10 @@ class ChatFormat(ResponseFormat):
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope(self.object_chunk, [choice])
 
-    def chunk(self, out: RequestOutput) -> dict[str, Any]:
-        delta = {"content": out.new_text} if out.new_text else {}
-        choice = {"index": 0, "delta": delta, "logprobs": None,
-                  "finish_reason": out.finish_reason if out.finished else None}
-        return self._envelope(self.object_chunk, [self._choice(choice, out.new_token_ids)])
+    def _chunk_choice(self, out: RequestOutput, index: int) -> dict:
+        return {"index": index, "delta": {"content": out.new_text} if out.new_text else {}, "logprobs": None,
+                "finish_reason": out.finish_reason if out.finished else None}
 
-    def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        ids = [t for o in outs for t in o.new_token_ids]
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
-                  "logprobs": None, "finish_reason": outs[-1].finish_reason}
-        return self._envelope(self.object_whole, [self._choice(choice, ids)], usage_of(outs[-1]))
+    def _whole_choice(self, outs: list[RequestOutput], index: int) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
+                "logprobs": None, "finish_reason": outs[-1].finish_reason}

@@ -1,10 +1,12 @@
-"""Turning a running request into an HTTP response: one JSON body, or server-sent events
-(`"stream": true`). Either way a client that goes away cancels its request in the engine.
+"""Turning running requests into an HTTP response: one JSON body, or server-sent events
+(`"stream": true`). A response covers one request per choice (a batch of completion prompts runs
+as one engine request per prompt); a client that goes away cancels them all in the engine.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -16,23 +18,24 @@ from .formats import ResponseFormat
 from .schemas import ApiError
 
 
-async def respond(request: Request, stream: RequestStream, req, fmt: ResponseFormat) -> Response:
-    """The response to a started request: streamed when `req.stream`, else whole once it finishes."""
+async def respond(request: Request, streams: list[RequestStream], req, fmt: ResponseFormat) -> Response:
+    """The response to started requests (choice i is streams[i]): streamed when `req.stream`,
+    else whole once all finish."""
     if req.stream:
-        return StreamingResponse(sse(stream, fmt, req.include_usage), media_type="text/event-stream",
+        return StreamingResponse(sse(streams, fmt, req.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    outs = await collect(request, stream)
-    last = outs[-1]
-    if last.finish_reason == "error":
-        raise ApiError(500, last.error or "generation failed", type="server_error")
+    outs = await collect(request, streams)
+    for choice in outs:
+        if choice[-1].finish_reason == "error":
+            raise ApiError(500, choice[-1].error or "generation failed", type="server_error")
     return JSONResponse(fmt.whole(outs))
 
 
-async def collect(request: Request, stream: RequestStream) -> list[RequestOutput]:
-    """All outputs of a non-streamed request; a client that hangs up cancels it."""
-    async def drain() -> list[RequestOutput]:
+async def collect(request: Request, streams: list[RequestStream]) -> list[list[RequestOutput]]:
+    """All outputs of non-streamed requests, per request; a client that hangs up cancels them."""
+    async def drain(stream: RequestStream) -> list[RequestOutput]:
         return [out async for out in stream]
-    task = asyncio.ensure_future(drain())
+    task = asyncio.gather(*(drain(s) for s in streams))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -42,29 +45,56 @@ async def collect(request: Request, stream: RequestStream) -> list[RequestOutput
                 task.cancel()
                 raise ApiError(499, "client disconnected")
     finally:
-        stream.cancel()  # no-op once finished
+        cancel_all(streams)  # no-op for finished ones
 
 
-async def sse(stream: RequestStream, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+def cancel_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.cancel()
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of all streams as they come, each with its stream's index; ends when all finish."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for out in stream:
+            queue.put_nowait((i, out))
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, out = await queue.get()
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def sse(streams: list[RequestStream], fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
     """The events of a streamed response, ending with `data: [DONE]` (after an error event, if one)."""
-    # Cancelled by Starlette when the client disconnects; `finally` then cancels the request.
+    # Cancelled by Starlette when the client disconnects; `finally` then cancels the requests.
     try:
         first = fmt.first_chunk()
         if first is not None:
             yield event(first)
-        last = None
-        async for out in stream:
-            last = out
-            if out.finish_reason == "error":
-                yield event(ApiError(500, out.error or "generation failed", type="server_error").body())
-                break
-            if out.new_text or out.new_token_ids or out.finished:
-                yield event(fmt.chunk(out))
-        if include_usage and last is not None:
-            yield event(fmt.usage_chunk(last))
+        lasts: dict[int, RequestOutput] = {}
+        failed = False
+        async with aclosing(merged(streams)) as outs:
+            async for i, out in outs:
+                if out.finish_reason == "error":
+                    yield event(ApiError(500, out.error or "generation failed", type="server_error").body())
+                    failed = True
+                    break
+                lasts[i] = out
+                if out.new_text or out.new_token_ids or out.finished:
+                    yield event(fmt.chunk(out, i))
+        if include_usage and not failed:
+            yield event(fmt.usage_chunk([lasts[i] for i in range(len(streams))]))
         yield "data: [DONE]\n\n"
     finally:
-        stream.cancel()
+        cancel_all(streams)
 
 
 def event(obj: dict) -> str:

@@ -1,19 +1,24 @@
 """The server's routes, on one `APIRouter` that `create_app` includes.
 
-GET /health and GET /metrics are open; GET /v1/models, POST /v1/completions and
-POST /v1/chat/completions need the API key when one is set. Each route reads what it shares with
-the others (engine, served name, key) from the app's `ServerContext`.
+GET /health and GET /metrics are open; GET /v1/models, GET /v1/models/{id}, POST /v1/completions
+and POST /v1/chat/completions need the API key when one is set. Each route reads what it shares
+with the others (engine, served name, key) from the app's `ServerContext`. The decorators'
+`responses` and `openapi_extra` only document the routes (GET /openapi.json).
 """
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from ..engine.async_engine import RequestStream
 from ..errors import InvalidInputError
 from . import metrics as prom
+from . import openapi as doc
 from .context import ServerContext, sampling, server_context
 from .formats import ChatFormat, CompletionFormat
-from .responses import respond
+from .responses import cancel_all, respond
 from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, parse
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -21,67 +26,99 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 router = APIRouter()
 
 
-@router.get("/health")
+@router.get("/health", responses={200: {"model": doc.Health}, 503: {"model": doc.Health}})
 async def health(request: Request) -> Response:
     alive = server_context(request).async_engine.running
     return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {prom.CONTENT_TYPE: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     ctx = server_context(request)
     return PlainTextResponse(prom.render(ctx.async_engine.metrics(), ctx.http_errors), media_type=prom.CONTENT_TYPE)
 
 
-@router.get("/v1/models")
+def _model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "kvfold",
+            "max_model_len": ctx.engine.max_seq_len}
+
+
+@router.get("/v1/models", responses={200: {"model": doc.ModelList}, **doc.errors(401)})
 async def models(request: Request) -> Response:
     ctx = server_context(request)
     ctx.check_auth(request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "kvfold",
-         "max_model_len": ctx.engine.max_seq_len}]})
+    return JSONResponse({"object": "list", "data": [_model_card(ctx)]})
 
 
-@router.post("/v1/completions")
+@router.get("/v1/models/{model_id:path}", responses={200: {"model": doc.ModelCard}, **doc.errors(401, 404)})
+async def model(request: Request, model_id: str) -> Response:
+    ctx = server_context(request)
+    ctx.check_auth(request)
+    ctx.check_model(model_id)
+    return JSONResponse(_model_card(ctx))
+
+
+@router.post("/v1/completions", **doc.generation(CompletionRequest, doc.Completion))
 async def completions(request: Request) -> Response:
     ctx = server_context(request)
     ctx.check_auth(request)
-    data = await ctx.read_json(request)
-    req = parse(CompletionRequest, data)
-    req.refuse_unsupported()
+    req = parse(CompletionRequest, await ctx.read_json(request))
     ctx.check_model(req.model)
-    ids = _prompt_ids(ctx, req.single_prompt())
-    stream = await ctx.start(ids, sampling(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS))
-    return await respond(request, stream, req, CompletionFormat(ctx.model_name, bool(data.get("return_token_ids"))))
+    batch = req.prompts()
+    ids = [(param, _prompt_ids(ctx, prompt, param)) for param, prompt in batch]
+    params = sampling(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+    # too long for the context: a lone prompt blames the max_tokens the client set, a batch its prompt
+    lone = batch[0][0] == "prompt"
+    streams = await _start_all(ctx, ids, params, "max_tokens" if req.max_tokens and lone else None)
+    return await respond(request, streams, req, CompletionFormat(ctx.model_name, req.return_token_ids))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **doc.generation(ChatCompletionRequest, doc.ChatCompletion))
 async def chat_completions(request: Request) -> Response:
     ctx = server_context(request)
     ctx.check_auth(request)
-    data = await ctx.read_json(request)
-    req = parse(ChatCompletionRequest, data)
-    req.refuse_unsupported()
+    req = parse(ChatCompletionRequest, await ctx.read_json(request))
     ctx.check_model(req.model)
     ids = _chat_ids(ctx, req)
     # no max_tokens: whatever room the context leaves (at least 1, so a full context is a 400)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.engine.max_seq_len - len(ids))
-    stream = await ctx.start(ids, sampling(req, max_tokens))
-    return await respond(request, stream, req, ChatFormat(ctx.model_name, bool(data.get("return_token_ids"))))
+    limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens" if req.max_tokens else "messages"
+    stream = await ctx.start(ids, sampling(req, max_tokens), length_param=limit)
+    return await respond(request, [stream], req, ChatFormat(ctx.model_name, req.return_token_ids))
 
 
-def _prompt_ids(ctx: ServerContext, prompt: str | list[int]) -> list[int]:
+async def _start_all(ctx: ServerContext, batch: list[tuple[str, list[int]]], params,
+                     length_param: str | None) -> list[RequestStream]:
+    """One engine request per (param, ids) prompt, all handed to the engine at once (they queue
+    together, so a batch may hold up to max_queue prompts); a refusal of one cancels the others.
+    A prompt too long for the context blames `length_param`, else its own param."""
+    queue = ctx.engine.scheduler.max_queue
+    if len(batch) > max(1, queue):
+        raise ApiError(400, f"a batch of {len(batch)} prompts is more than this server queues at once ({queue})",
+                       param="prompt")
+    started = await asyncio.gather(*(ctx.start(ids, params, param=param, length_param=length_param or param)
+                                     for param, ids in batch), return_exceptions=True)
+    streams = [s for s in started if isinstance(s, RequestStream)]
+    failed = [e for e in started if isinstance(e, BaseException)]
+    if failed:
+        cancel_all(streams)
+        raise failed[0]  # the first prompt's refusal, in batch order
+    return streams
+
+
+def _prompt_ids(ctx: ServerContext, prompt: str | list[int], param: str) -> list[int]:
     """A completion prompt as token ids: text is encoded after BOS (when the tokenizer has one),
     ids pass as they are."""
     if not isinstance(prompt, str):
         return list(prompt)
     tokenizer = ctx.tokenizer
     if tokenizer is None:
-        raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param=param)
     try:
         ids = tokenizer.encode(prompt)
     except InvalidInputError as e:
-        raise ApiError(400, str(e), param="prompt") from None
+        raise ApiError(400, str(e), param=param) from None
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
 
 
@@ -91,7 +128,5 @@ def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
         raise ApiError(400, "this model has no tokenizer, so no chat template", param="messages")
     try:
         return ctx.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
-    except ApiError:
-        raise
     except Exception as exc:  # the checkpoint's template refused these messages
         raise ApiError(400, f"chat template: {exc}", param="messages") from None

@@ -1,14 +1,19 @@
 """Request bodies of the OpenAI-compatible endpoints, and the OpenAI error shape.
 
-Only what kvfold implements is accepted with a non-default value; fields it does not implement
-(n > 1, logprobs, echo, penalties, logit_bias, tools) are refused with a 400 rather than silently
-ignored. Unknown extra fields are ignored, as clients send many.
+As strict as OpenAI: no type coercion ("10" is not an int), and a field OpenAI does not define
+is refused with a 400 naming it. Every field OpenAI defines is declared; those kvfold does not
+implement are accepted only with the values that change nothing (`n` 1, penalties 0, `tools`
+null, ...: the `_only` tables) and refused otherwise, never silently ignored. Pure metadata
+(`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, ...) is accepted and unused.
+The OpenAPI document (`kvfold.server.openapi`) is these models' JSON schemas.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..decoding.sampling import SamplingArgumentError, check_sampling
 
@@ -28,22 +33,73 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _same(v: Any, accepted: Any) -> bool:
+    # typed equality: False is not 0, but 0 is 0.0
+    return v == accepted and (type(v) is type(accepted) or {type(v), type(accepted)} <= {int, float})
 
+
+def _short(v: Any) -> str:
+    """A value for a message: JSON, ASCII (no lone surrogate reaches a response), cut short."""
+    try:
+        text = json.dumps(v, ensure_ascii=True, default=str)
+    except (RecursionError, ValueError):  # nested past the encoder's stack
+        text = type(v).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _accepted(values: tuple) -> str:
+    return " or ".join(_short(a) for a in values if a is not None)
+
+
+def _document_only(schema: dict[str, Any], cls: type["_Strict"]) -> None:
+    """The JSON schema of an `_only` field lists exactly the values kvfold accepts."""
+    for name, accepted in cls._only.items():
+        if name in schema.get("properties", {}):
+            shown = _accepted(accepted) or "null"
+            schema["properties"][name] = {"enum": list(accepted), "default": accepted[0],
+                                          "description": f"kvfold accepts only {shown}; any other value is a 400"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_document_only)
+    _only: ClassVar[dict[str, tuple]] = {}  # field -> the values accepted (first: the default)
+
+    @field_validator("*")
+    @classmethod
+    def _refuse_unsupported(cls, v: Any, info) -> Any:
+        accepted = cls._only.get(info.field_name)
+        if accepted is not None and not any(_same(v, a) for a in accepted):
+            shown = _accepted(accepted)  # parse() writes the message, which needs the field's full path
+            raise PydanticCustomError("unsupported_parameter", "{detail}",
+                                      {"detail": f"={_short(v)} is not supported by kvfold (only {shown})" if shown
+                                       else " is not supported by kvfold"})
+        return v
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels; same text
+
+
+class _Request(_Strict):
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0  # OpenAI's default
-    top_p: float = 1.0
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_TEMPERATURE})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stop: str | list[str] | None = Field(None, json_schema_extra={"maxItems": MAX_STOPS})
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    user: str | None = None  # metadata: accepted, unused
+    return_token_ids: bool = Field(False, description="kvfold extension: add the generated token ids to each choice")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end the choice "
+                                             "(default: the model's EOS ids; [] never stops early)")
+    _only: ClassVar[dict[str, tuple]] = {"n": (None, 1), "presence_penalty": (None, 0),
+                                         "frequency_penalty": (None, 0), "logit_bias": (None, {})}
     _more_token_limits: ClassVar[tuple[str, ...]] = ()  # fields checked as max_tokens is
 
     @field_validator("stop")
@@ -54,89 +110,162 @@ class _Request(BaseModel):
     @model_validator(mode="after")
     def _check_sampling(self):
         """Out-of-range sampling fields: a 400 naming the field (decoding's rules, OpenAI's limits)."""
+        self.temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's defaults
+        self.top_p = 1.0 if self.top_p is None else self.top_p
         try:
             check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                           stop=self.stop, max_temperature=MAX_TEMPERATURE, max_stops=MAX_STOPS)
+                           stop=self.stop, stop_ids=self.stop_token_ids, names={"stop_ids": "stop_token_ids"},
+                           max_temperature=MAX_TEMPERATURE, max_stops=MAX_STOPS)
             for name in self._more_token_limits:
                 check_sampling(max_tokens=getattr(self, name), names={"max_tokens": name})
         except SamplingArgumentError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         return self
 
-    def refuse_unsupported(self) -> None:
-        for name, ok in (("n", self.n == 1), ("logprobs", self.logprobs in (None, False)),
-                         ("presence_penalty", self.presence_penalty == 0),
-                         ("frequency_penalty", self.frequency_penalty == 0), ("logit_bias", not self.logit_bias)):
-            if not ok:
-                raise ApiError(400, f"{name} is not supported by kvfold", param=name, code="unsupported_parameter")
-
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+TokenIds = list[int]
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a text, a token-id list, or a batch of either (one choice per prompt)")
+    echo: bool | None = None
     best_of: int | None = None
+    logprobs: int | None = None
     suffix: str | None = None
+    _only: ClassVar[dict[str, tuple]] = {**_Request._only, "echo": (None, False), "best_of": (None, 1),
+                                         "logprobs": (None,), "suffix": (None, "")}
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1)),
-                         ("suffix", self.suffix is None)):
-            if not ok:
-                raise ApiError(400, f"{name} is not supported by kvfold", param=name, code="unsupported_parameter")
-
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, as text or token ids (a list holding one prompt is accepted too)."""
+    def prompts(self) -> list[tuple[str, str | list[int]]]:
+        """The prompts, each a text or token ids, with the param that names it: one ("prompt"), or a
+        batch, a list of texts or of id lists ("prompt.0", ...)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, "kvfold serves one prompt per request", param="prompt")
-            p = p[0]
-        if isinstance(p, list) and not p:
-            raise ApiError(400, "prompt is an empty token list", param="prompt")
-        return p
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            batch = [(f"prompt.{i}", one) for i, one in enumerate(p)]
+        else:
+            batch = [("prompt", p)]
+        for param, one in batch:
+            if isinstance(one, list) and not one:
+                raise ApiError(400, "prompt is an empty token list", param=param)
+        return batch
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Strict):
+    type: str
+    text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # a cache hint: accepted, unused
+    _only: ClassVar[dict[str, tuple]] = {"type": ("text",)}  # images, audio, files: not supported
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # a participant's name is model input, which kvfold's templates drop: refused
+    refusal: str | None = None
+    audio: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    tool_call_id: Any = None
+    _only: ClassVar[dict[str, tuple]] = {"role": ("system", "developer", "user", "assistant"), "name": (None,),
+                                         "refusal": (None,), "audio": (None,), "tool_calls": (None,),
+                                         "function_call": (None,), "tool_call_id": (None,)}
 
     def text(self) -> str:
-        """The content as text; list content may hold only text parts."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ApiError(400, f"content part type {part.get('type')!r} is not supported (text only)",
-                               param="messages")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "".join(part.text for part in self.content)
+
+
+_NOT_IMPLEMENTED = ("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
+                    "function_call", "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity",
+                    "moderation")
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # deprecated by OpenAI for tools
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None  # may block the output: refused
+    service_tier: str | None = None  # scheduling, not output: only the ordinary tiers
+    store: bool | None = None  # kvfold stores nothing: only false
+    metadata: dict[str, str] | None = None  # metadata of stored completions: accepted, unused
+    safety_identifier: str | None = None  # metadata: accepted, unused
+    prompt_cache_key: str | None = None  # a cache hint: kvfold's prefix cache needs none
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    _only: ClassVar[dict[str, tuple]] = {
+        **_Request._only, **{name: (None,) for name in _NOT_IMPLEMENTED}, "logprobs": (None, False),
+        "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+        "service_tier": (None, "auto", "default"), "store": (None, False)}
     _more_token_limits: ClassVar[tuple[str, ...]] = ("max_completion_tokens",)
-
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.tools:
-            raise ApiError(400, "tools are not supported by kvfold", param="tools", code="unsupported_parameter")
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
-    """Validate a JSON body, turning pydantic's error into an OpenAI-shaped 400 (sampling fields out
-    of range raise their ApiError from the model's own check)."""
+    """Validate a JSON body; pydantic's first error becomes an OpenAI-shaped 400 naming the field
+    (sampling fields out of range raise their ApiError from the model's own check)."""
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        raise _api_error(exc.errors(include_url=False, include_input=False), data) from None
+
+
+# what a field of a union takes, for a message better than its first member's complaint
+_UNION_TYPES = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
+
+
+def _api_error(errors: list[dict[str, Any]], data: Any) -> ApiError:
+    located = [(*_real_path(e, data), e) for e in errors]
+    depth = max(len(path) for path, _, _ in located)
+    deepest = [x for x in located if len(x[0]) == depth]
+    path, union_at, err = deepest[0]  # the deepest: inside a union, the member that came closest
+    if union_at is not None and len({tuple(e["loc"][:union_at + 1]) for _, _, e in deepest}) > 1:
+        # members of a union failed equally deep: none fits, name the union field itself
+        param = ".".join(str(p) for p in path[:union_at])
+        kind = _UNION_TYPES.get(path[union_at - 1], "one of the types the schema lists")
+        return ApiError(400, f"{param}: must be {kind}", param=param)
+    param = ".".join(str(p) for p in path) or None
+    if err["type"] == "unsupported_parameter":
+        return ApiError(400, f"{param}{err['msg']}", param=param, code="unsupported_parameter")
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"unrecognized parameter {param}: not supported by kvfold", param=param,
+                        code="unknown_parameter")
+    return ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param)
+
+
+def _real_path(err: dict[str, Any], data: Any) -> tuple[tuple, int | None]:
+    """The error's location in the body itself (pydantic's loc without its union-member tags),
+    and the index in loc of the first tag skipped (None: no union on the way)."""
+    path, cur, union_at = [], data, None
+    loc = err["loc"]
+    for i, p in enumerate(loc):
+        if isinstance(cur, dict) and isinstance(p, str) and p in cur:
+            path.append(p)
+            cur = cur[p]
+        elif isinstance(cur, list) and isinstance(p, int) and 0 <= p < len(cur):
+            path.append(p)
+            cur = cur[p]
+        elif i == len(loc) - 1 and err["type"] == "missing":  # a required field is absent from the body
+            path.append(p)
+        elif union_at is None:
+            union_at = i
+    return tuple(path), union_at
