@@ -37,7 +37,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_dsv4
 

@@ -43,7 +43,6 @@ def test_missing_unexpected_and_misshaped_tensors_are_all_listed(ckpt):
 
 
 def test_missing_expert_slice_is_reported(tiny, tmp_path):
-    from kvfold.models.deepseek_v4.model import Dsv4Model
     d = save_checkpoint(tiny, tmp_path / "t")
 
     def to_official_experts(t):

@@ -202,14 +202,18 @@ def _same(a, b):
                                     for x, y in zip(a, b))
 
 
-def test_bad_snapshots_are_refused_in_order_and_change_nothing(pair, seq):
+def _source_and_target(pair, seq):
+    """(model, a state at 45 tokens, its snapshot, another state at 10 tokens, that one's buffers)."""
     _, model, _ = pair
     src = model.new_state(capacity=100)
     model.forward(seq[:45], src)
-    blob = src.snapshot()
     tgt = model.new_state(capacity=100)
     model.forward(seq[:10], tgt)
-    before = _buffers(tgt)
+    return model, src, src.snapshot(), tgt, _buffers(tgt)
+
+
+def test_bad_snapshots_are_refused_in_order_and_change_nothing(pair, seq):
+    model, src, blob, tgt, before = _source_and_target(pair, seq)
     hdr = g5s.blob.HEADER.size
     flipped = bytearray(blob)
     flipped[len(blob) - 100] ^= 1
@@ -274,13 +278,7 @@ def test_snapshot_dsa_part_is_the_layer_blob(pair, seq):
 
 
 def test_corrupted_dsa_part_is_refused_with_the_blob_error_and_changes_nothing(pair, seq):
-    _, model, _ = pair
-    src = model.new_state(capacity=100)
-    model.forward(seq[:45], src)
-    blob = src.snapshot()
-    tgt = model.new_state(capacity=100)
-    model.forward(seq[:10], tgt)
-    before = _buffers(tgt)
+    model, src, blob, tgt, before = _source_and_target(pair, seq)
     parts = [(s, off) for s, off in _table(blob) if s.kind == g5s.DSA_BLOB]
     d = src.layers[parts[0][0].layer].dsa.index_head_dim
     for s, off in (parts[0], parts[-1]):  # the last layer too: earlier layers must not be restored first
