@@ -106,7 +106,12 @@ class EngineError(KvfoldError):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """A request the engine refuses before any work: bad sampling parameters or prompt ids."""
+    """A request the engine refuses before any work: bad sampling parameters or prompt ids.
+    `param`, when known, names the parameter to blame (the server's 400 reports it)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class RequestTooLongError(InvalidRequestError):

@@ -163,6 +163,12 @@ class HFTokenizer:
         self.eos_ids = _id_list(eos_id)
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
 
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` itself, for code that needs its vocabulary and decoder
+        (structured output builds its token table from them)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         # BOS is the caller's choice (the CLI prepends `bos_id`), so no template specials here.
         utf8(text)  # a text that is not valid Unicode is refused before the tokenizer sees it

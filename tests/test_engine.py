@@ -69,7 +69,7 @@ def test_one_forward_batch_per_step_and_aligned_chunks(tiny, monkeypatch):
     engine = Engine(tiny, max_seq_len=1024, max_batch_tokens=200, prefix_cache_bytes=0)
     short = [text_ids(tiny, "ab"), text_ids(tiny, "hello")]
     longp = [long_ids(tiny, 300, "A"), long_ids(tiny, 290, "B")]
-    rids = [engine.add_request(p, SamplingParams(max_tokens=6, stop_token_ids=[])) for p in short + longp]
+    rids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in short + longp]
     steps = 0
     while engine.has_unfinished():
         n_before = len(calls)
@@ -137,11 +137,11 @@ def test_stop_strings_and_stop_ids(tiny):
     engine = Engine(tiny, max_seq_len=256)
     # stop at a token id seen mid-output: the output ends with its first occurrence
     k = 5
-    (c,) = engine.generate([p], SamplingParams(max_tokens=24, stop_token_ids=[ref[k]]))
+    (c,) = engine.generate([p], SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[ref[k]]))
     assert c.token_ids == ref[:ref.index(ref[k]) + 1] and c.finish_reason == "stop"
     # stop at a string from the middle of the text: the text ends just before it
     stop = full[10:12]
-    rid = engine.add_request(p, SamplingParams(max_tokens=24, stop_token_ids=[], stop=["\x00never", stop]))
+    rid = engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True, stop=["\x00never", stop]))
     text, finished = "", None
     while engine.has_unfinished():
         for out in engine.step():
@@ -155,7 +155,7 @@ def test_stop_strings_and_stop_ids(tiny):
 def test_admission_waits_for_room_and_refuses_what_never_fits(tiny):
     prompts = [text_ids(tiny, f"request number {i}") for i in range(5)]
     refs = [kvfold.generate(tiny, p, 6, stop_ids=[]).tokens for p in prompts]
-    sp = SamplingParams(max_tokens=6, stop_token_ids=[])
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
     engine = Engine(tiny, max_seq_len=64, max_running=2)
     rids = [engine.add_request(p, sp) for p in prompts]
     out = {r: [] for r in rids}
@@ -195,7 +195,7 @@ def test_cancel_frees_state_and_leaves_others_intact(tiny):
     prompts = [text_ids(tiny, "first one"), long_ids(tiny, 400, "C"), text_ids(tiny, "third")]
     refs = [kvfold.generate(tiny, p, 8, stop_ids=[]).tokens if len(p) <= 128 else None for p in prompts]
     engine = Engine(tiny, max_seq_len=512, max_running=2)
-    sp = SamplingParams(max_tokens=8, stop_token_ids=[])
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
     r0, r1, r2 = (engine.add_request(p, sp) for p in prompts)
     victim = engine.add_request(prompts[0], SamplingParams(max_tokens=100))
     out = {r0: [], r1: [], r2: []}
@@ -258,7 +258,7 @@ def test_async_engine_streams_cancels_and_shuts_down(tiny):
     aeng.start()
 
     async def main():
-        got = [t async for out in aeng.generate(p, SamplingParams(max_tokens=6, stop_token_ids=[]))
+        got = [t async for out in aeng.generate(p, SamplingParams(max_tokens=6, ignore_eos=True))
                for t in out.new_token_ids]
         async for out in aeng.generate(p, SamplingParams(max_tokens=100)):
             break  # leaving early cancels the request
@@ -297,7 +297,7 @@ def test_a_requests_logits_do_not_depend_on_the_servers_load(tiny, monkeypatch):
     """Bit for bit: the logits of every step of a request, alone and beside seven others (long
     prefills, decodes, a prefix-cache hit of its own prompt), sampled with temperature."""
     target = long_ids(tiny, 300, "T")
-    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, stop_token_ids=[])
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     solo = Engine(tiny, max_seq_len=1024, prefix_cache_bytes=0)
     assert tiny.batch_invariant  # the engine's default on an fp32 CPU model
     alone = record_logits(monkeypatch, tiny, solo)

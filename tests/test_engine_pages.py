@@ -11,7 +11,7 @@ from kvfold.server.metrics import parse, render
 from helpers import chunked_reference
 from test_engine import long_ids, text_ids
 
-SP = dict(stop_token_ids=[])
+SP = dict(ignore_eos=True)
 
 
 def refcounts(pool):

@@ -145,9 +145,9 @@ def test_check_sampling_names_the_bad_argument(kw, param, message):
 
 def test_check_sampling_accepts_good_arguments_and_the_callers_names():
     check_sampling(max_tokens=1, temperature=0.7, top_p=1.0, seed=-(1 << 63), stop_ids=[0, 5], stop="x")
-    check_sampling(max_tokens=0, min_tokens=0)
+    check_sampling(max_tokens=0, max_tokens_floor=0)
     with pytest.raises(SamplingArgumentError) as e:
-        check_sampling(max_tokens=-1, min_tokens=0, names={"max_tokens": "max_new_tokens"})
+        check_sampling(max_tokens=-1, max_tokens_floor=0, names={"max_tokens": "max_new_tokens"})
     assert (e.value.param, str(e.value)) == ("max_new_tokens", "max_new_tokens must be an int >= 0, got -1")
 
 

@@ -14,11 +14,11 @@ from kvfold.server.app import create_app
 
 from helpers import serving
 
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
     content_type_conformance, negative_data_rejection, response_schema_conformance, status_code_conformance)
 
 pytestmark = pytest.mark.slow_api
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow_api
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance,
           negative_data_rejection]
 OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"),
-              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+              ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+              ("POST", "/detokenize")]
 
 
 @pytest.fixture(scope="module")

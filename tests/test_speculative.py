@@ -9,6 +9,7 @@ import kvfold.cli as cli
 from kvfold.errors import MtpUnavailableError
 from kvfold.decoding.drafters import Drafter, NgramDrafter
 from kvfold.decoding.sampling import nucleus, sample_next, sampling_probs as target_probs
+from kvfold.decoding.logits import Sampler, SamplingRule
 from kvfold.decoding.speculative import rejection_step, verify_drafts
 
 BOS = 256
@@ -228,7 +229,7 @@ def test_verify_drafts_two_positions_is_distributed_as_p():
     first, second, n_second = [0] * 4, [0] * 4, 0
     for _ in range(N_SAMPLES):
         drafts = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
-        n, nxt = verify_drafts(logits, drafts, q, 1.0, 1.0, g)
+        n, nxt = verify_drafts(logits, drafts, q, Sampler(SamplingRule(1.0, 1.0), generator=g))
         emitted = drafts[:n] + [nxt]
         first[emitted[0]] += 1
         if len(emitted) > 1:
@@ -240,13 +241,16 @@ def test_verify_drafts_two_positions_is_distributed_as_p():
     assert stat < CRIT[df], second
 
 
+GREEDY = Sampler(SamplingRule())
+
+
 def test_verify_drafts_greedy_takes_longest_agreeing_prefix():
     logits = torch.tensor([[0.0, 5.0, 5.0], [9.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
-    assert verify_drafts(logits, [1, 0], None, 0.0, 1.0, None) == (2, 2)  # tie -> lowest id (1)
-    assert verify_drafts(logits, [2, 0], None, 0.0, 1.0, None) == (0, 1)
-    assert verify_drafts(logits, [1, 2], None, 0.0, 1.0, None) == (1, 0)
+    assert verify_drafts(logits, [1, 0], None, GREEDY) == (2, 2)  # tie -> lowest id (1)
+    assert verify_drafts(logits, [2, 0], None, GREEDY) == (0, 1)
+    assert verify_drafts(logits, [1, 2], None, GREEDY) == (1, 0)
     with pytest.raises(ValueError):
-        verify_drafts(logits, [1], None, 0.0, 1.0, None)
+        verify_drafts(logits, [1], None, GREEDY)
 
 
 def test_target_probs_is_sample_nexts_distribution():
@@ -437,11 +441,11 @@ def test_verification_targets_the_nucleus_even_at_top_p_1():
     assert target_probs(logits[0], 1.0, 1.0)[1:].tolist() == [0.0, 0.0]
     g = torch.Generator().manual_seed(0)
     for _ in range(200):  # a deterministic draft outside the nucleus is always rejected
-        assert verify_drafts(logits, [1], None, 1.0, 1.0, g)[0] == 0
+        assert verify_drafts(logits, [1], None, Sampler(SamplingRule(1.0, 1.0), generator=g))[0] == 0
 
 
 def test_decoding_imports_point_one_way():
-    """sampling <- drafters <- speculative <- generate, with every import at module level."""
+    """sampling <- logits <- (drafters) <- speculative <- generate, with every import at module level."""
     import ast
     import pathlib
 
@@ -457,9 +461,10 @@ def test_decoding_imports_point_one_way():
                 assert id(node) in top, f"{path.name}: function-local import of .{node.module}"
                 deps[path.stem].add(node.module)
     assert deps["sampling"] == set()
+    assert deps["logits"] == {"sampling"}
     assert deps["drafters"] == {"sampling"}
-    assert deps["speculative"] == {"drafters", "sampling"}
-    assert deps["generate"] == {"sampling", "speculative"}
+    assert deps["speculative"] == {"drafters", "logits", "sampling"}
+    assert deps["generate"] == {"logits", "sampling", "speculative"}
 
 
 def test_supports_mtp_reads_the_checkpoint(tiny, no_mtp):

@@ -8,6 +8,7 @@ Model contract used here (and nothing more):
   logits, hidden = model.forward(ids, state, return_hidden=True)   # only for drafters that read it
   state.pos, state.capacity, state.rewind_to(n) (speculative only), state.nbytes, state.free()
   model.device (torch.device), model.config.eos_token_id (int | list[int] | None)
+  model.config.vocab_size (only with logit_bias: its ids are checked against it)
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from .sampling import check_sampling, sample_next
+from .logits import Sampler, SamplingRule
+from .sampling import check_sampling
 from .speculative import Drafter, check_speculative, make_drafter, verify_drafts
 
 
@@ -107,12 +109,26 @@ def generate(
     state: Any = None,
     history: Sequence[int] | None = None,
     kv_dtype: str | None = None,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+    grammar: Any = None,
 ) -> GenerationResult:
     """Run the prompt in one forward, then choose up to `max_new_tokens` ids.
 
-    Stops early after emitting any id in `stop_ids` (default: the config's EOS ids; pass
-    `[]` to never stop early). `on_token` is called with each generated id as soon as it
-    is chosen. The last chosen id is never fed to the model (nothing would read its logits).
+    Stops early after emitting any id in `stop_ids` (default: the config's EOS ids, none with
+    `ignore_eos`; pass `[]` to never stop early), but not before `min_tokens` ids (the stop ids
+    are masked until then). `on_token` is called with each generated id as soon as it is
+    chosen. The last chosen id is never fed to the model (nothing would read its logits).
+
+    `top_k`, `min_p`, the penalties and `logit_bias` shape each choice as vLLM defines them
+    (`kvfold.decoding.logits`); the penalties count the prompt (repetition) and the ids
+    generated so far. `grammar`: a `grammar.GrammarMatcher` the ids must follow.
 
     `speculative` ("ngram", "mtp" or a `Drafter`, which generate closes when done) drafts up to
     `num_draft` tokens per step and verifies them in one forward. Greedy output is the plain
@@ -128,17 +144,20 @@ def generate(
     or raising.
     """
     prompt = _as_prompt(prompt_ids)
-    stops = _checked_stops(model, prompt, max_new_tokens, temperature, top_p, seed, stop_ids, speculative,
-                           num_draft)
+    rule = SamplingRule(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                        logit_bias, min_tokens)
+    stops = _checked_stops(model, prompt, max_new_tokens, rule, seed, stop_ids, ignore_eos, speculative, num_draft)
     hist, cap, max_rewind = _plan_state(state, history, capacity, len(prompt), max_new_tokens, speculative,
                                         num_draft)
     out = _Output(hist + prompt, max_new_tokens, stops, on_token)
-    run = _Run(model, out, temperature, top_p, _generator(seed), num_draft)
+    generator = _generator(seed)
+    sampler = Sampler(rule, prompt=hist + prompt, stop_ids=sorted(stops), generator=generator, grammar=grammar)
+    run = _Run(model, out, sampler, num_draft)
     owns_state = state is None
     try:
         if speculative is not None:  # before the main state: a refusal allocates nothing
             run.drafter = make_drafter(speculative, model, capacity=cap, max_rewind=max_rewind,
-                                       temperature=temperature, top_p=top_p, generator=run.generator)
+                                       temperature=temperature, top_p=top_p, generator=generator)
         run.state = _new_state(model, cap, max_rewind, speculative, kv_dtype) if owns_state else state
         prefill_s, decode_s = run.timed(prompt)
         state_bytes = int(run.state.nbytes)
@@ -147,17 +166,25 @@ def generate(
     return _result(len(prompt), run, prefill_s, decode_s, state_bytes)
 
 
-def _checked_stops(model, prompt: list[int], max_new_tokens, temperature, top_p, seed, stop_ids, speculative,
-                   num_draft) -> set[int]:
+def _checked_stops(model, prompt: list[int], max_new_tokens, rule: SamplingRule, seed, stop_ids, ignore_eos,
+                   speculative, num_draft) -> set[int]:
     """Refuse bad arguments (ValueError) before anything is allocated; the ids to stop after."""
     if not prompt:
         raise ValueError("prompt_ids is empty; generation needs at least one token (e.g. BOS)")
     stop_list = None if stop_ids is None else list(stop_ids)
-    check_sampling(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop_list,
-                   names={"max_tokens": "max_new_tokens"}, min_tokens=0)
+    r = rule
+    check_sampling(max_tokens=max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=seed, stop_ids=stop_list,
+                   names={"max_tokens": "max_new_tokens"}, max_tokens_floor=0, top_k=r.top_k, min_p=r.min_p,
+                   presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty,
+                   repetition_penalty=r.repetition_penalty, logit_bias=r.logit_bias, min_tokens=r.min_tokens,
+                   vocab_size=model.config.vocab_size if r.logit_bias else None)
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
     if speculative is not None:
         check_speculative(speculative, num_draft)
-    return set(_eos_ids(model)) if stop_list is None else {int(i) for i in stop_list}
+    if stop_list is not None:
+        return {int(i) for i in stop_list}
+    return set() if ignore_eos else set(_eos_ids(model))
 
 
 def _plan_state(state, history, capacity, n_prompt: int, max_new_tokens: int, speculative,
@@ -229,9 +256,7 @@ class _Run:
 
     model: Any
     out: _Output
-    temperature: float
-    top_p: float
-    generator: torch.Generator
+    sampler: Sampler
     num_draft: int
     state: Any = None
     drafter: Drafter | None = None
@@ -275,12 +300,18 @@ class _Run:
         logits, hidden = self._forward(prompt[last:], last_only=True)
         if self.out.limit == 0:
             return True
-        y = sample_next(logits[-1], self.temperature, self.top_p, self.generator)
-        if self.out.emit(y):
+        y = self._choose(logits[-1])
+        if self.out.emit(y) or self.sampler.finished:
             return True
         if self.drafter is not None:
             self.drafter.update(hidden, start + last, prompt[last + 1:] + [y])
         return False
+
+    def _choose(self, logits_row: torch.Tensor) -> int:
+        """The next id after what is out so far, recorded with the sampler (its grammar)."""
+        tok = self.sampler.choose(logits_row, self.out.tokens)
+        self.sampler.accept(tok)
+        return tok
 
     def _propose(self) -> tuple[list[int], torch.Tensor | None]:
         """This step's drafts and their probability rows (None: none, or a deterministic drafter)."""
@@ -300,19 +331,22 @@ class _Run:
         drafts, q = self._propose()
         logits, hidden = self._forward([y] + drafts)
         if drafts:
-            n, nxt = verify_drafts(logits, drafts, q, self.temperature, self.top_p, self.generator)
+            n, nxt = verify_drafts(logits, drafts, q, self.sampler, self.out.tokens)
+            if nxt is not None:
+                self.sampler.accept(nxt)
         else:
-            n, nxt = 0, sample_next(logits[0], self.temperature, self.top_p, self.generator)
+            n, nxt = 0, self._choose(logits[0])
         self.steps += 1
         self.drafted += len(drafts)
         self.accepted += n
-        new = drafts[:n] + [nxt]
+        new = drafts[:n] + ([] if nxt is None else [nxt])
         m, done = 0, False
         for tok in new:
             m += 1
             if self.out.emit(tok):
                 done = True
                 break
+        done = done or self.sampler.finished  # the grammar ended on the last token
         # consumed now: y and the first m - 1 emitted tokens; the m-th is pending
         if self.state.pos != pos0 + m:
             self.state.rewind_to(pos0 + m)

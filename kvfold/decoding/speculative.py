@@ -5,13 +5,14 @@ forward (the "verify" pass) and keeps the longest prefix it agrees with, plus on
 own choice.
 
 * Greedy (temperature 0): a draft is kept while it equals the argmax of the main model's
-  logits at that position (ties toward the lowest id, as `sample_next`); the output is the
-  plain greedy output (up to the ~1e-5 difference between chunked and 1-token logits).
+  processed logits at that position (ties toward the lowest id, as `sample_next`); the output
+  is the plain greedy output (up to the ~1e-5 difference between chunked and 1-token logits).
 * Sampling: speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Draft
   d_i is kept with probability min(1, p(d_i) / q(d_i)); on the first rejection the token is
   drawn from normalize(max(p - q, 0)); when every draft is kept, a bonus token is drawn from
   p at the last position. The emitted tokens are distributed exactly as sampling from p
-  (the main model's temperature/top-p distribution) one token at a time.
+  one token at a time, p being the request's processed distribution (`logits.Sampler`:
+  penalties, bias, grammar, then temperature, min-p, top-k, top-p) given the tokens before.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from .drafters import Drafter, MtpDrafter, NgramDrafter
-from .sampling import draw, sample_next, sampling_probs
+from .logits import Sampler
+from .sampling import draw
 
 SPECULATIVE_KINDS = ("mtp", "ngram")
 
@@ -78,22 +80,32 @@ def rejection_step(p: torch.Tensor, q: torch.Tensor | None, draft: int,
 
 
 def verify_drafts(logits: torch.Tensor, drafts: Sequence[int], draft_probs: torch.Tensor | None,
-                  temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[int, int]:
+                  sampler: Sampler, output: Sequence[int] = ()) -> tuple[int, int | None]:
     """Accept a prefix of `drafts` against the verify logits [len(drafts) + 1, vocab] (row i scores
     the token after drafts[:i]). Returns (n_accepted, next_token): next_token is the main model's
-    token after the last accepted draft (a correction on rejection, a bonus when all pass)."""
+    token after the last accepted draft (a correction on rejection, a bonus when all pass).
+
+    Row i is judged by the request's own rule after `output + drafts[:i]` (`sampler.process`:
+    bias, penalties, grammar), so speculative output follows the same processed distribution as
+    one token at a time; each accepted draft is `sampler.accept`ed before the next row is
+    processed (the grammar moves only over tokens that are kept, never over a rejected one),
+    and the caller accepts next_token. next_token is None when the grammar ended on the last
+    accepted draft (the output is complete there)."""
     k = len(drafts)
     if logits.shape[0] != k + 1:
         raise ValueError(f"verify logits have {logits.shape[0]} rows for {k} drafts (need {k + 1})")
-    if temperature == 0.0:
-        for i, d in enumerate(drafts):
-            best = sample_next(logits[i], 0.0, top_p, None)
-            if best != d:
-                return i, best
-        return k, sample_next(logits[k], 0.0, top_p, None)
+    history = list(output)
     for i, d in enumerate(drafts):
-        q = None if draft_probs is None else draft_probs[i]
-        ok, tok = rejection_step(sampling_probs(logits[i], temperature, top_p), q, int(d), generator)
+        if sampler.rule.temperature == 0.0:
+            tok = sampler.choose(logits[i], history)
+            ok = tok == int(d)
+        else:
+            q = None if draft_probs is None else draft_probs[i]
+            ok, tok = rejection_step(sampler.probs(logits[i], history), q, int(d), sampler.generator)
         if not ok:
             return i, tok
-    return k, sample_next(logits[k], temperature, top_p, generator)
+        sampler.accept(int(d))
+        if sampler.finished:  # the grammar ended on this draft: nothing may follow it
+            return i + 1, None
+        history.append(int(d))
+    return k, sampler.choose(logits[k], history)

@@ -61,31 +61,38 @@ class AsyncEngine:
     async def add_request(self, prompt_ids: Seq[int], params: SamplingParams) -> "RequestStream":
         """Queue a request; returns the stream of its outputs. Engine refusals
         (InvalidRequestError, RequestTooLongError, QueueFullError) raise here."""
+        (stream,) = await self.add_choices(prompt_ids, [params])
+        return stream
+
+    async def add_choices(self, prompt_ids: Seq[int], params: Seq[SamplingParams]) -> list["RequestStream"]:
+        """`Engine.add_choices`: one stream per choice, all sharing one prefill."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        added: concurrent.futures.Future[str] = concurrent.futures.Future()
+        queues = [asyncio.Queue() for _ in params]
+        added: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
 
         def add() -> None:
             if not added.set_running_or_notify_cancel():
                 return  # the caller gave up before the worker got here: add nothing
             try:
-                rid = self.engine.add_request(prompt_ids, params)
+                rids = self.engine.add_choices(prompt_ids, list(params))
             except Exception as exc:
                 added.set_exception(exc)
                 return
-            self._streams[rid] = (loop, queue)  # registered before any step can produce output
-            added.set_result(rid)
+            for rid, queue in zip(rids, queues):
+                self._streams[rid] = (loop, queue)  # registered before any step can produce output
+            added.set_result(rids)
 
         self._submit(add)
         try:
-            rid = await asyncio.wrap_future(added)
-        except asyncio.CancelledError:  # caller gone while the worker was adding it: cancel once added
+            rids = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # caller gone while the worker was adding them: cancel once added
             def cleanup(f: concurrent.futures.Future) -> None:
                 if not f.cancelled() and f.exception() is None:
-                    self.cancel(f.result())
+                    for rid in f.result():
+                        self.cancel(rid)
             added.add_done_callback(cleanup)
             raise
-        return RequestStream(self, rid, queue)
+        return [RequestStream(self, rid, q) for rid, q in zip(rids, queues)]
 
     async def generate(self, prompt_ids: Seq[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """`add_request` and iterate; leaving the loop early cancels the request."""

@@ -21,8 +21,8 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from ..decoding.grammar import CompiledGrammar, compile_grammar
 from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
-from ..decoding.sampling import sample_next
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
@@ -106,20 +106,40 @@ class Engine:
         """Queue a request; returns its id. Refusals happen here, before any work:
         InvalidRequestError (bad ids or parameters), RequestTooLongError (prompt + max_tokens over
         max_seq_len, or a state over max_state_bytes), QueueFullError (max_queue requests waiting)."""
+        return self.add_choices(prompt_ids, [params], None if request_id is None else [request_id])[0]
+
+    def add_choices(self, prompt_ids: Seq[int] | torch.Tensor, params: Seq[SamplingParams | None],
+                    request_ids: Seq[str] | None = None) -> list[str]:
+        """Queue one request per `params` on the same prompt (OpenAI's `n`); returns their ids.
+        The prompt is prefilled once: when that prefill ends, the other choices start from a
+        copy of its state (paged states share its whole pages by reference and copy only the
+        rest), then each goes on alone. Refusals as `add_request`, for all of them or none.
+        Cancelling the first choice before its prefill ends stops its output only: its prefill
+        still runs for the others."""
+        ids = list(request_ids) if request_ids is not None else [None] * len(params)
+        if not params or len(ids) != len(params) or len(set(i for i in ids if i is not None)) < \
+                len([i for i in ids if i is not None]):
+            raise InvalidRequestError("add_choices needs one or more params and, if given, as many distinct ids")
         try:
-            seq = self._make_sequence(prompt_ids, params, request_id)
-            self.scheduler.add(seq)
+            seqs = [self._make_sequence(prompt_ids, p, rid) for p, rid in zip(params, ids)]
+            leader = seqs[0]
+            leader.followers = seqs[1:]
+            for f in leader.followers:
+                f.leader = leader
+            self._check_fits(leader)
+            self.scheduler.add(leader)
         except (InvalidRequestError, QueueFullError):
-            self._c["requests_rejected"] += 1
+            self._c["requests_rejected"] += len(params)
             raise
-        self._seqs[seq.request_id] = seq
-        self._c["requests_added"] += 1
-        self._c["prompt_tokens"] += len(seq.prompt)
-        return seq.request_id
+        for seq in seqs:
+            self._seqs[seq.request_id] = seq
+        self._c["requests_added"] += len(seqs)
+        self._c["prompt_tokens"] += len(leader.prompt)
+        return [seq.request_id for seq in seqs]
 
     def _make_sequence(self, prompt_ids, params, request_id) -> Sequence:
         params = SamplingParams() if params is None else params
-        params.validate()
+        params.validate(self.vocab_size)
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.tolist()
         prompt = list(prompt_ids)
@@ -134,31 +154,79 @@ class Engine:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        stop_ids = self.eos_ids if params.stop_token_ids is None else frozenset(int(i) for i in params.stop_token_ids)
-        seq = Sequence(request_id, prompt, params, stop_ids, self.tokenizer)
+        stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | {int(i) for i in params.stop_token_ids or ()}
+        grammar = self._compile(params.grammar)
+        seq = Sequence(request_id, prompt, params, frozenset(stop_ids), self.tokenizer, grammar=grammar)
         if seq.capacity > self.max_seq_len:
             raise RequestTooLongError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {seq.capacity} passes "
                 f"max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
-        if self.state_bytes(seq.capacity) > self.max_state_bytes:
-            raise RequestTooLongError(
-                f"this request's state needs {self.state_bytes(seq.capacity)} bytes, more than max_state_bytes "
-                f"{self.max_state_bytes} for all sequences together; lower max_tokens or the prompt length")
-        if self.pages is not None and self.pages.pages_for(seq.capacity) > self.pages.num_pages:
-            raise RequestTooLongError(
-                f"this request needs {self.pages.pages_for(seq.capacity)} KV pages of {self.pages.page_tokens} "
-                f"tokens, more than the pool's {self.pages.num_pages}; lower max_tokens or the prompt length")
         return seq
 
+    def _compile(self, spec):
+        """The compiled grammar of a request's `grammar` (GrammarError if invalid): a GrammarSpec
+        compiled here, or one already compiled for this vocabulary (the server does that off
+        this thread)."""
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured output needs a tokenizer; this model has none", param="grammar")
+        if isinstance(spec, CompiledGrammar):
+            if spec.vocab_size != self.vocab_size:
+                raise InvalidRequestError(f"grammar compiled for vocab_size {spec.vocab_size}, not this model's "
+                                          f"{self.vocab_size}", param="grammar")
+            return spec
+        return compile_grammar(spec, self.tokenizer, self.vocab_size)
+
+    def _group_bytes(self, seq: Sequence) -> int:
+        return sum(self.state_bytes(s.capacity) for s in [seq, *seq.followers])
+
+    def _group_pages(self, seq: Sequence, cached: int = 0) -> int:
+        """Pages a sequence and its followers need at admission: each its own pages, less the
+        prompt's whole pages that the followers share and the `cached` tokens' the first reuses."""
+        pt = self.pages.page_tokens
+        shared = len(seq.prompt) // pt
+        return self.pages.pages_for(seq.capacity) - cached // pt + \
+            sum(self.pages.pages_for(f.capacity) - shared for f in seq.followers)
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """RequestTooLongError for a request (with its followers) that could never be admitted."""
+        need = self._group_bytes(seq)
+        if need > self.max_state_bytes:
+            raise RequestTooLongError(
+                f"this request's state{'s' if seq.followers else ''} need{'' if seq.followers else 's'} {need} bytes, "
+                f"more than max_state_bytes {self.max_state_bytes} for all sequences together; lower max_tokens, n "
+                f"or the prompt length")
+        if seq.width > self.scheduler.max_running:
+            raise InvalidRequestError(f"n={seq.width} choices are more than this engine runs at once "
+                                      f"(max_running={self.scheduler.max_running})")
+        if self.pages is not None and self._group_pages(seq) > self.pages.num_pages:
+            raise RequestTooLongError(
+                f"this request needs {self._group_pages(seq)} KV pages of {self.pages.page_tokens} tokens, more "
+                f"than the pool's {self.pages.num_pages}; lower max_tokens, n or the prompt length")
+
     def cancel(self, request_id: str) -> bool:
-        """Drop a waiting or running request and free its state now. False if it is unknown or done."""
+        """Drop a waiting or running request and free its state now. False if it is unknown or done.
+        A first choice whose prefill other choices still wait for goes on prefilling, silently."""
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        self._c["requests_cancelled"] += 1
+        leader = seq.leader
+        if leader is not None and seq in leader.followers:  # not started yet: give back its reservation
+            leader.followers.remove(seq)
+            self.scheduler.shrink_reservation(leader, self.state_bytes(seq.capacity))
+            if leader.ghost and not leader.followers:
+                self._drop(leader)
+        elif seq.followers:
+            seq.ghost = True
+        else:
+            self._drop(seq)
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self._release(seq)
-        self._c["requests_cancelled"] += 1
-        return True
 
     def cancel_all(self) -> int:
         """Cancel every unfinished request; returns how many there were."""
@@ -177,34 +245,81 @@ class Engine:
         """Admit what fits, run one batched forward, choose tokens. Returns one output per
         request that produced a token, finished, or failed this step."""
         outputs: list[RequestOutput] = []
-        for seq in self.scheduler.admit(lambda s: self.state_bytes(s.capacity), self._pages_fit):
+        for seq in self.scheduler.admit(self._group_bytes, self._pages_fit):
             self._start(seq, outputs)
         batch = self.scheduler.plan()
         if not batch:
             return outputs
+        wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
         try:
-            logits = self.model.forward_batch([(ids, seq.state) for seq, ids in batch], last_only=True)
+            logits = self.model.forward_batch([(ids, seq.state) for seq, ids in batch],
+                                              last_only=[not w for w in wants_prompt])
         except Exception as exc:  # the whole batch is suspect: end its requests, keep serving the rest
             for seq, _ in batch:
                 self._fail(seq, f"model forward failed: {exc!r}", outputs)
             return outputs
+        self._count_batch(batch)
+        for (seq, ids), lg, prompt_rows in zip(batch, logits, wants_prompt):
+            if not seq.output:  # a prefill chunk
+                if prompt_rows:
+                    seq.record_prompt_logprobs(seq.state.pos - len(ids), lg)
+                self._maybe_snapshot(seq)
+                if seq.prefilling:
+                    continue  # the prompt goes on next step; these logits are not read
+                if seq.followers:
+                    self._fork(seq, lg[-1], outputs)
+                if seq.ghost:
+                    self._drop(seq)
+                    continue
+            self._choose(seq, lg[-1], outputs)
+        return outputs
+
+    def _count_batch(self, batch) -> None:
         n_tokens = sum(len(ids) for _, ids in batch)
         self._c.update(steps=self._c["steps"] + 1, last_batch_seqs=len(batch), last_batch_tokens=n_tokens)
         self._c["batch_seqs"] += len(batch)
         self._c["batch_tokens"] += n_tokens
-        for (seq, ids), lg in zip(batch, logits):
-            if not seq.output:  # a prefill chunk
-                self._c["prefill_tokens"] += len(ids)
-                self._maybe_snapshot(seq)
-                if seq.prefilling:
-                    continue  # the prompt goes on next step; these logits are not read
-            p = seq.params
-            seq.append_token(sample_next(lg[-1], p.temperature, p.top_p, seq.generator))
-            self._c["generation_tokens"] += 1
-            outputs.append(seq.take_output())
-            if seq.finish_reason is not None:
-                self._finish(seq)
-        return outputs
+        self._c["prefill_tokens"] += sum(len(ids) for seq, ids in batch if not seq.output)
+
+    def _choose(self, seq: Sequence, logits_row: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        try:
+            seq.choose(logits_row)
+        except Exception as exc:  # e.g. a grammar and min_tokens that leave no token: this request only
+            self._fail(seq, f"could not choose a token: {exc!r}", outputs)
+            return
+        self._c["generation_tokens"] += 1
+        outputs.append(seq.take_output())
+        if seq.finish_reason is not None:
+            self._finish(seq)
+
+    def _fork(self, leader: Sequence, logits_row: torch.Tensor, outputs: list[RequestOutput]) -> None:
+        """Start the followers of a leader whose prefill just ended from a copy of its state: a
+        paged state gives them its whole prompt pages by reference (and the rest in a snapshot
+        without those rows); each then chooses its first token from the leader's last logits."""
+        followers, leader.followers = leader.followers, []
+        kw, prefix = ({}, {}) if self.pages is None else ({"pages": self.pages}, {})
+        if self.pages is not None:
+            shared = leader.state.share_prefix(len(leader.prompt) // self.pages.page_tokens * self.pages.page_tokens)
+            prefix = {"prefix_pages": shared}
+        blob = leader.state.snapshot(pools=self.pages is None)
+        try:
+            for f in followers:
+                own = self.state_bytes(f.capacity)
+                self.scheduler.start_follower(leader, f, own)
+                try:
+                    f.state = self.model.new_state(capacity=f.capacity, **kw, **prefix)
+                    f.state.restore(blob)
+                except Exception as exc:
+                    self._fail(f, f"could not copy the first choice's state: {exc!r}", outputs)
+                    continue
+                self._c["states_allocated"] += 1
+                f.cached_tokens = leader.cached_tokens
+                if leader.prompt_logprobs is not None:
+                    f.prompt_logprobs = list(leader.prompt_logprobs)
+                self._choose(f, logits_row, outputs)
+        finally:
+            if prefix:
+                self.pages.decref(prefix["prefix_pages"])  # share_prefix's reference: the followers took theirs
 
     def _keys(self, seq: Sequence) -> list[bytes]:
         if not seq.block_keys and len(seq.prompt) >= self.prefill_chunk:
@@ -212,14 +327,15 @@ class Engine:
         return seq.block_keys
 
     def _pages_fit(self, seq: Sequence) -> bool:
-        """Whether the pages of `seq` (less the cached prefix it will reuse) can be allocated now,
-        evicting least recently used prefix-cache entries (never the one it hits) if needed."""
+        """Whether the pages of `seq` and its followers (less the cached prefix it will reuse) can
+        be allocated now, evicting least recently used prefix-cache entries (never the one it
+        hits) if needed. The followers' pages stay reserved until they start."""
         if self.pages is None:
             return True
-        need, keep = self.pages.pages_for(seq.capacity), None
-        if self.prefix_cache is not None:
-            n, keep, _ = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
-            need -= n // self.pages.page_tokens
+        cached, keep = 0, None
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            cached, keep, _ = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
+        need = self._group_pages(seq, cached) + self._reserved_pages
         if self.pages.free_pages >= need:
             return True
         return self.prefix_cache is not None and self.prefix_cache.evict_for_pages(need, keep)
@@ -228,7 +344,7 @@ class Engine:
         """Give an admitted sequence its state, resumed from the longest cached prefix: its
         pages by reference (paged states) and the rest restored from the entry's snapshot."""
         n, entry = 0, None
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a hit skips the prompt's logits
             n, _, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
         kw = {} if self.pages is None else {"pages": self.pages}
         prefix = {"prefix_pages": list(entry.pages)} if entry is not None and entry.pages else {}
@@ -260,7 +376,7 @@ class Engine:
         pos = seq.state.pos
         if self.prefix_cache is None or pos % self.prefill_chunk:
             return
-        key = seq.block_keys[pos // self.prefill_chunk - 1]
+        key = self._keys(seq)[pos // self.prefill_chunk - 1]
         if key in self.prefix_cache:
             self.prefix_cache.touch(key)
         elif self.pages is not None:
@@ -278,14 +394,27 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
-        self.scheduler.remove(seq)
-        self._release(seq)
+        self._drop(seq)
         self._c[f"finished_{seq.finish_reason}"] += 1
 
     def _fail(self, seq: Sequence, message: str, outputs: list[RequestOutput]) -> None:
+        """End a request with an error output (none for a ghost), and the followers waiting on it."""
+        for f in seq.followers:
+            self._fail(f, message, outputs)
+        seq.followers = []
         seq.finish_reason, seq.error = "error", message
-        outputs.append(seq.take_output())
+        if not seq.ghost:
+            outputs.append(seq.take_output())
         self._finish(seq)
+
+    @property
+    def _reserved_pages(self) -> int:
+        """Pages the admitted leaders' followers will take when they start."""
+        if self.pages is None:
+            return 0
+        pt = self.pages.page_tokens
+        return sum(self.pages.pages_for(f.capacity) - len(s.prompt) // pt
+                   for s in self.scheduler.running for f in s.followers)
 
     # ---- convenience -------------------------------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None

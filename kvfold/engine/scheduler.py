@@ -33,11 +33,17 @@ class Scheduler:
             raise QueueFullError(f"the engine's queue is full ({self.max_queue} waiting requests); retry later")
         self.waiting.append(seq)
 
+    @property
+    def slots(self) -> int:
+        """Running sequences, counting the followers their leaders hold places for."""
+        return sum(s.width for s in self.running)
+
     def admit(self, state_bytes: Callable[[Sequence], int],
               fits: Callable[[Sequence], bool] | None = None) -> Iterator[Sequence]:
         """Move waiting sequences to running while they fit, yielding each one as it is moved:
-        the caller allocates its state before the next one is considered (so `fits` sees it)."""
-        while self.waiting and len(self.running) < self.max_running:
+        the caller allocates its state before the next one is considered (so `fits` sees it).
+        A leader is admitted with its followers' places and state bytes reserved."""
+        while self.waiting and self.slots + self.waiting[0].width <= self.max_running:
             need = state_bytes(self.waiting[0])
             if self.reserved_bytes + need > self.max_state_bytes:
                 break  # wait for running sequences to finish and free theirs
@@ -68,10 +74,24 @@ class Scheduler:
             prefilled += 1
         return batch
 
+    def start_follower(self, leader: Sequence, follower: Sequence, nbytes: int) -> None:
+        """A follower starts: its place and `nbytes` of its leader's reservation become its own."""
+        leader.state_bytes -= nbytes
+        follower.state_bytes = nbytes
+        follower.status = Status.RUNNING
+        self.running.append(follower)
+
+    def shrink_reservation(self, leader: Sequence, nbytes: int) -> None:
+        """A follower that never started is gone: its leader holds `nbytes` less for it."""
+        if leader.status is Status.RUNNING:
+            leader.state_bytes -= nbytes
+            self.reserved_bytes -= nbytes
+
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or cancelled sequence (its state is freed by the caller)."""
         if seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            if seq in self.waiting:  # (a follower that never started was never queued)
+                self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
             self.reserved_bytes -= seq.state_bytes

@@ -9,6 +9,7 @@ token-parallel ops give every row the bits it would get alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -58,3 +59,29 @@ class RowBatch:
         if len(self.segments) == 1:
             return slice(self.rows - 1, self.rows)  # a view, no gather
         return torch.tensor([s.r1 - 1 for s in self.segments], device=self.token_ids.device)
+
+    def _last_flags(self, last_only: bool | Sequence[bool]) -> list[bool]:
+        if isinstance(last_only, bool):
+            return [last_only] * len(self.segments)
+        return [bool(f) for f in last_only]
+
+    def scored_rows(self, last_only: bool | Sequence[bool]) -> torch.Tensor | slice:
+        """The rows whose logits are wanted: each segment's last row where its `last_only` flag
+        (one for all, or one per segment) is set, all its rows where it is not."""
+        flags = self._last_flags(last_only)
+        if all(flags):
+            return self.last_rows()
+        if not any(flags):
+            return slice(0, self.rows)
+        return torch.cat([torch.arange(s.r1 - 1 if last else s.r0, s.r1, device=self.token_ids.device)
+                          for s, last in zip(self.segments, flags)])
+
+    def split_scored(self, logits: torch.Tensor, last_only: bool | Sequence[bool]) -> list[torch.Tensor]:
+        """The logits of `scored_rows`, one tensor per segment ([1, vocab] or [T_i, vocab])."""
+        out, r = [], 0
+        for s, last in zip(self.segments, self._last_flags(last_only)):
+            n = 1 if last else s.length
+            out.append(logits[r:r + n])
+            r += n
+        return out
+

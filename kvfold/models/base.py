@@ -119,10 +119,11 @@ class CausalLM(nn.Module):
         ids = self._checked(token_ids, state)
         return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
 
-    def forward_batch(self, batch: list, last_only: bool = True) -> list[torch.Tensor]:
+    def forward_batch(self, batch: list, last_only: bool | list[bool] = True) -> list[torch.Tensor]:
         """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
         would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
-        ([1, vocab] with `last_only`, else [T_i, vocab]); in batch-invariant mode they are
+        ([1, vocab] with `last_only`, else [T_i, vocab]; one flag for all pairs, or one per pair:
+        a request that wants its prompt's logprobs); in batch-invariant mode they are
         bit-identical to what the pair would get alone. Every pair is validated before any state
         is touched."""
         checked = [(self._checked(ids, st), st) for ids, st in batch]
@@ -134,13 +135,13 @@ class CausalLM(nn.Module):
         logits, streams = self._forward_rows([(ids, state)], last_only)
         return logits[0], streams[:ids.numel()]
 
-    def _forward_rows(self, pieces: list, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _forward_rows(self, pieces: list, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams)."""
         with invariant_rows(self.batch_invariant):
             return self._run_rows(RowBatch.build(pieces, self.device), last_only)
 
-    def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         raise NotImplementedError
 
     # ---- state -------------------------------------------------------------------------------

@@ -25,14 +25,17 @@ def run_in_chunks(forward_chunk: Callable, ids: torch.Tensor, state, max_chunk: 
     return (out, torch.cat(hidden)) if return_hidden else out
 
 
-def run_batch_in_rounds(forward_rows: Callable, pieces: list, max_chunk: int, last_only: bool) -> list:
-    """forward_rows([(chunk_ids, state), ...], last_only) -> (logits per piece, streams): one model
-    call per round, each round at most `max_chunk` more tokens of every piece still running."""
+def run_batch_in_rounds(forward_rows: Callable, pieces: list, max_chunk: int, last_only: bool | list[bool]) -> list:
+    """forward_rows([(chunk_ids, state), ...], flags) -> (logits per piece, streams): one model
+    call per round, each round at most `max_chunk` more tokens of every piece still running.
+    `last_only`: one flag for every piece, or one per piece (only its last row's logits)."""
+    flags = [last_only] * len(pieces) if isinstance(last_only, bool) else list(last_only)
     outs: list[list[torch.Tensor]] = [[] for _ in pieces]
     with torch.inference_mode():
         for c0 in range(0, max((ids.numel() for ids, _ in pieces), default=0), max_chunk):
             live = [(i, ids[c0:c0 + max_chunk], st) for i, (ids, st) in enumerate(pieces) if c0 < ids.numel()]
-            logits, _ = forward_rows([(ids, st) for _, ids, st in live], last_only)
+            live_flags = flags[0] if isinstance(last_only, bool) else [flags[i] for i, _, _ in live]
+            logits, _ = forward_rows([(ids, st) for _, ids, st in live], live_flags)
             for (i, _, _), lg in zip(live, logits):
                 outs[i].append(lg)
-    return [o[-1] if last_only else torch.cat(o) for o in outs]
+    return [o[-1] if last else torch.cat(o) for o, last in zip(outs, flags)]

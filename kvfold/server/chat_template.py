@@ -56,12 +56,26 @@ class ChatTemplate:
                 return cls(tokenizer, template, special)
         return cls(tokenizer)
 
+    def text(self, messages: Sequence[dict[str, str]]) -> str:
+        """The rendered text of `messages` ([{"role", "content"}]), ending where the assistant replies
+        (without the plain template's BOS, which `render` adds as an id)."""
+        if self._compiled is not None:
+            return self._compiled.render(messages=list(messages), add_generation_prompt=True, **self.special)
+        return "".join(PLAIN_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + \
+            PLAIN_GENERATION_PROMPT
+
     def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Prompt ids for `messages` ([{"role", "content"}]), ending where the assistant replies."""
+        """Prompt ids for `messages`: `text`, encoded."""
+        return self.ids(self.text(messages))
+
+    def ids(self, text: str) -> list[int]:
+        """A rendered text's ids (the plain template's start with BOS)."""
         tok = self.tokenizer
         if self._compiled is not None:
-            text = self._compiled.render(messages=list(messages), add_generation_prompt=True, **self.special)
             return tok.encode(text)
-        text = "".join(PLAIN_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
-        bos = [tok.bos_id] if tok.bos_id is not None else []
-        return bos + tok.encode(text + PLAIN_GENERATION_PROMPT)
+        return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
+
+    @staticmethod
+    def opens_reasoning(text: str) -> bool:
+        """Whether a rendered prompt leaves the reply inside a reasoning block (ends in "<think>")."""
+        return text.rstrip().endswith("<think>")

@@ -6,6 +6,7 @@ handlers find it with `server_context(request)`.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -15,6 +16,8 @@ from typing import Any
 
 from fastapi import Request
 
+from ..decoding.grammar import GrammarSpec, compile_grammar
+from ..decoding.sampling import SEED_RANGE
 from ..engine import AsyncEngine, Engine, SamplingParams
 from ..engine.async_engine import RequestStream
 from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError
@@ -86,19 +89,37 @@ class ServerContext:
             raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def start(self, ids: list[int], params: SamplingParams, param: str | None = None,
-                    length_param: str = "max_tokens") -> RequestStream:
-        """Submit a request, answering the engine's refusals as OpenAI errors (400, or 503 when full);
-        `param` names the field an invalid request blames (the prompt's ids), `length_param` the one
-        a request too long for the context does (the token limit the client set, else the prompt)."""
+    async def start(self, ids: list[int], params: list[SamplingParams], param: str | None = None,
+                    length_param: str = "max_tokens") -> list[RequestStream]:
+        """Submit a prompt's choices (one prefill), answering the engine's refusals as OpenAI errors
+        (400, or 503 when full); `param` names the field an invalid request blames unless the
+        engine names one (else the prompt's ids), `length_param` the one a request too long for
+        the context does (the token limit the client set, else the prompt)."""
+        await self._compile(params)
         try:
-            return await self.async_engine.add_request(ids, params)
+            return await self.async_engine.add_choices(ids, params)
         except RequestTooLongError as exc:
             raise ApiError(400, str(exc), param=length_param, code="context_length_exceeded") from None
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), param=param) from None
+            raise ApiError(400, str(exc), param=exc.param or param) from None
         except QueueFullError as exc:
             raise ApiError(503, str(exc), type="server_error", code="queue_full") from None
+
+
+    async def _compile(self, params: list[SamplingParams]) -> None:
+        """Compile the choices' grammar off the event loop and the engine's thread (a big schema
+        takes a while), so the engine gets it ready; a bad one is a 400 before any work."""
+        spec = params[0].grammar
+        if not isinstance(spec, GrammarSpec):
+            return
+        if self.tokenizer is None:
+            raise ApiError(400, "structured output needs a tokenizer; this model has none", param=spec.param)
+        try:
+            compiled = await asyncio.to_thread(compile_grammar, spec, self.tokenizer, self.engine.vocab_size)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param or spec.param) from None
+        for p in params:
+            p.grammar = compiled
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -144,7 +165,36 @@ def server_context(request: Request) -> ServerContext:
     return request.app.state.server
 
 
-def sampling(req, max_tokens: int) -> SamplingParams:
-    """The engine's sampling parameters for a parsed completion or chat request."""
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                          stop=tuple(req.stop or ()), stop_token_ids=req.stop_token_ids)
+def sampling(req, max_tokens: int, *, logprobs: int | None = None, prompt_logprobs: int | None = None,
+             grammar_after: list[int] | None = None) -> list[SamplingParams]:
+    """The engine's sampling parameters for a parsed completion or chat request: one per choice
+    (`n`), choice i seeded with seed + i (wrapped into the 64-bit range), as vLLM derives them.
+    An output constraint is left as its GrammarSpec (`ServerContext.compile` compiles it)."""
+    base = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=tuple(req.stop or ()),
+                stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, grammar=_grammar_spec(req), grammar_after=tuple(grammar_after or ()),
+                **req.shaping())
+    return [SamplingParams(seed=derived_seed(req.seed, i), **base) for i in range(req.n or 1)]
+
+
+def _grammar_spec(req):
+    """The request's output constraint as a GrammarSpec (None: none), a 400 naming its field if malformed."""
+    structured = req.structured()
+    if structured is None:
+        return None
+    param, spec = structured
+    try:
+        if "response_format" in spec:
+            return GrammarSpec.from_response_format(spec["response_format"])
+        return GrammarSpec(spec["kind"], spec["value"], param=param)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+
+
+def derived_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request seeded `seed`: seed + index, wrapped into
+    torch's seed range [-2^63, 2^64)."""
+    if seed is None:
+        return None
+    lo, hi = SEED_RANGE
+    return (seed + index - lo) % (hi - lo) + lo

@@ -2,7 +2,15 @@
 
 kvfold extension: with `token_ids` set (the request's `"return_token_ids": true`) each choice also
 carries `token_ids`: all generated ids in a whole response, the ids new in that chunk in a stream.
-A completion with a batch of prompts has one choice per prompt, `index` its place in the batch.
+A completion with a batch of prompts has n choices per prompt: choice `index` is prompt
+index // n, its (index % n)-th choice.
+
+Logprobs take OpenAI's shapes: a chat choice's `logprobs.content` lists `{token, logprob, bytes,
+top_logprobs}` per token; a completion choice's `logprobs` holds the parallel lists `tokens`,
+`token_logprobs`, `top_logprobs` (token text -> logprob) and `text_offset` (where each token's
+text starts in the choice's text), the echoed prompt's tokens first (the very first has no
+logprob: null). A token's text is its own decoding, so a token that holds part of a UTF-8
+character reads as U+FFFD (`bytes` then are that text's UTF-8, as vLLM gives them).
 """
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from ..decoding.logits import TokenLogprob
 from ..engine import RequestOutput
 
 
@@ -25,11 +34,16 @@ class ResponseFormat:
     takes each choice's outputs in index order, `chunk` one output and its choice's index."""
     object_whole = object_chunk = prefix = ""
 
-    def __init__(self, model_name: str, token_ids: bool):
+    def __init__(self, model_name: str, token_ids: bool, tokenizer: Any = None, logprobs: bool = False):
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
         self.token_ids = token_ids
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs  # whether choices carry logprobs (the outputs hold them)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
 
     def _envelope(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -67,12 +81,49 @@ class CompletionFormat(ResponseFormat):
     object_whole = object_chunk = "text_completion"
     prefix = "cmpl"
 
+    def __init__(self, model_name: str, token_ids: bool, tokenizer: Any = None, logprobs: bool = False,
+                 echo: list[str] | None = None, first_ids: list[int] | None = None):
+        """`echo`: each choice's prompt text, to put before its completion (None: no echo);
+        `first_ids`: each choice's first prompt id (the echoed logprobs name it, with null)."""
+        super().__init__(model_name, token_ids, tokenizer, logprobs)
+        self.echo = echo
+        self.first_ids = first_ids or []
+        self._offset: dict[int, int] = {}  # characters of each choice's text so far (text_offset)
+        self._echoed: set[int] = set()  # streamed choices whose prompt text went out
+
+    def _logprobs(self, outs: list[RequestOutput], index: int) -> dict | None:
+        """OpenAI's completion logprobs of these outputs, the echoed prompt's first."""
+        if not self.logprobs:
+            return None
+        entries: list[TokenLogprob | None] = []
+        for o in outs:
+            if o.prompt_logprobs is not None and self.echo is not None:
+                entries += o.prompt_logprobs  # None first: nothing predicts the first prompt token
+            entries += o.logprobs or []
+        lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self._offset.get(index, 0)
+        for e in entries:
+            text = self.token_text(self.first_ids[index] if e is None else e.token)
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(None if e is None else e.logprob)
+            lp["top_logprobs"].append(None if e is None else {self.token_text(t): v for t, v in e.top})
+            lp["text_offset"].append(offset)
+            offset += len(text)
+        self._offset[index] = offset
+        return lp
+
     def _chunk_choice(self, out: RequestOutput, index: int) -> dict:
-        return {"index": index, "text": out.new_text, "logprobs": None,
+        echo = ""
+        if self.echo is not None and index not in self._echoed:  # the prompt goes before the first text
+            self._echoed.add(index)
+            echo = self.echo[index]
+        logprobs = self._logprobs([out], index)
+        return {"index": index, "text": echo + out.new_text, "logprobs": logprobs,
                 "finish_reason": out.finish_reason if out.finished else None}
 
     def _whole_choice(self, outs: list[RequestOutput], index: int) -> dict:
-        return {"index": index, "text": "".join(o.new_text for o in outs), "logprobs": None,
+        text = (self.echo[index] if self.echo is not None else "") + "".join(o.new_text for o in outs)
+        return {"index": index, "text": text, "logprobs": self._logprobs(outs, index),
                 "finish_reason": outs[-1].finish_reason}
 
 
@@ -80,14 +131,30 @@ class ChatFormat(ResponseFormat):
     object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
+    def __init__(self, model_name: str, token_ids: bool, tokenizer: Any = None, logprobs: bool = False,
+                 choices: int = 1):
+        super().__init__(model_name, token_ids, tokenizer, logprobs)
+        self.choices = choices
+
     def first_chunk(self) -> dict | None:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._envelope(self.object_chunk, [choice])
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                   for i in range(self.choices)]
+        return self._envelope(self.object_chunk, choices)
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, outs: list[RequestOutput]) -> dict | None:
+        if not self.logprobs:
+            return None
+        return {"content": [{**self._entry(e.token, e.logprob), "top_logprobs": [self._entry(t, v) for t, v in e.top]}
+                            for o in outs for e in (o.logprobs or [])], "refusal": None}
 
     def _chunk_choice(self, out: RequestOutput, index: int) -> dict:
-        return {"index": index, "delta": {"content": out.new_text} if out.new_text else {}, "logprobs": None,
-                "finish_reason": out.finish_reason if out.finished else None}
+        return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                "logprobs": self._logprobs([out]), "finish_reason": out.finish_reason if out.finished else None}
 
     def _whole_choice(self, outs: list[RequestOutput], index: int) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
-                "logprobs": None, "finish_reason": outs[-1].finish_reason}
+                "logprobs": self._logprobs(outs), "finish_reason": outs[-1].finish_reason}

@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from .context import ServerContext
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
 
@@ -61,10 +61,17 @@ class Usage(_Doc):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(_Doc):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Doc):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"]
     token_ids: list[int] | None = None  # with "return_token_ids": true
 
@@ -83,10 +90,25 @@ class AssistantMessage(_Doc):
     content: str
 
 
+class TopLogprob(_Doc):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Doc):
+    content: list[TokenLogprob]
+    refusal: None
+
+
 class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"]
     token_ids: list[int] | None = None
 
@@ -104,6 +126,16 @@ class Health(_Doc):
     status: str
 
 
+class Tokens(_Doc):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class Detokenized(_Doc):
+    prompt: str
+
+
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
@@ -113,14 +145,18 @@ _ERRORS = {400: "Invalid or unsupported request", 401: "Missing or wrong API key
            503: "Queue full"}
 
 
+def body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` naming a route's JSON body (one of REQUEST_MODELS)."""
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+
+
 def generation(model: type[BaseModel], response: type[BaseModel]) -> dict[str, Any]:
     """The decorator arguments documenting a generation route: its JSON body, and its answers
     (a JSON body, or server-sent events when the request says `"stream": true`)."""
-    body = {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
     ok = {"model": response, "description": "The completion, or its chunks as server-sent events with stream",
           "content": {"text/event-stream": {"schema": {"type": "string"}}}}
-    return {"openapi_extra": {"requestBody": body},
-            "responses": {200: ok, **errors(400, 401, 404, 413, 415, 503)}}
+    return {"openapi_extra": body(model), "responses": {200: ok, **errors(400, 401, 404, 413, 415, 503)}}
 
 
 def build_openapi(app: FastAPI, ctx: ServerContext) -> dict[str, Any]:
@@ -134,8 +170,9 @@ def build_openapi(app: FastAPI, ctx: ServerContext) -> dict[str, Any]:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(defs.get("$defs", {}))
     for m in REQUEST_MODELS:
-        schemas[m.__name__]["properties"]["model"] = {"type": "string", "enum": [ctx.model_name],
-                                                      "description": "The model this server serves"}
+        optional = m in (TokenizeRequest, DetokenizeRequest)
+        served = {"type": "string", "enum": [ctx.model_name], "description": "The model this server serves"}
+        schemas[m.__name__]["properties"]["model"] = {"anyOf": [served, {"type": "null"}]} if optional else served
     _narrow_prompt(schemas["CompletionRequest"]["properties"]["prompt"], ctx.engine.vocab_size)
     for name in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422s: kvfold answers 400
         schemas.pop(name, None)

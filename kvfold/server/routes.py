@@ -1,7 +1,8 @@
 """The server's routes, on one `APIRouter` that `create_app` includes.
 
-GET /health and GET /metrics are open; GET /v1/models, GET /v1/models/{id}, POST /v1/completions
-and POST /v1/chat/completions need the API key when one is set. Each route reads what it shares
+GET /health and GET /metrics are open; GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions, and vLLM's POST /tokenize and POST /detokenize need the API key when
+one is set. Each route reads what it shares
 with the others (engine, served name, key) from the app's `ServerContext`. The decorators'
 `responses` and `openapi_extra` only document the routes (GET /openapi.json).
 """
@@ -18,7 +19,7 @@ from . import openapi as doc
 from .context import ServerContext, sampling, server_context
 from .formats import ChatFormat, CompletionFormat
 from .responses import cancel_all, respond
-from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -66,11 +67,17 @@ async def completions(request: Request) -> Response:
     ctx.check_model(req.model)
     batch = req.prompts()
     ids = [(param, _prompt_ids(ctx, prompt, param)) for param, prompt in batch]
-    params = sampling(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS)
+    echo_logprobs = req.logprobs if req.echo else None  # the prompt's logprobs, echoed with it
+    params = sampling(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
+                      prompt_logprobs=echo_logprobs)
     # too long for the context: a lone prompt blames the max_tokens the client set, a batch its prompt
     lone = batch[0][0] == "prompt"
     streams = await _start_all(ctx, ids, params, "max_tokens" if req.max_tokens and lone else None)
-    return await respond(request, streams, req, CompletionFormat(ctx.model_name, req.return_token_ids))
+    n = len(params)
+    echo = [_echo_text(ctx, prompt) for _, prompt in batch for _ in range(n)] if req.echo else None
+    fmt = CompletionFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, req.logprobs is not None, echo,
+                           [p[0] for _, p in ids for _ in range(n)])
+    return await respond(request, streams, req, fmt)
 
 
 @router.post("/v1/chat/completions", **doc.generation(ChatCompletionRequest, doc.ChatCompletion))
@@ -79,17 +86,57 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_auth(request)
     req = parse(ChatCompletionRequest, await ctx.read_json(request))
     ctx.check_model(req.model)
-    ids = _chat_ids(ctx, req)
+    ids, reasoning = _chat_ids(ctx, req)
     # no max_tokens: whatever room the context leaves (at least 1, so a full context is a 400)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.engine.max_seq_len - len(ids))
     limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens" if req.max_tokens else "messages"
-    stream = await ctx.start(ids, sampling(req, max_tokens), length_param=limit)
-    return await respond(request, [stream], req, ChatFormat(ctx.model_name, req.return_token_ids))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # structured output constrains the answer, after the reasoning (vLLM #41132: not the reasoning)
+    after = ctx.tokenizer.encode("</think>") if reasoning else []
+    params = sampling(req, max_tokens, logprobs=logprobs, grammar_after=after)
+    streams = await ctx.start(ids, params, length_param=limit)
+    fmt = ChatFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, logprobs is not None, len(params))
+    return await respond(request, streams, req, fmt)
+
+
+@router.post("/tokenize", openapi_extra=doc.body(TokenizeRequest), responses={200: {"model": doc.Tokens},
+                                                                             **doc.errors(400, 401, 404, 413, 415)})
+async def tokenize(request: Request) -> Response:
+    """vLLM's route: the ids a completion prompt or chat messages would run as."""
+    ctx = server_context(request)
+    ctx.check_auth(request)
+    req = parse(TokenizeRequest, await ctx.read_json(request))
+    if req.model is not None:
+        ctx.check_model(req.model)
+    if req.messages is not None:
+        ids, _ = _chat_ids(ctx, req)
+    elif req.add_special_tokens or ctx.tokenizer is None:  # (no tokenizer: _prompt_ids says so)
+        ids = _prompt_ids(ctx, req.prompt, "prompt")
+    else:
+        ids = ctx.tokenizer.encode(req.prompt)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.engine.max_seq_len, "tokens": ids})
+
+
+@router.post("/detokenize", openapi_extra=doc.body(DetokenizeRequest), responses={200: {"model": doc.Detokenized},
+                                                                                 **doc.errors(400, 401, 404, 413,
+                                                                                              415)})
+async def detokenize(request: Request) -> Response:
+    ctx = server_context(request)
+    ctx.check_auth(request)
+    req = parse(DetokenizeRequest, await ctx.read_json(request))
+    if req.model is not None:
+        ctx.check_model(req.model)
+    if ctx.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer", param="tokens")
+    bad = [t for t in req.tokens if not 0 <= t < ctx.engine.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {ctx.engine.vocab_size})", param="tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
 
 
 async def _start_all(ctx: ServerContext, batch: list[tuple[str, list[int]]], params,
                      length_param: str | None) -> list[RequestStream]:
-    """One engine request per (param, ids) prompt, all handed to the engine at once (they queue
+    """The choices of every (param, ids) prompt, all handed to the engine at once (they queue
     together, so a batch may hold up to max_queue prompts); a refusal of one cancels the others.
     A prompt too long for the context blames `length_param`, else its own param."""
     queue = ctx.engine.scheduler.max_queue
@@ -98,12 +145,19 @@ async def _start_all(ctx: ServerContext, batch: list[tuple[str, list[int]]], par
                        param="prompt")
     started = await asyncio.gather(*(ctx.start(ids, params, param=param, length_param=length_param or param)
                                      for param, ids in batch), return_exceptions=True)
-    streams = [s for s in started if isinstance(s, RequestStream)]
+    streams = [s for group in started if isinstance(group, list) for s in group]
     failed = [e for e in started if isinstance(e, BaseException)]
     if failed:
         cancel_all(streams)
         raise failed[0]  # the first prompt's refusal, in batch order
     return streams
+
+
+def _echo_text(ctx: ServerContext, prompt: str | list[int]) -> str:
+    """The prompt as `echo` returns it: the text sent, or the decoding of the ids sent."""
+    if isinstance(prompt, str):
+        return prompt
+    return ctx.tokenizer.decode(prompt) if ctx.tokenizer is not None else ""
 
 
 def _prompt_ids(ctx: ServerContext, prompt: str | list[int], param: str) -> list[int]:
@@ -118,11 +172,14 @@ def _prompt_ids(ctx: ServerContext, prompt: str | list[int], param: str) -> list
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
 
 
-def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    """The chat messages rendered by the model's chat template; a template that refuses them is a 400."""
+def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
+    """The chat messages rendered by the model's chat template, and whether the rendered prompt
+    opens a reasoning block; a template that refuses them is a 400."""
     if ctx.template is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
-        return ctx.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
+        text = ctx.template.text(messages)
+        return ctx.template.ids(text), ctx.template.opens_reasoning(text)
     except Exception as exc:  # the checkpoint's template refused these messages
         raise ApiError(400, f"chat template: {exc}", param="messages") from None

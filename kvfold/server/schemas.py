@@ -1,11 +1,14 @@
 """Request bodies of the OpenAI-compatible endpoints, and the OpenAI error shape.
 
 As strict as OpenAI: no type coercion ("10" is not an int), and a field OpenAI does not define
-is refused with a 400 naming it. Every field OpenAI defines is declared; those kvfold does not
-implement are accepted only with the values that change nothing (`n` 1, penalties 0, `tools`
-null, ...: the `_only` tables) and refused otherwise, never silently ignored. Pure metadata
-(`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, ...) is accepted and unused.
-The OpenAPI document (`kvfold.server.openapi`) is these models' JSON schemas.
+is refused with a 400 naming it, except vLLM's sampling extensions, which kvfold implements as
+vLLM defines them (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `structured_outputs` and the older `guided_*` fields). Every field OpenAI
+defines is declared; those kvfold does not implement are accepted only with the values that
+change nothing (`best_of` 1, `tools` null, ...: the `_only` tables) and refused otherwise, never
+silently ignored. Pure metadata (`user`, `metadata`, `safety_identifier`, `prompt_cache_key`,
+...) is accepted and unused. The OpenAPI document (`kvfold.server.openapi`) is these models'
+JSON schemas.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from ..decoding.sampling import SamplingArgumentError, check_sampling
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 MAX_STOPS = 4  # OpenAI's limit
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_CHAT_LOGPROBS = 20  # OpenAI's top_logprobs range
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's logprobs range on /v1/completions
 
 
 class ApiError(Exception):
@@ -81,6 +87,15 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # OpenAI's padding against length side channels; same text
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # (`json` is a BaseModel method)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Request(_Strict):
     model: str
     max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
@@ -90,16 +105,28 @@ class _Request(_Strict):
     stop: str | list[str] | None = Field(None, json_schema_extra={"maxItems": MAX_STOPS})
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": MAX_N})
+    presence_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: float | None = Field(None, json_schema_extra={"minimum": -2, "maximum": 2})
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     user: str | None = None  # metadata: accepted, unused
     return_token_ids: bool = Field(False, description="kvfold extension: add the generated token ids to each choice")
-    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end the choice "
-                                             "(default: the model's EOS ids; [] never stops early)")
-    _only: ClassVar[dict[str, tuple]] = {"n": (None, 1), "presence_penalty": (None, 0),
-                                         "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: token ids that end the choice, "
+                                             "besides the model's EOS ids")
+    top_k: int | None = Field(None, description="vLLM extension: sample from the k most likely tokens (0 or -1: all)")
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1},
+                                description="vLLM extension: drop tokens below min_p times the top probability")
+    repetition_penalty: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0},
+                                             description="vLLM extension: > 1 discourages tokens of the prompt and "
+                                             "output")
+    min_tokens: int | None = Field(None, json_schema_extra={"minimum": 0},
+                                   description="vLLM extension: no stop before this many tokens")
+    ignore_eos: bool | None = Field(None, description="vLLM extension: do not stop at the model's EOS ids")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: constrain the output")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older structured_outputs.grammar")
     _more_token_limits: ClassVar[tuple[str, ...]] = ()  # fields checked as max_tokens is
 
     @field_validator("stop")
@@ -112,15 +139,61 @@ class _Request(_Strict):
         """Out-of-range sampling fields: a 400 naming the field (decoding's rules, OpenAI's limits)."""
         self.temperature = 1.0 if self.temperature is None else self.temperature  # OpenAI's defaults
         self.top_p = 1.0 if self.top_p is None else self.top_p
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         try:
             check_sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
                            stop=self.stop, stop_ids=self.stop_token_ids, names={"stop_ids": "stop_token_ids"},
-                           max_temperature=MAX_TEMPERATURE, max_stops=MAX_STOPS)
+                           max_temperature=MAX_TEMPERATURE, max_stops=MAX_STOPS, **self.shaping())
             for name in self._more_token_limits:
-                check_sampling(max_tokens=getattr(self, name), names={"max_tokens": name})
+                check_sampling(max_tokens=getattr(self, name), names={"max_tokens": name},
+                               min_tokens=self.min_tokens or 0)
         except SamplingArgumentError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         return self
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with int keys: JSON keys are strings, each must spell a token id."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not (k.isascii() and k.isdigit())]
+        if bad:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {_short(bad[0])}", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
+
+    def shaping(self) -> dict[str, Any]:
+        """The arguments of `check_sampling` and `SamplingParams` that reshape the distribution."""
+        return {"top_k": 0 if self.top_k is None else self.top_k, "min_p": self.min_p or 0.0,
+                "presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "logit_bias": self.token_bias(), "min_tokens": self.min_tokens or 0}
+
+    def structured(self) -> tuple[str, dict[str, Any]] | None:
+        """(param, spec) of the one output constraint asked for, in GrammarSpec's terms, or None;
+        a 400 when more than one is."""
+        found = []
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (("json_schema", so.json_schema), ("regex", so.regex), ("choice", so.choice),
+                                ("ebnf", so.grammar), ("json_object", True if so.json_object else None)):
+                if value is not None:
+                    found.append(("structured_outputs", {"kind": kind, "value": None if kind == "json_object" else value}))
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "ebnf")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {"kind": kind, "value": value}))
+        found += self._response_format()
+        if len(found) > 1:
+            raise ApiError(400, f"{found[1][0]}: one output constraint per request ({found[0][0]} is one already)",
+                           param=found[1][0])
+        if so is not None and not found:
+            raise ApiError(400, "structured_outputs: give one of json, regex, choice, grammar or json_object",
+                           param="structured_outputs")
+        return found[0] if found else None
+
+    def _response_format(self) -> list[tuple[str, dict[str, Any]]]:
+        return []
 
     @property
     def include_usage(self) -> bool:
@@ -132,13 +205,19 @@ TokenIds = list[int]
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
-        description="a text, a token-id list, or a batch of either (one choice per prompt)")
+        description="a text, a token-id list, or a batch of either (n choices per prompt)")
     echo: bool | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS})
     suffix: str | None = None
-    _only: ClassVar[dict[str, tuple]] = {**_Request._only, "echo": (None, False), "best_of": (None, 1),
-                                         "logprobs": (None,), "suffix": (None, "")}
+    _only: ClassVar[dict[str, tuple]] = {**_Request._only, "best_of": (None, 1), "suffix": (None, "")}
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}",
+                           param="logprobs")
+        return self
 
     def prompts(self) -> list[tuple[str, str | list[int]]]:
         """The prompts, each a text or token ids, with the param that names it: one ("prompt"), or a
@@ -180,16 +259,15 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-_NOT_IMPLEMENTED = ("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions",
-                    "function_call", "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity",
-                    "moderation")
+_NOT_IMPLEMENTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+                    "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation")
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_CHAT_LOGPROBS})
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -211,10 +289,48 @@ class ChatCompletionRequest(_Request):
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     _only: ClassVar[dict[str, tuple]] = {
-        **_Request._only, **{name: (None,) for name in _NOT_IMPLEMENTED}, "logprobs": (None, False),
-        "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+        **_Request._only, **{name: (None,) for name in _NOT_IMPLEMENTED}, "modalities": (None, ["text"]),
         "service_tier": (None, "auto", "default"), "store": (None, False)}
     _more_token_limits: ClassVar[tuple[str, ...]] = ("max_completion_tokens",)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_CHAT_LOGPROBS:
+                raise ApiError(400, f"top_logprobs must be in [0, {MAX_CHAT_LOGPROBS}], got {self.top_logprobs}",
+                               param="top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+    def _response_format(self) -> list[tuple[str, dict[str, Any]]]:
+        rf = self.response_format
+        if rf is None or rf == {"type": "text"}:
+            return []
+        return [("response_format", {"response_format": rf})]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's POST /tokenize: a completion prompt (BOS first with add_special_tokens, as
+    /v1/completions does) or chat messages (rendered as /v1/chat/completions renders them)."""
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    _only: ClassVar[dict[str, tuple]] = {"add_generation_prompt": (True,)}  # kvfold's templates always add it
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize: token ids back to text."""
+    model: str | None = None
+    tokens: TokenIds
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

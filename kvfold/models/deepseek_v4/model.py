@@ -185,7 +185,7 @@ class Dsv4Model(CausalLM):
                          prefix_tokens=len(prefix) * pages.page_tokens if pages is not None else 0)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
-    def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
             batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))
@@ -195,11 +195,9 @@ class Dsv4Model(CausalLM):
             streams = block(streams, batch)
         for seg in batch.segments:
             seg.state.pos = seg.state.written_until = seg.start + seg.length
-        h = streams[batch.last_rows()] if last_only else streams
+        h = streams[batch.scored_rows(last_only)]
         logits = self.lm_head(self.model.norm(self.model.hc_head(h))).float()
-        if last_only:
-            return [logits[i:i + 1] for i in range(len(batch.segments))], streams
-        return [logits[s.rows] for s in batch.segments], streams
+        return batch.split_scored(logits, last_only), streams
 
     # ---- accounting ----------------------------------------------------------------------------
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:

@@ -10,7 +10,9 @@ from ...state.blob import DTYPE_CODES, Section
 from ...state.rings import PositionRing
 
 FLAG_FP8_KV = 1  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
-FLAG_NO_POOLS = 0x100  # (layout flags use bits 8-15) pool sections hold 0 rows: their rows live in shared pages
+# (layout flags use bits 8-15) pool sections leave out the rows of the whole pages before pos:
+# those live in pages shared by reference; only the last, partial page's rows are in the blob
+FLAG_NO_POOLS = 0x100
 
 # section kinds
 WINDOW, COMP_KV, COMP_SCORE, COMP_POOL, IX_KV, IX_SCORE, IX_POOL = range(7)
@@ -36,10 +38,17 @@ def _buffers(ls, kind):
     return out.get(kind)
 
 
+def shared_tokens(state, pos: int) -> int:
+    """The positions whose pool rows a FLAG_NO_POOLS snapshot at `pos` leaves out: its whole
+    pages (all of them for a state without pages, which such a blob never restores into)."""
+    pages = getattr(state, "pages", None)
+    return pos if pages is None else pos // pages.page_tokens * pages.page_tokens
+
+
 def expected_sections(state, pos: int, layout: int = 0) -> list[Section]:
     """The sections a snapshot at `pos` holds for a state of this geometry (with FLAG_NO_POOLS
-    in `layout`: pool sections of 0 rows)."""
-    pools = not layout & FLAG_NO_POOLS
+    in `layout`: pool sections start after the `shared_tokens`)."""
+    skip = shared_tokens(state, pos) if layout & FLAG_NO_POOLS else 0
     sd = DTYPE_CODES[state.dtype]
     f32 = DTYPE_CODES[torch.float32]
     secs = []
@@ -54,7 +63,7 @@ def expected_sections(state, pos: int, layout: int = 0) -> list[Section]:
             first = max(0, (pos // r) * r - (r if comp.overlap else 0))
             secs.append(Section(i, kinds[0], first, pos - first, comp.kv.store.width, f32))
             secs.append(Section(i, kinds[1], first, pos - first, comp.score.store.width, f32))
-            secs.append(Section(i, kinds[2], 0, pos // r if pools else 0, comp.pool.width, sd))
+            secs.append(Section(i, kinds[2], skip // r, pos // r - skip // r, comp.pool.width, sd))
     return secs
 
 
@@ -82,18 +91,19 @@ def _kv_mismatch(state):
 
 
 def _check_pages(state, pos: int, no_pools: bool) -> None:
-    """Refusal 10 (docs/state-format.md): a blob without pool rows restores only into a state
-    holding exactly that prefix's pages by reference; a full blob never rewrites a shared page,
-    and the page the next forward writes must be this state's alone."""
+    """Refusal 10 (docs/state-format.md): a blob without its whole pages' pool rows restores only
+    into a state holding exactly those pages by reference; a full blob never rewrites a shared
+    page, and the page the next forward writes must be this state's alone."""
     pages = getattr(state, "pages", None)
     if no_pools:
-        if pages is None or state.prefix_tokens == 0 or pos != state.prefix_tokens:
-            held = "no prefix pages" if pages is None or state.prefix_tokens == 0 else \
+        shared = shared_tokens(state, pos)
+        if pages is None or state.prefix_tokens != shared:
+            held = "no pages" if pages is None else "no prefix pages" if state.prefix_tokens == 0 else \
                 f"prefix pages for positions [0, {state.prefix_tokens})"
             raise SnapshotPagesError(
-                f"snapshot at pos {pos} leaves out its pool rows (a prefix-cache snapshot); it restores only into "
-                f"a state created with new_state(..., pages=pool, prefix_pages=<the pages of positions [0, {pos})>), "
-                f"and this state holds {held}")
+                f"snapshot at pos {pos} leaves out the pool rows of its whole pages (a prefix-cache or fork "
+                f"snapshot); it restores only into a state created with new_state(..., pages=pool, prefix_pages="
+                f"<the pages of positions [0, {shared})>), and this state holds {held}")
         return
     if pages is None:
         return

@@ -149,7 +149,7 @@ class Glm5Model(CausalLM):
                          device=dev, dtype=dt)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
-    def _run_rows(self, batch: RowBatch, last_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         for seg in batch.segments:
             seg.state._sync_dsa()
         streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
@@ -174,11 +174,9 @@ class Glm5Model(CausalLM):
             streams = HyperConnection.expand(streams, y, post, comb)
         for seg in batch.segments:
             seg.state.pos = seg.state.written_until = seg.start + seg.length
-        last = streams[batch.last_rows()] if last_only else streams
-        logits = self.lm_head(self.model.norm(stream_mean(last))).float()
-        if last_only:
-            return [logits[i:i + 1] for i in range(len(batch.segments))], streams
-        return [logits[seg.rows] for seg in batch.segments], streams
+        scored = streams[batch.scored_rows(last_only)]
+        logits = self.lm_head(self.model.norm(stream_mean(scored))).float()
+        return batch.split_scored(logits, last_only), streams
 
     @staticmethod
     def _attend(block, x: torch.Tensor, seg, ls, sels: list, s: int) -> torch.Tensor:
