@@ -28,11 +28,14 @@ import torch
 from ..errors import InvalidRequestError
 from ..tokenizer import BYTE_EOS_ID, ByteTokenizer, HFTokenizer
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "tool_calls")
+# kvfold's chat families -> xgrammar's built-in structural tags of their tool-call syntax
+TOOL_CALL_FORMATS = {"deepseek_v4": "deepseek_v4", "glm": "glm_4_7"}
 COMPILED_CACHE_SIZE = 64  # compiled grammars kept; a server sees a few schemas again and again
 # Whitespace allowed between JSON tokens: unbounded, a weak model can loop on "\n" forever; 32
 # still fits JSON pretty-printed 15 levels deep at indent 2.
 MAX_JSON_WHITESPACE = 32
+MAX_TOOL_WHITESPACE = 2  # between the parts of a tool call, whose syntax puts at most a newline there
 
 
 class GrammarError(InvalidRequestError):
@@ -63,8 +66,11 @@ def _xgrammar():
 class GrammarSpec:
     """What the output must match. `value`: None (json_object), a dict or JSON-text schema
     (json_schema), a regex string (regex), a non-empty list of strings (choice), EBNF text with
-    a `root` rule (ebnf). Malformed values are refused here, at construction. Equality and
-    hashing go by `key`, so equal specs share one compiled grammar."""
+    a `root` rule (ebnf), or {"family", "tools", "tool_choice"} (tool_calls: the output must be
+    one or more calls in the family's own syntax, "required", or a call of the one named tool,
+    "forced"; built from xgrammar's structural tag of that syntax). Malformed values are
+    refused here, at construction. Equality and hashing go by `key`, so equal specs share one
+    compiled grammar."""
 
     kind: str
     value: Any = None
@@ -88,6 +94,13 @@ class GrammarSpec:
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
                 raise GrammarError("choice takes a non-empty list of strings", self.param)
             return tuple(value)
+        if kind == "tool_calls":
+            ok = isinstance(value, dict) and value.get("family") in TOOL_CALL_FORMATS and \
+                value.get("tool_choice") in ("required", "forced") and isinstance(value.get("tools"), list) and \
+                value["tools"]
+            if not ok:
+                raise GrammarError("tool_calls takes {family, tools, tool_choice: required|forced}", self.param)
+            return json.dumps(value, ensure_ascii=False, sort_keys=True)
         if kind == "json_schema":
             try:
                 schema = json.loads(value) if isinstance(value, str) else value
@@ -165,6 +178,15 @@ def _build_grammar(xgr, spec: GrammarSpec):
             schema = {"type": "object"} if spec.kind == "json_object" else json.loads(spec.key[1])
             return xgr.Grammar.from_json_schema(_length_bounds_as_patterns(schema),
                                                 max_whitespace_cnt=MAX_JSON_WHITESPACE)
+        if spec.kind == "tool_calls":  # reasoning, if any, is over: the matcher starts after it
+            v = spec.value
+            tools, choice = v["tools"], v["tool_choice"]
+            if choice == "forced":  # xgrammar names the forced tool OpenAI's way
+                choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMATS[v["family"]], tools=tools, tool_choice=choice,
+                                               reasoning="disabled", parallel_tool_calls=v.get("parallel", True),
+                                               max_whitespace_cnt=MAX_TOOL_WHITESPACE)
+            return xgr.Grammar.from_structural_tag(tag)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "choice":  # a JSON string literal is also an EBNF one (\" \\ \n \uXXXX)

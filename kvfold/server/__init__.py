@@ -62,6 +62,7 @@ def build_app(args: argparse.Namespace):
     from ..engine import Engine
     from ..errors import KvfoldError
     from .app import create_app
+    from ..models.registry import family_of
     from .chat_template import ChatTemplate
 
     model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
@@ -74,7 +75,8 @@ def build_app(args: argparse.Namespace):
         raise KvfoldError(f"serve: {exc}") from None
     model_dir = None if args.model == "tiny" else args.model
     name = args.served_model_name or ("tiny" if model_dir is None else os.path.basename(os.path.normpath(model_dir)))
-    template = ChatTemplate.for_model(model.tokenizer, model_dir) if model.tokenizer is not None else None
+    family = family_of(model_dir).name if model_dir is not None else None
+    template = ChatTemplate.for_model(model.tokenizer, model_dir, family) if model.tokenizer is not None else None
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFOLD_API_KEY") or None
     return create_app(engine, model_name=name, api_key=api_key, chat_template=template)
 

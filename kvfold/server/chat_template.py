@@ -1,11 +1,18 @@
-"""Chat messages -> prompt ids: the checkpoint's own template when it ships one, else a plain one.
+"""Chat messages -> prompt ids, in the model's own chat format, and which output syntax it reads
+back (`family`: how its reasoning and tool calls look, for `kvfold.chat.parsers`).
 
-The checkpoint's template is `chat_template` in `tokenizer_config.json`, rendered with jinja2
-in a sandbox the way transformers does (`add_generation_prompt=True`, `bos_token`,
-`eos_token`); it writes its own special tokens as text, which the tokenizer maps back to ids.
-Without one, kvfold uses this plain template, BOS id first:
+Three kinds:
+- the checkpoint's own template, `chat_template` in `tokenizer_config.json` (GLM-5.3 ships one),
+  rendered with jinja2 in a sandbox the way transformers' `apply_chat_template` does
+  (`messages`, `tools`, `add_generation_prompt=True`, the special tokens, and the request's
+  `chat_template_kwargs`); assistant tool-call arguments are handed over as objects, as vLLM
+  does, since templates iterate them. It writes its own special tokens as text, which the
+  tokenizer maps back to ids;
+- DeepSeek-V4, whose release ships no Jinja template but a Python encoder: kvfold's own
+  implementation of it (`kvfold.chat.dsv4_encoding`);
+- otherwise (the built-in tiny model) a plain template, BOS id first, with no tool syntax:
 
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+      <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 """
 from __future__ import annotations
 
@@ -13,8 +20,12 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..chat.dsv4_encoding import encode_chat
+from ..errors import InvalidRequestError
+
 PLAIN_TEMPLATE = "<|{role}|>\n{content}\n"
 PLAIN_GENERATION_PROMPT = "<|assistant|>\n"
+FAMILY_OF_MODEL = {"glm5_next": "glm", "deepseek_v4": "deepseek_v4"}  # registry family -> output syntax
 
 
 def _token_text(v: Any) -> str:
@@ -24,11 +35,20 @@ def _token_text(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+class ChatTemplateError(InvalidRequestError):
+    """Messages (or options) this chat format cannot express; `param` names the field."""
+
+
 class ChatTemplate:
-    def __init__(self, tokenizer: Any, template: str | None = None, special: dict[str, str] | None = None):
+    def __init__(self, tokenizer: Any, template: str | None = None, special: dict[str, str] | None = None,
+                 family: str = "plain"):
+        """`template`: Jinja source (None: the plain template); `family`: the output syntax the
+        model writes ("deepseek_v4", "glm" or "plain"), which the server parses."""
         self.tokenizer = tokenizer
         self.source = template
         self.special = special or {}
+        self.family = family
+        self.kind = "jinja" if template is not None else "plain"
         self._compiled = None
         if template is not None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -43,8 +63,18 @@ class ChatTemplate:
             self._compiled = env.from_string(template)
 
     @classmethod
-    def for_model(cls, tokenizer: Any, model_dir: str | Path | None) -> "ChatTemplate":
-        """The template of `model_dir/tokenizer_config.json` when it has one, else the plain one."""
+    def deepseek_v4(cls, tokenizer: Any) -> "ChatTemplate":
+        """The DeepSeek-V4 release's encoding (kvfold's own implementation of it)."""
+        t = cls(tokenizer, family="deepseek_v4")
+        t.kind = "deepseek_v4"
+        return t
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, model_dir: str | Path | None, model_family: str | None = None) -> "ChatTemplate":
+        """The template of `model_dir/tokenizer_config.json` when it has one; else, for a
+        DeepSeek-V4 checkpoint, the release encoding; else the plain one. `model_family`: the
+        registry's family name (models/registry.py), which sets the output syntax."""
+        family = FAMILY_OF_MODEL.get(model_family or "", "plain")
         path = Path(model_dir) / "tokenizer_config.json" if model_dir else None
         if path is not None and path.is_file():
             cfg = json.loads(path.read_text(encoding="utf-8"))
@@ -53,25 +83,56 @@ class ChatTemplate:
                 template = next((t.get("template") for t in template if t.get("name") == "default"), None)
             if isinstance(template, str):
                 special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-                return cls(tokenizer, template, special)
+                return cls(tokenizer, template, special, family)
+        if model_dir is not None and family == "deepseek_v4":
+            return cls.deepseek_v4(tokenizer)
         return cls(tokenizer)
 
-    def text(self, messages: Sequence[dict[str, str]]) -> str:
-        """The rendered text of `messages` ([{"role", "content"}]), ending where the assistant replies
-        (without the plain template's BOS, which `render` adds as an id)."""
-        if self._compiled is not None:
-            return self._compiled.render(messages=list(messages), add_generation_prompt=True, **self.special)
+    def text(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
+             options: dict[str, Any] | None = None) -> str:
+        """The rendered text of OpenAI-shaped `messages` (content already one string), ending
+        where the assistant replies (without the plain template's BOS, which `ids` adds).
+        `options`: the request's chat_template_kwargs, plus `reasoning_effort` and
+        `response_format` when it set them."""
+        options = dict(options or {})
+        if self.kind == "deepseek_v4":
+            thinking = options.pop("thinking", options.pop("enable_thinking", False))
+            if not isinstance(thinking, bool):
+                raise ChatTemplateError("chat_template_kwargs.thinking must be a boolean", "chat_template_kwargs")
+            return encode_chat(list(messages), tools=tools, thinking=thinking,
+                               reasoning_effort=options.pop("reasoning_effort", None),
+                               response_format=options.pop("response_format", None))
+        if self.kind == "jinja":
+            options.pop("response_format", None)  # a Jinja template has no place for it; the grammar holds it
+            return self._compiled.render(messages=[_with_argument_objects(m) for m in messages], tools=tools or None,
+                                         add_generation_prompt=True, **{**self.special, **options})
+        return self._plain(messages, tools, options)
+
+    @staticmethod
+    def _plain(messages: Sequence[dict[str, Any]], tools, options) -> str:
+        """The plain template: roles and contents only, so anything else is refused, not dropped."""
+        if tools:
+            raise ChatTemplateError("this model's chat format has no tool syntax (plain template)", "tools")
+        for i, m in enumerate(messages):
+            extra = [k for k in ("tool_calls", "tool_call_id", "reasoning_content") if k in m]
+            if extra:
+                raise ChatTemplateError(f"the plain chat template cannot show {extra[0]}", f"messages.{i}.{extra[0]}")
+        unused = [k for k in options if k != "response_format"]
+        if unused:
+            raise ChatTemplateError(f"the plain chat template takes no {unused[0]}",
+                                    unused[0] if unused[0] == "reasoning_effort" else "chat_template_kwargs")
         return "".join(PLAIN_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages) + \
             PLAIN_GENERATION_PROMPT
 
-    def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
+               options: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids for `messages`: `text`, encoded."""
-        return self.ids(self.text(messages))
+        return self.ids(self.text(messages, tools, options))
 
     def ids(self, text: str) -> list[int]:
         """A rendered text's ids (the plain template's start with BOS)."""
         tok = self.tokenizer
-        if self._compiled is not None:
+        if self.kind != "plain":
             return tok.encode(text)
         return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
 
@@ -79,3 +140,17 @@ class ChatTemplate:
     def opens_reasoning(text: str) -> bool:
         """Whether a rendered prompt leaves the reply inside a reasoning block (ends in "<think>")."""
         return text.rstrip().endswith("<think>")
+
+
+def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose tool calls' arguments are objects (templates iterate them), not JSON text."""
+    if "tool_calls" not in message:
+        return message
+    calls = []
+    for c in message["tool_calls"]:
+        try:
+            args = json.loads(c["function"]["arguments"])
+        except ValueError:
+            args = c["function"]["arguments"]  # not JSON: the template gets the text as it came
+        calls.append({**c, "function": {**c["function"], "arguments": args}})
+    return {**message, "tool_calls": calls}

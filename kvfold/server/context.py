@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..decoding.grammar import GrammarSpec, compile_grammar
+from ..decoding.grammar import TOOL_CALL_FORMATS, GrammarSpec, compile_grammar
 from ..decoding.sampling import SEED_RANGE
 from ..engine import AsyncEngine, Engine, SamplingParams
 from ..engine.async_engine import RequestStream
@@ -166,20 +166,33 @@ def server_context(request: Request) -> ServerContext:
 
 
 def sampling(req, max_tokens: int, *, logprobs: int | None = None, prompt_logprobs: int | None = None,
-             grammar_after: list[int] | None = None) -> list[SamplingParams]:
+             grammar_after: list[int] | None = None, tool_family: str | None = None) -> list[SamplingParams]:
     """The engine's sampling parameters for a parsed completion or chat request: one per choice
     (`n`), choice i seeded with seed + i (wrapped into the 64-bit range), as vLLM derives them.
-    An output constraint is left as its GrammarSpec (`ServerContext.compile` compiles it)."""
+    An output constraint is left as its GrammarSpec (`ServerContext.compile` compiles it).
+    `tool_family`: the chat format's tool syntax, for a tool_choice that forces a call."""
     base = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, stop=tuple(req.stop or ()),
                 stop_token_ids=req.stop_token_ids, ignore_eos=bool(req.ignore_eos), logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, grammar=_grammar_spec(req), grammar_after=tuple(grammar_after or ()),
-                **req.shaping())
+                prompt_logprobs=prompt_logprobs, grammar=_grammar_spec(req, tool_family),
+                grammar_after=tuple(grammar_after or ()), **req.shaping())
     return [SamplingParams(seed=derived_seed(req.seed, i), **base) for i in range(req.n or 1)]
 
 
-def _grammar_spec(req):
-    """The request's output constraint as a GrammarSpec (None: none), a 400 naming its field if malformed."""
+def _grammar_spec(req, tool_family: str | None):
+    """The request's output constraint as a GrammarSpec (None: none), a 400 naming its field if
+    malformed: a structured output, or the tool call that tool_choice "required" or a named
+    function forces (constrained decoding with xgrammar's structural tag of the family's syntax)."""
     structured = req.structured()
+    forced = req.forced_tools()
+    if forced is not None:
+        if structured is not None:
+            raise ApiError(400, f"tool_choice forces a tool call, so {structured[0]} cannot constrain the output too",
+                           param=structured[0])
+        if tool_family not in TOOL_CALL_FORMATS:
+            raise ApiError(400, "this model's chat format has no tool-call syntax", param="tool_choice")
+        tools, choice = forced
+        return GrammarSpec("tool_calls", {"family": tool_family, "tools": tools, "tool_choice": choice,
+                                          "parallel": req.parallel_tool_calls is not False}, param="tool_choice")
     if structured is None:
         return None
     param, spec = structured

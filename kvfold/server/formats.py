@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from ..decoding.logits import TokenLogprob
 from ..engine import RequestOutput
@@ -128,13 +128,20 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """Chat bodies. With `parser` (a factory of `kvfold.chat.parsers.OutputParser`, one per
+    choice) the text is read back as the model's format writes it: `reasoning_content`, then
+    `content`, then `tool_calls` (and finish_reason "tool_calls" when calls ended the turn),
+    streamed as vLLM streams them: each call's id and name in its first delta, its arguments'
+    JSON text in fragments after."""
     object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
     prefix = "chatcmpl"
 
     def __init__(self, model_name: str, token_ids: bool, tokenizer: Any = None, logprobs: bool = False,
-                 choices: int = 1):
+                 choices: int = 1, parser: Callable[[], Any] | None = None):
         super().__init__(model_name, token_ids, tokenizer, logprobs)
         self.choices = choices
+        self.parser = parser
+        self._parsers: dict[int, Any] = {}  # streamed choices' parsers
 
     def first_chunk(self) -> dict | None:
         choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -151,10 +158,55 @@ class ChatFormat(ResponseFormat):
         return {"content": [{**self._entry(e.token, e.logprob), "top_logprobs": [self._entry(t, v) for t, v in e.top]}
                             for o in outs for e in (o.logprobs or [])], "refusal": None}
 
+    @staticmethod
+    def _finish_reason(reason: str | None, calls: bool) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
+
     def _chunk_choice(self, out: RequestOutput, index: int) -> dict:
-        return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                "logprobs": self._logprobs([out]), "finish_reason": out.finish_reason if out.finished else None}
+        finish = out.finish_reason if out.finished else None
+        if self.parser is None:
+            delta = {"content": out.new_text} if out.new_text else {}
+            return {"index": index, "delta": delta, "logprobs": self._logprobs([out]), "finish_reason": finish}
+        parser = self._parsers.setdefault(index, self.parser())
+        parts = [parser.feed(out.new_text)] + ([parser.finish()] if out.finished else [])
+        delta: dict[str, Any] = {}
+        reasoning, content = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        calls = [_call_delta(*c) for p in parts for c in p.tool_calls]
+        if calls:
+            delta["tool_calls"] = calls
+        return {"index": index, "delta": delta, "logprobs": self._logprobs([out]),
+                "finish_reason": self._finish_reason(finish, bool(parser.tool_calls))}
 
     def _whole_choice(self, outs: list[RequestOutput], index: int) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
-                "logprobs": self._logprobs(outs), "finish_reason": outs[-1].finish_reason}
+        text = "".join(o.new_text for o in outs)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = []
+        if self.parser is not None:
+            parser = self.parser()
+            parts = [parser.feed(text), parser.finish()]
+            reasoning, content = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+            calls = parser.tool_calls
+            message["content"] = content if content or not calls else None
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return {"index": index, "message": message, "logprobs": self._logprobs(outs),
+                "finish_reason": self._finish_reason(outs[-1].finish_reason, bool(calls))}
+
+
+def _call_delta(index: int, call_id: str | None, name: str | None, arguments: str) -> dict[str, Any]:
+    """One streamed tool-call fragment, in OpenAI's delta shape."""
+    d: dict[str, Any] = {"index": index}
+    if call_id is not None:
+        d.update(id=call_id, type="function")
+    fn: dict[str, Any] = {"arguments": arguments}
+    if name is not None:
+        fn = {"name": name, **fn}
+    d["function"] = fn
+    return d

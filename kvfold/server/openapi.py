@@ -85,9 +85,22 @@ class Completion(_Doc):
     usage: Usage
 
 
+class CalledFunction(_Doc):
+    name: str
+    arguments: str
+
+
+class CalledTool(_Doc):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # when the chat format separates reasoning
+    tool_calls: list[CalledTool] | None = None
 
 
 class TopLogprob(_Doc):
@@ -109,7 +122,7 @@ class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     token_ids: list[int] | None = None
 
 

@@ -13,7 +13,9 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from ..chat.parsers import OutputParser
 from ..engine.async_engine import RequestStream
+from ..errors import InvalidRequestError
 from . import metrics as prom
 from . import openapi as doc
 from .context import ServerContext, sampling, server_context
@@ -93,9 +95,11 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # structured output constrains the answer, after the reasoning (vLLM #41132: not the reasoning)
     after = ctx.tokenizer.encode("</think>") if reasoning else []
-    params = sampling(req, max_tokens, logprobs=logprobs, grammar_after=after)
+    params = sampling(req, max_tokens, logprobs=logprobs, grammar_after=after, tool_family=ctx.template.family)
     streams = await ctx.start(ids, params, length_param=limit)
-    fmt = ChatFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, logprobs is not None, len(params))
+    family, tools = ctx.template.family, [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    parser = (lambda: OutputParser(family, tools=tools if req.calls_tools else None, in_reasoning=reasoning))
+    fmt = ChatFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, logprobs is not None, len(params), parser)
     return await respond(request, streams, req, fmt)
 
 
@@ -173,13 +177,17 @@ def _prompt_ids(ctx: ServerContext, prompt: str | list[int], param: str) -> list
 
 
 def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
-    """The chat messages rendered by the model's chat template, and whether the rendered prompt
-    opens a reasoning block; a template that refuses them is a 400."""
+    """The chat messages rendered in the model's chat format, and whether the rendered prompt
+    opens a reasoning block; messages the format cannot express, or a template that refuses
+    them, are a 400."""
     if ctx.template is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [m.as_dict() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        text = ctx.template.text(messages)
+        text = ctx.template.text(messages, tools, req.render_options())
         return ctx.template.ids(text), ctx.template.opens_reasoning(text)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=exc.param or "messages") from None
     except Exception as exc:  # the checkpoint's template refused these messages
         raise ApiError(400, f"chat template: {exc}", param="messages") from None

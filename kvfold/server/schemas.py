@@ -195,6 +195,10 @@ class _Request(_Strict):
     def _response_format(self) -> list[tuple[str, dict[str, Any]]]:
         return []
 
+    def forced_tools(self) -> tuple[list[dict[str, Any]], str] | None:
+        """(tools, "required" | "forced") when tool_choice makes the model call one (chat only)."""
+        return None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -240,27 +244,80 @@ class TextPart(_Strict):
     _only: ClassVar[dict[str, tuple]] = {"type": ("text",)}  # images, audio, files: not supported
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None  # a participant's name is model input, which kvfold's templates drop: refused
     refusal: str | None = None
     audio: Any = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCall] | None = None
     function_call: Any = None
-    tool_call_id: Any = None
-    _only: ClassVar[dict[str, tuple]] = {"role": ("system", "developer", "user", "assistant"), "name": (None,),
-                                         "refusal": (None,), "audio": (None,), "tool_calls": (None,),
-                                         "function_call": (None,), "tool_call_id": (None,)}
+    tool_call_id: str | None = None
+    reasoning_content: str | None = Field(None, description="vLLM extension: an assistant turn's reasoning")
+    _only: ClassVar[dict[str, tuple]] = {"role": ("system", "developer", "user", "assistant", "tool"),
+                                         "name": (None,), "refusal": (None,), "audio": (None,),
+                                         "function_call": (None,)}
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "tool_calls belong to assistant messages")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise PydanticCustomError("reasoning_role", "reasoning_content belongs to assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError("tool_call_id_role", "a tool message, and only a tool message, needs tool_call_id")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat formats take it: content joined into one text."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
-_NOT_IMPLEMENTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
-                    "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation")
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+_NOT_IMPLEMENTED = ("functions", "function_call", "audio", "prediction", "web_search_options", "verbosity",
+                    "moderation")
 
 
 class ChatCompletionRequest(_Request):
@@ -269,8 +326,8 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_CHAT_LOGPROBS})
     response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # deprecated by OpenAI for tools
     function_call: Any = None
@@ -278,7 +335,9 @@ class ChatCompletionRequest(_Request):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: options of the chat "
+                                                        "format, e.g. {\"thinking\": true}")
     verbosity: str | None = None
     moderation: dict[str, Any] | None = None  # may block the output: refused
     service_tier: str | None = None  # scheduling, not output: only the ordinary tiers
@@ -292,6 +351,43 @@ class ChatCompletionRequest(_Request):
         **_Request._only, **{name: (None,) for name in _NOT_IMPLEMENTED}, "modalities": (None, ["text"]),
         "service_tier": (None, "auto", "default"), "store": (None, False)}
     _more_token_limits: ClassVar[tuple[str, ...]] = ("max_completion_tokens",)
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        tc = self.tool_choice
+        if isinstance(tc, NamedToolChoice) and tc.function.name not in {t.function.name for t in self.tools or ()}:
+            raise ApiError(400, f"tool_choice names {tc.function.name!r}, which is not in tools", param="tool_choice")
+        if tc in ("required",) and not self.tools:
+            raise ApiError(400, 'tool_choice "required" needs tools', param="tool_choice")
+        if self.parallel_tool_calls is False and not (tc == "required" or isinstance(tc, NamedToolChoice)):
+            # only a constrained call can be held to one: the model may write more, kvfold would drop them
+            raise ApiError(400, "parallel_tool_calls: false is supported with tool_choice \"required\" or a named "
+                           "function", param="parallel_tool_calls")
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is parsed for tool calls (tools given, tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tools(self) -> tuple[list[dict[str, Any]], str] | None:
+        """(tools, "required" | "forced") when tool_choice makes the model call one, else None."""
+        tc = self.tool_choice
+        if tc == "required":
+            return [t.model_dump(exclude_none=True) for t in self.tools], "required"
+        if isinstance(tc, NamedToolChoice):
+            return [t.model_dump(exclude_none=True) for t in self.tools if t.function.name == tc.function.name], "forced"
+        return None
+
+    def render_options(self) -> dict[str, Any]:
+        """What the chat format takes beyond the messages: chat_template_kwargs, reasoning_effort,
+        response_format."""
+        options = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            options["reasoning_effort"] = self.reasoning_effort
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            options["response_format"] = self.response_format
+        return options
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -318,7 +414,12 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     _only: ClassVar[dict[str, tuple]] = {"add_generation_prompt": (True,)}  # kvfold's templates always add it
+
+    def render_options(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
 
     @model_validator(mode="after")
     def _one_input(self):

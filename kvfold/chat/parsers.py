@@ -1,0 +1,593 @@
+"""Model output -> OpenAI `reasoning_content`, `content` and `tool_calls`, whole or streamed.
+
+Two output formats are understood (learned from public references, re-implemented here):
+
+* DeepSeek-V4 ("deepseek_v4"). Reasoning is ``<think>…</think>``; in thinking mode the prompt
+  already ends with ``<think>``. Tool calls are DSML, as the release encoder writes them
+  (sgl-project/sglang ``python/sglang/srt/entrypoints/openai/encoding_dsv4.py``)::
+
+      {content}\\n\\n<｜DSML｜tool_calls>
+      <｜DSML｜invoke name="NAME">
+      <｜DSML｜parameter name="P" string="true">raw text</｜DSML｜parameter>
+      <｜DSML｜parameter name="Q" string="false">JSON</｜DSML｜parameter>
+      </｜DSML｜invoke>
+      </｜DSML｜tool_calls>
+
+  The bars are U+FF5C. Whitespace between tags is free, as in vLLM's parser
+  (vllm-project/vllm ``vllm/tool_parsers/deepseekv32_tool_parser.py``, which
+  ``vllm/tool_parsers/deepseekv4_tool_parser.py`` reuses with the ``tool_calls`` block name).
+  As in ``vllm/reasoning/deepseek_v4_reasoning_parser.py``, a tool-call block met inside the
+  reasoning ends the reasoning.
+* GLM-4.5 / 4.7 / 5.x ("glm"). Reasoning is ``<think>…</think>``; a tool call is
+  ``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>`` with optional
+  whitespace (GLM-4.5 puts newlines) between the parts, as in vLLM's
+  ``vllm/tool_parsers/glm4_moe_tool_parser.py`` and ``glm47_moe_tool_parser.py``. Values are
+  raw text; a value whose parameter the tool's schema types as non-string is parsed.
+
+A tool-call block (DSV4: the whole ``tool_calls`` block; GLM: one ``<tool_call>``) is emitted
+only once it is complete and valid. Anything malformed (unclosed at the end, no name, bad
+attributes, stray text between tags, a duplicate parameter, a ``string="false"`` value that is
+not JSON, a block with no call) is returned verbatim as content. So while streaming, markup is
+held back until it is known valid or invalid (invalid is reported as soon as no continuation
+could be valid); a valid block's calls then come in one Delta, one argument fragment per
+parameter. The whole-output parse runs the same machine on the whole text, so a streamed parse
+always equals the whole parse.
+
+Choices where the references differ or are silent:
+
+* A function name not among the request's tools is still a call (vLLM's DSML and GLM parsers do
+  not check either); its values are just not coerced. Names must be one word without
+  ``<>"{}[]``, so JSON or prose after ``<tool_call>`` is not mistaken for a call.
+* Whitespace after ``</think>`` is content, as in vLLM. Whitespace right before a valid block,
+  and after the last one, is dropped: the encoder/template put it there as a separator.
+* Content after a tool-call block stays content (vLLM keeps it when streaming, not in its
+  whole-output parse; here both must agree, and dropping text loses it).
+* Reasoning that never closes stays reasoning (vLLM's glm45 whole-output parser would call it
+  content, its streaming parser reasoning).
+* Coercion follows vLLM's ``coerce_to_schema_type``: a parameter typed string (or without type
+  information) keeps its text; otherwise null/integer/number/boolean/object/array in that order,
+  falling back to the text. A DSML ``string="true"`` value is coerced the same way, so a model
+  that quotes a number for an integer parameter still yields a number (vLLM keeps it a string).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("deepseek_v4", "glm", "plain")
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+_DSML = "｜DSML｜"
+DSML_BLOCK_START = f"<{_DSML}tool_calls>"
+DSML_BLOCK_END = f"</{_DSML}tool_calls>"
+_DSML_INVOKE = f"<{_DSML}invoke"
+_DSML_INVOKE_END = f"</{_DSML}invoke>"
+_DSML_PARAM = f"<{_DSML}parameter"
+_DSML_PARAM_END = f"</{_DSML}parameter>"
+
+GLM_CALL_START = "<tool_call>"
+GLM_CALL_END = "</tool_call>"
+_GLM_KEY, _GLM_KEY_END = "<arg_key>", "</arg_key>"
+_GLM_VALUE, _GLM_VALUE_END = "<arg_value>", "</arg_value>"
+
+# The scanners below answer NEED (the text so far is a viable prefix: wait for more) or FAIL
+# (no continuation can be valid).
+NEED = "need"
+FAIL = "fail"
+
+
+@dataclass
+class ToolCall:
+    id: str  # "call_" + 24 random hex chars, like vLLM's
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass
+class Delta:
+    """One streaming increment. `tool_calls` holds (index, id or None, name or None, fragment):
+    the first fragment of call i carries its id and name, later ones only argument text; the
+    fragments of call i concatenate to its `arguments`."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- schema types and coercion
+
+_TYPE_ALIASES = {"str": "string", "text": "string", "int": "integer", "float": "number",
+                 "double": "number", "bool": "boolean", "dict": "object", "list": "array"}
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The JSON types a parameter schema allows (`type`, `enum`, `anyOf`/`oneOf`/`allOf`).
+
+    An empty set means "no type information": the value is then kept as the model wrote it."""
+    types: set[str] = set()
+    if not isinstance(schema, dict):
+        return types
+    declared = schema.get("type")
+    for t in declared if isinstance(declared, list) else [declared]:
+        if isinstance(t, str):
+            types.add(_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()))
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        types.update(_json_type(v) for v in enum)
+    for key in ("anyOf", "oneOf", "allOf"):
+        choices = schema.get(key)
+        if isinstance(choices, list):
+            for choice in choices:
+                types |= _schema_types(choice)
+    return types
+
+
+def _json_type(value: Any) -> str:
+    """JSON-Schema type name of a parsed JSON value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _strict_json(text: str) -> tuple[bool, Any]:
+    """(ok, value) for strict JSON: no NaN/Infinity (Python's json accepts them, JSON does not)
+    and nothing that would not serialize back (1e999 parses to inf). Never raises: too-deep
+    nesting is just "not JSON"."""
+    def reject(_constant: str) -> Any:
+        raise ValueError("non-finite number")
+
+    try:
+        value = json.loads(text, parse_constant=reject)
+        json.dumps(value, allow_nan=False)
+    except (ValueError, RecursionError, MemoryError):  # all mean "not usable JSON"
+        return False, None
+    return True, value
+
+
+def _allowed(value: Any, types: set[str]) -> bool:
+    kind = _json_type(value)
+    return kind in types or (kind == "integer" and "number" in types)
+
+
+def _coerce_text(raw: str, types: set[str]) -> Any:
+    """A raw-text value typed by its schema, as vLLM's `coerce_to_schema_type` does: a string
+    parameter (or one with no type information) keeps the text exactly; otherwise the first of
+    null, integer, number, boolean, object, array that the text parses as; else the text."""
+    text = raw.strip()
+    if "null" in types and text == "null":
+        return None
+    if not types or "string" in types:
+        return raw
+    if "boolean" in types and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    ok, value = _strict_json(text)
+    if ok and not isinstance(value, bool) and value is not None and _allowed(value, types):
+        return value
+    return raw
+
+
+def _coerce_json(raw: str, types: set[str]) -> tuple[bool, Any]:
+    """A DSML ``string="false"`` value: it must be JSON (else the block is malformed). A JSON
+    value the schema does not allow is mended where that is unambiguous: a JSON string for a
+    non-string parameter is coerced from its text, any JSON for a string-only parameter becomes
+    its text; otherwise the model's JSON is kept."""
+    ok, value = _strict_json(raw.strip())
+    if not ok:
+        return False, None
+    if not types or _allowed(value, types):
+        return True, value
+    if isinstance(value, str):
+        return True, _coerce_text(value, types)
+    if "string" in types:
+        return True, raw.strip()
+    return True, value
+
+
+def _tool_properties(tools: list[dict] | None) -> dict[str, dict]:
+    """Function name -> its JSON-schema `properties`, from OpenAI tools (or bare functions).
+    Entries of any other shape are ignored: they only lose coercion, never raise."""
+    table: dict[str, dict] = {}
+    for tool in tools or []:
+        if not isinstance(tool, dict):
+            continue
+        function = tool.get("function", tool)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        params = function.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        table[function["name"]] = props if isinstance(props, dict) else {}
+    return table
+
+
+# ---------------------------------------------------------------- scanning helpers
+
+
+def _tag_overlap(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: the
+    part of the text that must be held back because it may be the start of a tag."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:k]):
+                best = k
+                break
+    return best
+
+
+def _match(s: str, pos: int, literals: tuple[str, ...]) -> tuple[str, int] | str:
+    """Which of `literals` starts at `pos` -> (literal, end); NEED if the text runs out inside a
+    possible match; FAIL if none can match."""
+    rest = s[pos:]
+    for lit in literals:
+        if rest.startswith(lit):
+            return lit, pos + len(lit)
+    return NEED if any(lit.startswith(rest) for lit in literals) else FAIL
+
+
+def _skip_ws(s: str, pos: int) -> int:
+    while pos < len(s) and s[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _ws1(s: str, pos: int) -> int | str:
+    """At least one whitespace character (between a tag name and its attribute)."""
+    if pos >= len(s):
+        return NEED
+    return _skip_ws(s, pos) if s[pos].isspace() else FAIL
+
+
+_NOT_IN_NAMES = set('<>"{}[]')
+
+
+def _bad_name_chars(name: str) -> bool:
+    """Function and parameter names are identifiers (OpenAI's are [a-zA-Z0-9_-]; MCP adds dots
+    and slashes): whitespace or JSON/markup punctuation in one means this is not a tool call."""
+    return any(c.isspace() or c in _NOT_IN_NAMES for c in name)
+
+
+def _quoted_name(s: str, pos: int, prefix: str, *, strict: bool) -> tuple[str, int] | str:
+    """`prefix` (e.g. ``name="``) then a non-empty name, then ``"``. `strict` (function names)
+    also refuses whitespace and punctuation; a parameter name may hold anything but ``"``."""
+    m = _match(s, pos, (prefix,))
+    if isinstance(m, str):
+        return m
+    start = m[1]
+    end = s.find('"', start)
+    name = s[start:] if end == -1 else s[start:end]
+    if strict and _bad_name_chars(name):
+        return FAIL
+    if end == -1:
+        return NEED
+    return (name, end + 1) if name else FAIL
+
+
+def _until(s: str, pos: int, close: str) -> tuple[str, int] | str:
+    """Raw text up to `close` -> (text, end after close); NEED while `close` has not come."""
+    end = s.find(close, pos)
+    return NEED if end == -1 else (s[pos:end], end + len(close))
+
+
+# ---------------------------------------------------------------- DSML (DeepSeek-V4)
+
+
+def _scan_dsml_param(s: str, pos: int, types_of) -> tuple[str, Any, int] | str:
+    """One ``<｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>`` whose
+    opening ``<｜DSML｜parameter`` ends before `pos` -> (name, coerced value, end)."""
+    pos = _ws1(s, pos)
+    if isinstance(pos, str):
+        return pos
+    named = _quoted_name(s, pos, 'name="', strict=False)
+    if isinstance(named, str):
+        return named
+    name, pos = named
+    pos = _ws1(s, pos)
+    if isinstance(pos, str):
+        return pos
+    flag = _match(s, pos, ('string="true"', 'string="false"'))
+    if isinstance(flag, str):
+        return flag
+    gt = _match(s, _skip_ws(s, flag[1]), (">",))
+    if isinstance(gt, str):
+        return gt
+    value = _until(s, gt[1], _DSML_PARAM_END)
+    if isinstance(value, str):
+        return value
+    raw, end = value
+    if flag[0] == 'string="true"':
+        return name, _coerce_text(raw, types_of(name)), end
+    ok, parsed = _coerce_json(raw, types_of(name))
+    return (name, parsed, end) if ok else FAIL
+
+
+def _scan_dsml_invoke(s: str, pos: int, props: dict) -> tuple[tuple[str, list], int] | str:
+    """One invoke whose opening ``<｜DSML｜invoke`` ends before `pos`: ``name="N">``, its
+    parameters, ``</｜DSML｜invoke>`` -> ((name, [(key, value)]), end)."""
+    pos = _ws1(s, pos)
+    if isinstance(pos, str):
+        return pos
+    named = _quoted_name(s, pos, 'name="', strict=True)
+    if isinstance(named, str):
+        return named
+    name, pos = named
+    gt = _match(s, _skip_ws(s, pos), (">",))
+    if isinstance(gt, str):
+        return gt
+    pos = gt[1]
+    schema = props.get(name, {})
+
+    def types_of(key: str) -> set[str]:
+        return _schema_types(schema.get(key)) if isinstance(schema, dict) else set()
+
+    args: list[tuple[str, Any]] = []
+    while True:
+        tag = _match(s, _skip_ws(s, pos), (_DSML_PARAM, _DSML_INVOKE_END))
+        if isinstance(tag, str):
+            return tag
+        if tag[0] == _DSML_INVOKE_END:
+            return (name, args), tag[1]
+        param = _scan_dsml_param(s, tag[1], types_of)
+        if isinstance(param, str):
+            return param
+        key, value, pos = param
+        if any(key == k for k, _ in args):
+            return FAIL  # a duplicate parameter (the release encoder refuses one too)
+        args.append((key, value))
+
+
+def scan_dsml_block(s: str, props: dict) -> tuple[list, int] | str:
+    """The body of a ``<｜DSML｜tool_calls>`` block (`s` starts right after that tag) up to and
+    including ``</｜DSML｜tool_calls>`` -> (calls, end), or NEED / FAIL. A block without any
+    invoke is not a tool call (FAIL)."""
+    calls: list[tuple[str, list]] = []
+    pos = 0
+    while True:
+        tag = _match(s, _skip_ws(s, pos), (_DSML_INVOKE, DSML_BLOCK_END))
+        if isinstance(tag, str):
+            return tag
+        if tag[0] == DSML_BLOCK_END:
+            return (calls, tag[1]) if calls else FAIL
+        invoke = _scan_dsml_invoke(s, tag[1], props)
+        if isinstance(invoke, str):
+            return invoke
+        call, pos = invoke
+        calls.append(call)
+
+
+# ---------------------------------------------------------------- GLM
+
+
+def _glm_name(s: str) -> tuple[str, int] | str:
+    """The function name: the text before the first ``<``, stripped; one word, not empty."""
+    lt = s.find("<")
+    words = (s if lt == -1 else s[:lt]).split()
+    if len(words) > 1 or (words and _bad_name_chars(words[0])):
+        return FAIL
+    if lt == -1:
+        return NEED
+    return (words[0], lt) if words else FAIL
+
+
+def _glm_key(s: str, pos: int) -> tuple[str, int] | str:
+    """An argument key up to ``</arg_key>``: stripped, not empty, no ``<`` in it."""
+    end = s.find(_GLM_KEY_END, pos)
+    if end == -1:
+        lt = s.find("<", pos)
+        return FAIL if lt != -1 and not _GLM_KEY_END.startswith(s[lt:]) else NEED
+    key = s[pos:end].strip()
+    return (key, end + len(_GLM_KEY_END)) if key and "<" not in key else FAIL
+
+
+def scan_glm_call(s: str, props: dict) -> tuple[list, int] | str:
+    """The body of one ``<tool_call>`` (`s` starts right after it) up to and including
+    ``</tool_call>`` -> ([(name, [(key, value)])], end), or NEED / FAIL."""
+    named = _glm_name(s)
+    if isinstance(named, str):
+        return named
+    name, pos = named
+    schema = props.get(name, {})
+    args: list[tuple[str, Any]] = []
+    while True:
+        tag = _match(s, _skip_ws(s, pos), (_GLM_KEY, GLM_CALL_END))
+        if isinstance(tag, str):
+            return tag
+        if tag[0] == GLM_CALL_END:
+            return [(name, args)], tag[1]
+        keyed = _glm_key(s, tag[1])
+        if isinstance(keyed, str):
+            return keyed
+        key, pos = keyed
+        opened = _match(s, _skip_ws(s, pos), (_GLM_VALUE,))
+        if isinstance(opened, str):
+            return opened
+        value = _until(s, opened[1], _GLM_VALUE_END)
+        if isinstance(value, str):
+            return value
+        raw, pos = value
+        if any(key == k for k, _ in args):
+            return FAIL
+        types = _schema_types(schema.get(key)) if isinstance(schema, dict) else set()
+        args.append((key, _coerce_text(raw, types)))
+
+
+# ---------------------------------------------------------------- the streaming parser
+
+
+def _argument_fragments(args: list[tuple[str, Any]]) -> list[str]:
+    """The arguments JSON of one call in pieces, one per parameter (as vLLM streams them):
+    ``{"a": 1``, ``, "b": "x"``, ``}``. Joined they equal ``json.dumps(dict(args))``."""
+    parts = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+             for k, v in args]
+    if not parts:
+        return ["{}"]
+    return ["{" + parts[0]] + [", " + p for p in parts[1:]] + ["}"]
+
+
+class OutputParser:
+    """One choice's output, fed text as it is decoded.
+
+    `feed` returns only what is safe to emit now; `finish` flushes the rest. Modes: "start"
+    (is a ``<think>`` coming?), "reasoning", "content", "block" (inside tool-call markup that is
+    not yet known valid or invalid)."""
+
+    def __init__(self, family: str, *, tools: list[dict] | None = None,
+                 in_reasoning: bool = False):
+        if family not in FAMILIES:
+            raise ValueError(f"unknown output family {family!r}; use one of {FAMILIES}")
+        self.family = family
+        self._props = _tool_properties(tools)
+        self._tools_on = bool(tools) and family != "plain"
+        self._block_start = DSML_BLOCK_START if family == "deepseek_v4" else GLM_CALL_START
+        self._reasoning_ends = (THINK_END, DSML_BLOCK_START) if family == "deepseek_v4" \
+            else (THINK_END,)
+        self._mode = "reasoning" if in_reasoning else "start"
+        self.reasoning_started = in_reasoning  # None vs "" for parse_output's reasoning
+        self._buf = ""
+        self._pending_ws = ""  # whitespace right before a block: dropped if the block is valid
+        self._after_block = False  # just after a valid block: trailing whitespace is dropped
+        self._calls: list[ToolCall] = []
+        self._finished = False
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The complete calls so far."""
+        return list(self._calls)
+
+    def feed(self, text: str) -> Delta:
+        """More decoded text -> what can be emitted now. Text fed after `finish` is ignored."""
+        if self._finished or not text:
+            return Delta()
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> Delta:
+        """End of output: everything still held is resolved (unresolved markup is content)."""
+        if self._finished:
+            return Delta()
+        self._finished = True
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> Delta:
+        out = Delta()
+        step = {"start": self._step_start, "reasoning": self._step_reasoning,
+                "content": self._step_content, "block": self._step_block}
+        while step[self._mode](out, final):
+            pass
+        return out
+
+    def _step_start(self, out: Delta, final: bool) -> bool:
+        """Before anything is emitted: output that opens with ``<think>`` (after optional
+        whitespace, as GLM-4.5 writes ``\\n<think>``) starts in the reasoning."""
+        head = self._buf.lstrip()
+        if head.startswith(THINK_START):
+            self._buf = head[len(THINK_START):]
+            self._mode, self.reasoning_started = "reasoning", True
+            return True
+        if THINK_START.startswith(head) and not final:
+            return False
+        self._mode = "content"
+        return True
+
+    def _step_reasoning(self, out: Delta, final: bool) -> bool:
+        """Reasoning runs to ``</think>`` (dropped) or, for DeepSeek-V4, to a tool-call block
+        (kept for the content step), as vLLM's deepseek_v4 reasoning parser does."""
+        ends = [(i, tag) for tag in self._reasoning_ends if (i := self._buf.find(tag)) != -1]
+        if ends:
+            i, tag = min(ends)
+            out.reasoning += self._buf[:i]
+            self._buf = self._buf[i + len(tag):] if tag == THINK_END else self._buf[i:]
+            self._mode = "content"
+            return True
+        keep = 0 if final else _tag_overlap(self._buf, self._reasoning_ends)
+        out.reasoning += self._buf[:len(self._buf) - keep]
+        self._buf = self._buf[len(self._buf) - keep:]
+        return False
+
+    def _step_content(self, out: Delta, final: bool) -> bool:
+        """Content, looking for a tool-call block when tools were given. Whitespace right before
+        a block is held back and dropped if the block turns out valid: the encoder/template put
+        it there as a separator (DSV4 writes ``content + "\\n\\n" + block``, GLM strips the
+        content). Whitespace after a valid block is dropped only if nothing else follows (or
+        another block does)."""
+        if self._after_block:
+            if not self._buf.strip():
+                if final:
+                    self._buf = ""  # only whitespace after the last block: not content
+                return False
+            self._after_block = False
+        if not self._tools_on:
+            out.content, self._buf = out.content + self._buf, ""
+            return False
+        i = self._buf.find(self._block_start)
+        if i != -1:
+            before = self._buf[:i]
+            kept = before.rstrip()
+            out.content += kept
+            self._pending_ws, self._buf = before[len(kept):], self._buf[i:]
+            self._mode = "block"
+            return True
+        if final:
+            out.content, self._buf = out.content + self._buf, ""
+            return False
+        safe = self._buf[:len(self._buf) - _tag_overlap(self._buf, (self._block_start,))]
+        kept = safe.rstrip()
+        out.content += kept
+        self._buf = self._buf[len(kept):]
+        return False
+
+    def _step_block(self, out: Delta, final: bool) -> bool:
+        """A buffer starting with the block tag: emit its calls once it is complete and valid;
+        once it cannot be valid (or the output ends first), its opening tag is content and the
+        text after it is scanned again as content."""
+        body = self._buf[len(self._block_start):]
+        if self.family == "deepseek_v4":
+            result = scan_dsml_block(body, self._props)
+        else:
+            result = scan_glm_call(body, self._props)
+        if result == NEED and not final:
+            return False
+        if isinstance(result, str):
+            out.content += self._pending_ws + self._block_start
+            self._after_block = False
+        else:
+            calls, end = result
+            for name, args in calls:
+                self._emit_call(out, name, args)
+            body = body[end:]
+            self._after_block = True
+        self._buf, self._pending_ws, self._mode = body, "", "content"
+        return True
+
+    def _emit_call(self, out: Delta, name: str, args: list[tuple[str, Any]]) -> None:
+        index = len(self._calls)
+        call_id = "call_" + secrets.token_hex(12)
+        fragments = _argument_fragments(args)
+        out.tool_calls.append((index, call_id, name, ""))
+        out.tool_calls.extend((index, None, None, f) for f in fragments)
+        self._calls.append(ToolCall(id=call_id, name=name, arguments="".join(fragments)))
+
+
+def parse_output(family: str, text: str, *, tools: list[dict] | None = None,
+                 in_reasoning: bool = False) -> tuple[str | None, str, list[ToolCall]]:
+    """A whole output -> (reasoning or None when there was no reasoning, content, tool calls).
+    It is the streaming parser fed everything at once, so both ways agree by construction."""
+    parser = OutputParser(family, tools=tools, in_reasoning=in_reasoning)
+    first, last = parser.feed(text), parser.finish()
+    reasoning = first.reasoning + last.reasoning if parser.reasoning_started else None
+    return reasoning, first.content + last.content, parser.tool_calls
+
+
+__all__ = ["FAMILIES", "Delta", "OutputParser", "ToolCall", "parse_output"]
