@@ -14,7 +14,7 @@ import pytest
 import kvfold
 from kvfold.server import add_serve_parser, build_app
 from kvfold.server.app import create_app
-from kvfold.server.chat_template import ChatTemplate
+from kvfold.chat.template import ChatTemplate
 from kvfold.server.metrics import parse as parse_metrics
 
 from helpers import chunked_reference, serving

@@ -14,7 +14,7 @@ import pytest
 
 import kvfold
 from kvfold.server.app import create_app
-from kvfold.server.chat_template import ChatTemplate
+from kvfold.chat.template import ChatTemplate
 
 from helpers import serving
 

@@ -117,8 +117,8 @@ class Engine:
         Cancelling the first choice before its prefill ends stops its output only: its prefill
         still runs for the others."""
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
-        if not params or len(ids) != len(params) or len(set(i for i in ids if i is not None)) < \
-                len([i for i in ids if i is not None]):
+        named = [i for i in ids if i is not None]
+        if not params or len(ids) != len(params) or len(set(named)) < len(named):
             raise InvalidRequestError("add_choices needs one or more params and, if given, as many distinct ids")
         try:
             seqs = [self._make_sequence(prompt_ids, p, rid) for p, rid in zip(params, ids)]
@@ -297,10 +297,10 @@ class Engine:
         paged state gives them its whole prompt pages by reference (and the rest in a snapshot
         without those rows); each then chooses its first token from the leader's last logits."""
         followers, leader.followers = leader.followers, []
-        kw, prefix = ({}, {}) if self.pages is None else ({"pages": self.pages}, {})
+        kw, prefix = {}, {}
         if self.pages is not None:
-            shared = leader.state.share_prefix(len(leader.prompt) // self.pages.page_tokens * self.pages.page_tokens)
-            prefix = {"prefix_pages": shared}
+            whole = len(leader.prompt) // self.pages.page_tokens * self.pages.page_tokens
+            kw, prefix = {"pages": self.pages}, {"prefix_pages": leader.state.share_prefix(whole)}
         blob = leader.state.snapshot(pools=self.pages is None)
         try:
             for f in followers:

@@ -63,7 +63,7 @@ def build_app(args: argparse.Namespace):
     from ..errors import KvfoldError
     from .app import create_app
     from ..models.registry import family_of
-    from .chat_template import ChatTemplate
+    from ..chat.template import ChatTemplate
 
     model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     try:

@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import AsyncEngine, Engine
-from .chat_template import ChatTemplate
+from ..chat.template import ChatTemplate
 from .context import ServerContext, server_context
 from .openapi import build_openapi
 from .routes import router

@@ -21,7 +21,7 @@ from ..decoding.sampling import SEED_RANGE
 from ..engine import AsyncEngine, Engine, SamplingParams
 from ..engine.async_engine import RequestStream
 from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError
-from .chat_template import ChatTemplate
+from ..chat.template import ChatTemplate
 from .schemas import ApiError
 
 

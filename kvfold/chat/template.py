@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..chat.dsv4_encoding import encode_chat
+from .dsv4_encoding import encode_chat
 from ..errors import InvalidRequestError
 
 PLAIN_TEMPLATE = "<|{role}|>\n{content}\n"
