@@ -9,18 +9,23 @@ Per token t (C = heads x head_dim channels each for q, k, v):
   5. per head, S [dk, dv] fp32:  S <- diag(exp g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q;
   6. out = o_proj(gated RMSNorm(o, sigmoid(g_b(g_a x)))).
 
-Two exact forms of step 5: `kda_recurrent` (token by token, and it yields the state after every
-token) and `kda_chunked` (chunks of 64 in closed form: U = (I + A)^-1 (beta V - beta K Gamma S0),
-O = Q Gamma S0 + B U). Both are within a few fp32 units of roundoff of the exact recurrence
-(tests/test_glm5_next.py), independent of the chunk length: the chunked form builds every decay
-exp(G_t - G_s) as the product of the per-step factors exp(g_j), s < j <= t, like the recurrence,
-never as exp of a difference of two cumulative log-decays G = cumsum(g), whose rounding (~|G_t| eps,
-|G_t| up to chunk * |lb| = 320) lands in every decay. The layer always runs the chunked form (chunks
-start at the call's first token), so a call's outputs and final state depend only on its tokens
-and the state it starts from, never on how many per-token states the caller keeps for rewinding;
-those come from the same chunk quantities in closed form.
+Two exact forms of step 5: `kda_recurrent` (token by token) and `kda_chunked` (chunks of 64 in
+closed form: U = (I + A)^-1 (beta V - beta K Gamma S0), O = Q Gamma S0 + B U). Both are within a few
+fp32 units of roundoff of the exact recurrence (tests/test_glm5_next.py), independent of the chunk
+length: the chunked form builds every decay exp(G_t - G_s) as the product of the per-step factors
+exp(g_j), s < j <= t, like the recurrence, never as exp of a difference of two cumulative log-decays
+G = cumsum(g), whose rounding (~|G_t| eps, |G_t| up to chunk * |lb| = 320) lands in every decay.
+
+The layer always runs the chunked form, chunks starting at the call's first token, so a call's
+outputs and final state depend only on its tokens and the state it starts from. Rewinding (state.py)
+replays with the same function: `kda_chunked` over a piece of the tokens one forward chunk covered,
+from the state at that chunk's start, computes exactly what a forward of just those tokens would
+(the same ops on the same tensors), so the forward hands out the per-token inputs of the recurrence
+(`KdaStep`) and the states at its chunk starts, and keeps no per-token state.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,42 +57,57 @@ def kda_recurrent(q, k, v, g, beta, s0: torch.Tensor, keep_states: bool = False)
     return o, s, states
 
 
-def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, chunk: int = KDA_CHUNK, keep_from: int | None = None):
+def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, chunk: int = KDA_CHUNK, keep_at=()):
     """The same recurrence in closed form per chunk of `chunk` tokens (see the module docstring).
-    Returns (o [T, H, dv], final state, states): `states` lists the state after each token
-    t >= keep_from (none if keep_from is None), the intermediate ones in closed form
-    S_t = diag(exp G_t) S0 + sum_{s<=t} (k_s * exp(G_t - G_s)) u_s^T (G_t: the sum of g from the
-    chunk start through t) and the last one the final state itself, so the state at the end of a
-    call never depends on keep_from."""
-    t_all = q.shape[0]
+    q, k, g [T, H, dk]; v [T, H, dv]; beta [T, H]; s0 [H, dk, dv]; all fp32. Returns (o [T, H, dv],
+    final state, kept): `kept` lists the state at each token index of `keep_at`, each a chunk start
+    (a multiple of `chunk`, 0 <= i <= T: 0 is s0, T the final state). With q None, o is None and
+    only the state is computed, by the very same ops (replay, state.py)."""
+    t_all = k.shape[0]
     s = s0
-    outs, states = [], []
+    outs, at = [], {}
     for a in range(0, t_all, chunk):
-        qc, kc, vc, gc, bc = (x[a:a + chunk].transpose(0, 1) for x in (q, k, v, g, beta))  # [H, L, .]
-        L = qc.shape[1]
+        at[a] = s
+        kc, vc, gc, bc = (x[a:a + chunk].transpose(0, 1) for x in (k, v, g, beta))  # [H, L, .]
+        L = kc.shape[1]
         # every decay is a product of the per-step factors exp(g_j), as in the recurrence (module
         # docstring): eg_t = exp(G_t) = prod_{j<=t}, decay[t, s] = exp(G_t - G_s) = prod_{s<j<=t}
         # (a cumprod over t of exp(g_t) masked to t > s), zero above the diagonal
         step = gc.exp()  # [H, L, dk]
         eg = step.cumprod(dim=1)
-        lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        lower = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()
         decay = step[:, :, None, :].expand(-1, -1, L, -1).masked_fill(~lower.tril(-1)[None, :, :, None], 1.0)
         decay = decay.cumprod(dim=1).masked_fill_(~lower[None, :, :, None], 0.0)  # [H, t, s, dk]
         kk = (kc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1)  # [H, t, s]
         A = (kk * bc[..., None]).masked_fill(~lower.tril(-1)[None], 0.0)
         rhs = bc[..., None] * (vc - (kc * eg) @ s)  # [H, L, dv]
-        eye = torch.eye(L, dtype=q.dtype, device=q.device)
+        eye = torch.eye(L, dtype=k.dtype, device=k.device)
         u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        B = (qc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1).masked_fill(~lower[None], 0.0)
-        outs.append(((qc * eg) @ s + B @ u).transpose(0, 1))
-        if keep_from is not None:
-            for i in range(max(keep_from - a, 0), L - 1 if a + L == t_all else L):
-                states.append(s * eg[:, i, :, None] + (kc * decay[:, i]).transpose(1, 2) @ u)
+        if q is not None:
+            qc = q[a:a + chunk].transpose(0, 1)
+            B = (qc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1).masked_fill(~lower[None], 0.0)
+            outs.append(((qc * eg) @ s + B @ u).transpose(0, 1))
         s = s * eg[:, -1, :, None] + (kc * decay[:, -1]).transpose(1, 2) @ u
-    if keep_from is not None and keep_from < t_all:
-        states.append(s)
-    o = torch.cat(outs) if outs else v.new_zeros(v.shape)
-    return o, s, states
+    at[t_all] = s
+    kept = [at[i] for i in keep_at]
+    o = None if q is None else (torch.cat(outs) if outs else v.new_zeros(v.shape))
+    return o, s, kept
+
+
+@dataclass
+class KdaStep:
+    """What one forward of a KDA layer over T tokens hands its state (state.py): the recurrence's
+    per-token inputs, exactly the tensors `kda_chunked` got (k [T, H, dk], v [T, H, dv], g [T, H, dk],
+    beta [T, H], fp32, contiguous), the conv inputs `full` [K-1+T, 3C] (the conv state the call
+    started from, then the call's pre-conv rows: the conv state after token i is full[i+1:i+K]),
+    the final recurrent state and the states at the token indices asked for (`kept`)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    full: torch.Tensor
+    rec: torch.Tensor
+    kept: list
 
 
 class GatedRMSNorm(nn.Module):
@@ -142,13 +162,10 @@ class KdaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(rate * f)
         return -rate * torch.where(f > 20.0, f, torch.log1p(torch.exp(f)))
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, record: int = 0):
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, keep_at=()):
         """x [T, hidden]; conv_state [K-1, 3C] (pre-conv inputs of the previous K-1 tokens);
-        rec_state [H, dk, dv] fp32. Neither input is modified.
-
-        Returns (out [T, hidden], states) where states lists, for each of the last `record`
-        tokens (oldest first), the pair (conv state, recurrent state) after that token; the last
-        pair is the state after the whole call (always present)."""
+        rec_state [H, dk, dv] fp32. Neither input is modified. Returns (out [T, hidden], KdaStep),
+        the step keeping the recurrent states at the chunk starts `keep_at` (token indices)."""
         t = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
         full = torch.cat([conv_state.to(mixed.dtype), mixed])  # [K-1+T, 3C]
@@ -157,16 +174,12 @@ class KdaAttention(nn.Module):
         conv = F.silu((win * w).sum(-1)).to(x.dtype)
         q, k, v = (z.float().view(t, self.nh, self.dk) for z in conv.split(self.c, dim=-1))
         q = l2norm(q) * self.dk ** -0.5
-        k = l2norm(k)
-        g = self.forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x)).float()
-
-        record = max(1, min(record, t))
-        head = t - record
-        o, _, recs = kda_chunked(q, k, v, g, beta, rec_state.float(), keep_from=head)
-        km1 = self.kw - 1
-        states = [(full[head + i + 1: head + i + 1 + km1], recs[i]) for i in range(record)]
+        # contiguous, as the replay's copies are: the recurrence sees the same tensors either way
+        k, v = l2norm(k).contiguous(), v.contiguous()
+        g = self.forget_gate(x).contiguous()
+        beta = torch.sigmoid(self.b_proj(x)).float().contiguous()
+        o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), keep_at=keep_at)
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.nh, self.dk)
         y = self.o_norm(o.to(x.dtype), gate).reshape(t, self.c)
-        return self.o_proj(y), states
+        return self.o_proj(y), KdaStep(k, v, g, beta, full, s, kept)

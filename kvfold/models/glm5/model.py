@@ -14,7 +14,7 @@ from torch import nn
 from ...errors import CapacityError, ConfigError
 from .config import KDA, Glm5Config
 from ...layers.basic import Linear, _param
-from .kda import KdaAttention
+from .kda import KDA_CHUNK, KdaAttention
 from ...layers.mhc import HyperConnection
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
@@ -23,6 +23,15 @@ from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
 from ..base import CausalLM, Embedding
+
+
+def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
+    """(n_in, n_mix): slots of the per-token recurrence inputs and of the pre-conv rows a KDA layer
+    holds for rewinding up to max_rewind tokens (state.py: a rewind target's last chunk may have
+    started up to KDA_CHUNK - 1 tokens below it; several short calls need 2 max_rewind)."""
+    if max_rewind == 0:
+        return 0, 0
+    return max(max_rewind + KDA_CHUNK - 1, 2 * max_rewind), max_rewind + conv_kernel - 1
 
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:
@@ -122,24 +131,30 @@ class Glm5Model(CausalLM):
     # ---- state --------------------------------------------------------------------------------
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later);
-        `max_rewind` KDA states are kept for rewinding (see state.py)."""
+        the KDA layers keep one state plus the inputs of the tokens a rewind of up to `max_rewind`
+        tokens replays (see state.py)."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
         if kv_dtype not in (None, "auto"):
             raise ConfigError(f"glm5_next stores its latent cache in the model dtype; kv_dtype {kv_dtype!r} "
                               f"is not supported")
         cfg, dev, dt = self.config, self.device, self.dtype
-        slots = max_rewind + 1
+        n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kp = max(cfg.index_kpool, 1)
         dsa_cap = -(-capacity // kp) * kp  # whole pools, at least capacity rows
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             if kind == KDA:
-                c3 = 3 * cfg.linear_num_heads * cfg.linear_head_dim
+                nh, dk = cfg.linear_num_heads, cfg.linear_head_dim
+                c3 = 3 * nh * dk
                 layers.append(KdaLayerState(
-                    conv=torch.zeros(slots, cfg.linear_conv_kernel_dim - 1, c3, dtype=dt, device=dev),
-                    rec=torch.zeros(slots, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim,
-                                    dtype=torch.float32, device=dev)))
+                    conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, c3, dtype=dt, device=dev),
+                    rec=torch.zeros(nh, dk, dk, dtype=torch.float32, device=dev),
+                    k=torch.zeros(n_in, nh, dk, dtype=torch.float32, device=dev),
+                    g=torch.zeros(n_in, nh, dk, dtype=torch.float32, device=dev),
+                    v=torch.zeros(n_in, nh, dk, dtype=dt, device=dev),
+                    beta=torch.zeros(n_in, nh, dtype=dt, device=dev),
+                    mixed=torch.zeros(n_mix, c3, dtype=dt, device=dev)))
             else:
                 dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev) \
                     if cfg.indexer_types[i] == "full" else None
@@ -152,6 +167,7 @@ class Glm5Model(CausalLM):
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         for seg in batch.segments:
             seg.state._sync_dsa()
+            seg.state._kda_begin(seg.start, seg.length)
         streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
         streams = streams.contiguous()
         sels: list = [None] * len(batch.segments)  # each sequence's DSA selection, shared down its layers
@@ -173,6 +189,7 @@ class Glm5Model(CausalLM):
             y = block.mlp(x)
             streams = HyperConnection.expand(streams, y, post, comb)
         for seg in batch.segments:
+            seg.state._kda_commit()
             seg.state.pos = seg.state.written_until = seg.start + seg.length
         scored = streams[batch.scored_rows(last_only)]
         logits = self.lm_head(self.model.norm(stream_mean(scored))).float()
@@ -180,33 +197,26 @@ class Glm5Model(CausalLM):
 
     @staticmethod
     def _attend(block, x: torch.Tensor, seg, ls, sels: list, s: int) -> torch.Tensor:
-        """One sequence's attention in one layer: KDA keeps the recurrent states of its last
-        max_rewind + 1 positions; DSA layers pass their selection on to the next."""
-        state, start, t = seg.state, seg.start, seg.length
+        """One sequence's attention in one layer: KDA runs from its state at start (replayed from the
+        base) and stores its inputs (state.py); DSA layers pass their selection on to the next."""
         if block.kind == KDA:
-            record = min(t, state.max_rewind + 1)
-            first_rec = start + t - record + 1  # positions whose KDA states are kept
-            s0 = state.slot(start)
-            y, states = block.self_attn(x, ls.conv[s0], ls.rec[s0], record)
-            for j, (conv, rec) in enumerate(states):
-                slot = state.slot(first_rec + j)
-                ls.conv[slot] = conv
-                ls.rec[slot] = rec
-            return y
-        y, sels[s] = block.self_attn(x, start, ls.latent, ls.dsa, sels[s])
+            return seg.state._kda_forward(block.self_attn, ls, x, seg.start)
+        y, sels[s] = block.self_attn(x, seg.start, ls.latent, ls.dsa, sels[s])
         return y
 
     # ---- accounting ---------------------------------------------------------------------------
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
-        """CausalLM.state_layout from the config: fixed, the KDA conv and recurrent states of
-        max_rewind + 1 slots per KDA layer; per token, the MLA latent of every DSA layer; per whole
+        """CausalLM.state_layout from the config: fixed, per KDA layer its conv and recurrent state
+        and the rings of per-token inputs that rewinding by up to max_rewind replays (state.py); per token, the MLA latent of every DSA layer; per whole
         k-pool, the indexer rows (k, gate in the model dtype, one validity byte) of every full DSA
         layer (its buffers round capacity up to pools)."""
         cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
         c = cfg.linear_num_heads * cfg.linear_head_dim
-        per_slot = c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1) * 3 * c * esz
+        n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
+        kda = (c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1 + n_mix) * 3 * c * esz
+               + n_in * (2 * c * 4 + c * esz + cfg.linear_num_heads * esz))
         kp = max(cfg.index_kpool, 1)
         pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * esz)]
         if cfg.full_dsa_layers:
             pools.append((kp, kp * len(cfg.full_dsa_layers) * (2 * cfg.index_head_dim * esz + 1)))
-        return len(cfg.kda_layers) * (max_rewind + 1) * per_slot, pools
+        return len(cfg.kda_layers) * kda, pools

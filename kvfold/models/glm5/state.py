@@ -1,17 +1,45 @@
 """Per-sequence state of a GLM-5.3 (`glm5_next`) model: preallocated, addressed by position.
 
 Per layer:
-* KDA layer: the conv state (pre-conv inputs of the last K-1 tokens, [K-1, 3C], model dtype) and
-  the recurrent state S ([H, dk, dv], fp32). These are overwritten by every token and cannot be
-  rewound by truncation, so they live in a **ring of max_rewind + 1 slots
-  addressed by position**: slot p % (max_rewind + 1) holds the state after p tokens. A forward at
-  pos P over T tokens writes the slots of positions max(P+1, P+T-max_rewind) .. P+T (the trailing
-  tokens run token by token so each per-step state exists); `rewind_to(n)` then only moves `pos`,
-  for any n >= pos - max_rewind. Memory: (max_rewind + 1) x (H*dk*dv*4 + (K-1)*3*H*dk*itemsize)
-  bytes per KDA layer, e.g. GLM-5.3-Flash (34 KDA layers, 64 x 128 x 128, K 4, bf16):
-  4,341,760 B per layer and slot, 147.6 MB (140.8 MiB) per slot for the model, so max_rewind 4
-  costs 5 x 140.8 MiB = 704 MiB per sequence. The alternative (replaying the accepted tokens from
-  a snapshot at the verify start) would cost no memory but a second forward per rejection.
+* KDA layer: ONE state, the conv state (pre-conv inputs of the K-1 tokens before it, [K-1, 3C],
+  model dtype) and the recurrent state S ([H, dk, dv], fp32) at the **base** position `kda_base`,
+  plus, when max_rewind > 0, what the recurrence consumed per token since the base: k and g
+  ([H, dk] fp32), v ([H, dv]) and beta ([H]) in the model dtype (they are model-dtype values cast to
+  fp32, so the cast back is exact), in a ring of `n_in = max(max_rewind + 63, 2 max_rewind)` slots,
+  and the pre-conv rows [3C] of the last `max_rewind + K - 1` tokens (ring `mixed`). The state at
+  any held position n (pos after a rewind, the start of the next forward, a snapshot) is replayed
+  from the base: the recurrence runs `kda_chunked` over the stored inputs, segment by segment, and
+  the conv state is copied from the stored rows. Nothing re-runs a projection.
+
+  Why the replay is bit-identical by construction: a forward runs `kda_chunked`, whose chunks start
+  at the call's first token and every 64 tokens after it, and a chunk's result depends only on its
+  tokens' (k, v, g, beta) and the state at its start. The state records those chunk starts (and
+  call starts) after the base as segment boundaries (`kda_cuts`), keeps the base on one of them, and
+  replays segment by segment with `kda_chunked` itself: a whole segment is the forward's own chunk,
+  recomputed by the same ops on equal tensors (same values, shapes, dtype and layout); a segment cut
+  at n is exactly the last chunk a forward of the tokens up to n (one call from that segment's
+  start) would run. So the state at n has the bits a forward of the tokens up to n (the same calls,
+  the last one cut at n) computes from the same per-token inputs, and at a call's end the bits that
+  forward produced; nothing of a rejected token is read. The only assumption is that a torch op
+  given equal inputs computes equal outputs, which every bit-exact check here rests on; nothing
+  depends on how two different computations round. (Whether a shorter call would also reproduce
+  the accepted tokens' inputs is the forward's business: a deeper layer's inputs come from the
+  outputs the verify call computed for those rows, and the chunked KDA form and the DSA indexer's
+  gate matmul give no by-construction guarantee that those match a shorter call's in every bit.)
+  Versus the previous ring of states: call-end states are the same bits; a state inside a chunk
+  was the closed-form intermediate of the whole chunk, now it is the chunk cut there.
+
+  The base is the latest boundary at or below written_until - max_rewind whose inputs fit the
+  ring, so the tokens held are those of at most max_rewind + 63 positions (max_rewind + 1 for
+  speculative verify calls of up to max_rewind + 1 tokens, 2 max_rewind across several short calls;
+  the 63 only after a call longer than the ring, whose last chunk started earlier). Memory per KDA
+  layer: H*dk*dv*4 + (K-1)*3C*e (the state) + n_in*(2*C*4 + C*e + H*e) + (max_rewind + K-1)*3C*e,
+  C = H*dk, e = itemsize. GLM-5.3-Flash (34 KDA layers, 64 x 128 x 128, K 4, bf16): 4,341,760 B per
+  layer for the state (140.8 MiB for the model, the whole cost at max_rewind 0), 82,048 B per held
+  token and 49,152 B per conv row: max_rewind 4 costs 330.2 MiB per sequence (was 5 states,
+  703.9 MiB), max_rewind 8 347.2 MiB (was 1267.0 MiB). The price is compute: each forward replays the
+  tokens between the base and its start (up to ~max_rewind tokens in decode; a snapshot or a
+  forward after a rewind, the accepted ones).
 * DSA layer: the MLA latent rows [capacity, kv_lora] (model dtype), prefix-shaped, row p = token p.
 * Full DSA layer: additionally one `Glm5NextDsaState` (indexer keys, gates, validity), whose
   `len` tracks `pos`. It is allocated with capacity rounded *up* to whole k-pools so it never
@@ -20,10 +48,11 @@ Per layer:
 MLA latent and DSA rows rewind by cursor: rows past `pos` are unreachable and overwritten later.
 
 Snapshots (`snapshot()` / `restore()`, docs/state-format.md): the shared framing of
-kvfold/state/blob.py with magic b"KVFGLM5S", version 1; 64-byte header (magic, version, flags,
+kvfold/state/blob.py with magic b"KVFGLM5S", version 2; 64-byte header (magic, version, flags,
 fingerprint, dtype, n_sections, pos, body_len, reserved), a 32-byte entry per section (layer, kind,
 first, rows, width, dtype), the body (each section's rows, row-major) and a SHA-256 trailer.
-Sections at pos: per KDA layer its conv and recurrent state at pos; per DSA layer the latent rows
+Sections at pos: per KDA layer its conv and recurrent state at pos (replayed from the base: the
+layout does not depend on max_rewind, so the format is unchanged); per DSA layer the latent rows
 [0, pos); per full DSA layer one u8 section holding that layer's `Glm5NextDsaState.snapshot_blob()`
 at len pos, byte for byte. Refusals, in this order, before any write: truncated, magic, version
 (and unknown flags), model fingerprint, dtype, section table vs pos, body size, checksum, capacity;
@@ -41,16 +70,22 @@ from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
 from ...state.base import SequenceState
 from .indexer_state import Glm5NextDsaState, dsa_blob_bytes
+from .kda import KDA_CHUNK, kda_chunked
 
 
 @dataclass
 class KdaLayerState:
-    conv: torch.Tensor  # [max_rewind + 1, K-1, 3C], model dtype
-    rec: torch.Tensor  # [max_rewind + 1, H, dk, dv], fp32
+    conv: torch.Tensor  # [K-1, 3C], model dtype: the conv state at the base
+    rec: torch.Tensor  # [H, dk, dv], fp32: the recurrent state at the base
+    k: torch.Tensor  # [n_in, H, dk] fp32, slot p % n_in: position p's inputs of the recurrence
+    g: torch.Tensor  # [n_in, H, dk] fp32
+    v: torch.Tensor  # [n_in, H, dv], model dtype
+    beta: torch.Tensor  # [n_in, H], model dtype
+    mixed: torch.Tensor  # [n_mix, 3C], model dtype, slot p % n_mix: position p's pre-conv row
 
     @property
     def nbytes(self) -> int:
-        return self.conv.nbytes + self.rec.nbytes
+        return sum(t.nbytes for t in (self.conv, self.rec, self.k, self.g, self.v, self.beta, self.mixed))
 
 
 @dataclass
@@ -65,15 +100,107 @@ class MlaLayerState:
 
 class Glm5State(SequenceState):
     """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly.
-    `written_until` here also bounds rewinds: the KDA ring holds the states of positions
-    [written_until - max_rewind, written_until]."""
+    The KDA layers hold their state at `kda_base` and the inputs of positions [kda_base,
+    written_until) (module docstring); `kda_cuts` lists the segment starts in that range (the base
+    first), `kda_mix_low` the first position whose pre-conv row is still in the `mixed` ring."""
 
-    @property
-    def slots(self) -> int:
-        return self.max_rewind + 1
+    def __init__(self, layers: list, **kw):
+        super().__init__(layers, **kw)
+        kda = [ls for ls in layers if isinstance(ls, KdaLayerState)]
+        self.n_in = kda[0].k.shape[0] if kda else 0
+        self.n_mix = kda[0].mixed.shape[0] if kda else 0
+        self.km1 = kda[0].conv.shape[0] if kda else 0
+        self.kda_base, self.kda_cuts, self.kda_mix_low = 0, [], 0
+        self._kda_plan = None
 
-    def slot(self, p: int) -> int:
-        return p % self.slots
+    # ---- the KDA state at a position: replayed from the base ------------------------------------
+    def _kda_servable(self, n: int) -> bool:
+        """Whether the KDA state at n can be rebuilt: n in [kda_base, written_until] (the ring holds
+        every input of [kda_base, written_until)) and its conv rows at or above the base in `mixed`."""
+        if n < self.kda_base or n > self.written_until:
+            return False
+        lo = max(n - self.km1, self.kda_base)
+        return lo >= n or lo >= self.kda_mix_low
+
+    def _kda_conv(self, ls: KdaLayerState, n: int, full: torch.Tensor | None = None, start: int = 0):
+        """The conv state at n: rows of positions [n-K+1, n), from the running call's `full` (at or
+        above `start`), the `mixed` ring (at or above the base) or the base's conv state."""
+        rows = []
+        for p in range(n - self.km1, n):
+            if full is not None and p >= start:
+                rows.append(full[p - start + self.km1])
+            elif p < self.kda_base:
+                rows.append(ls.conv[p - self.kda_base + self.km1])
+            else:
+                if p < self.kda_mix_low:  # _kda_servable guards every caller
+                    raise RuntimeError(f"KDA conv row {p} is no longer held (from {self.kda_mix_low})")
+                rows.append(ls.mixed[p % self.n_mix])
+        return torch.stack(rows) if rows else ls.conv[:0]
+
+    def _kda_at(self, ls: KdaLayerState, n: int, capture: int | None = None):
+        """(conv, rec, captured) of one KDA layer at position n: `kda_chunked` over the stored inputs
+        of each segment in [kda_base, n), the last one cut at n (module docstring), from the base.
+        `captured` is (conv, rec) at the boundary `capture` on the way (None if not asked)."""
+        rec, cap = ls.rec, None
+        if capture == self.kda_base:
+            cap = (ls.conv, ls.rec)
+        ends = self.kda_cuts[1:] + [self.written_until]
+        for b0, b1 in zip(self.kda_cuts, ends):
+            if b0 >= n:
+                break
+            b1 = min(b1, n)
+            idx = torch.arange(b0, b1, device=ls.k.device) % self.n_in
+            # fresh contiguous fp32 copies, as the forward handed kda_chunked (kda.py)
+            _, rec, _ = kda_chunked(None, ls.k[idx], ls.v[idx].float(), ls.g[idx], ls.beta[idx].float(), rec)
+            if capture == b1:
+                cap = (self._kda_conv(ls, b1), rec)
+        conv = ls.conv if n == self.kda_base else self._kda_conv(ls, n)
+        return conv, rec, cap
+
+    def _kda_begin(self, start: int, t: int) -> None:
+        """Plan a forward of t tokens at `start` (before any layer runs): the new base and segment
+        boundaries. The base is the latest boundary <= written_until - max_rewind whose inputs fit
+        the ring (and whose conv rows are held), else the earliest one that fits."""
+        wu = start + t
+        bounds = [b for b in self.kda_cuts if b < start] + list(range(start, wu, KDA_CHUNK))
+        fits = [b for b in bounds + [wu] if wu - b <= self.n_in and (b >= start or self._kda_servable(b))]
+        below = [b for b in fits if b <= wu - self.max_rewind]
+        nb = max(below) if below else min(fits)
+        low = max(wu - self.n_mix, min(self.kda_mix_low, start))
+        self._kda_plan = (start, t, nb, [b for b in bounds if b >= nb], low)
+
+    def _kda_forward(self, attn, ls: KdaLayerState, x: torch.Tensor, start: int) -> torch.Tensor:
+        """One KDA layer's forward of x at `start`, as planned by `_kda_begin`: its state at start
+        replayed from the base, then its inputs stored and the new base kept."""
+        _, t, nb, _, _ = self._kda_plan
+        wu = start + t
+        conv0, rec0, cap = self._kda_at(ls, start, capture=nb if nb <= start else None)
+        inside = start < nb < wu
+        y, step = attn(x, conv0, rec0, keep_at=[nb - start] if inside else [])
+        if nb <= start:
+            base = cap
+        elif nb == wu:
+            base = (step.full[t:], step.rec)
+        else:
+            base = (step.full[nb - start: nb - start + self.km1], step.kept[0])
+        first = max(start, wu - self.n_in)
+        if first < wu:
+            idx, i = torch.arange(first, wu, device=ls.k.device) % self.n_in, first - start
+            ls.k[idx], ls.g[idx] = step.k[i:], step.g[i:]
+            ls.v[idx], ls.beta[idx] = step.v[i:].to(ls.v.dtype), step.beta[i:].to(ls.beta.dtype)
+        first = max(start, wu - self.n_mix)
+        if first < wu:
+            idx = torch.arange(first, wu, device=ls.k.device) % self.n_mix
+            ls.mixed[idx] = step.full[first - start + self.km1:]
+        ls.conv.copy_(base[0])
+        ls.rec.copy_(base[1])
+        return y
+
+    def _kda_commit(self) -> None:
+        """After every layer ran the planned forward: move the base and the cursors."""
+        start, t, nb, cuts, low = self._kda_plan
+        self.kda_base, self.kda_cuts, self.kda_mix_low = nb, cuts, low
+        self._kda_plan = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def free(self) -> None:
@@ -99,22 +226,25 @@ class Glm5State(SequenceState):
         self._check_alive()
         if n > self.pos:
             raise RewindError(f"rewind_to({n}) would grow the sequence (pos is {self.pos}); rewind only shrinks")
-        # the KDA ring holds the states of positions [written_until - max_rewind, written_until]
+        # the KDA inputs are held for positions [written_until - max_rewind, written_until] (at least)
         if n < 0 or n < self.written_until - self.max_rewind:
             raise RewindError(
                 f"rewind_to({n}) undoes {self.written_until - n} written tokens but this state keeps only "
-                f"max_rewind={self.max_rewind} KDA states; create it with model.new_state(..., max_rewind="
+                f"max_rewind={self.max_rewind} tokens of KDA inputs; create it with model.new_state(..., max_rewind="
                 f"{max(self.written_until - n, 0)}) or restore an earlier snapshot")
         if n < self.rewind_floor:
             raise RewindError(f"rewind_to({n}) goes below position {self.rewind_floor}, where this state was "
                               f"restored from a snapshot; restore an earlier snapshot instead")
+        if not self._kda_servable(n):
+            raise RewindError(f"rewind_to({n}): the KDA inputs of positions below {self.kda_base} are no longer "
+                              f"held (an earlier rewind was followed by a forward); restore a snapshot instead")
         self.pos = n
         self._sync_dsa()
 
     def advance(self, k: int) -> None:
         """Re-expose k positions already written past pos (by a verify pass that was rewound)."""
         self._check_alive()
-        if k < 0 or self.pos + k > self.written_until:
+        if k < 0 or self.pos + k > self.written_until or not self._kda_servable(self.pos + k):
             raise RewindError(f"advance({k}) from pos {self.pos} passes the rows written so far "
                               f"(up to {self.written_until}) or their kept KDA states; run forward() instead")
         self.pos += k
@@ -128,7 +258,7 @@ class Glm5State(SequenceState):
                               f"feed the missing tokens with forward() first")
         end = seq_len + k
         if k < 0 or end > self.written_until or end < self.written_until - self.max_rewind \
-                or seq_len < self.rewind_floor:
+                or seq_len < self.rewind_floor or not self._kda_servable(end):
             raise RewindError(f"sync_to({seq_len}, {k}) needs the state at {end} but only positions "
                               f"[{max(self.written_until - self.max_rewind, self.rewind_floor)}, "
                               f"{self.written_until}] are held")
@@ -158,8 +288,8 @@ def expected_sections(state: Glm5State, pos: int) -> list[Section]:
     secs = []
     for i, ls in enumerate(state.layers):
         if isinstance(ls, KdaLayerState):
-            _, km1, w = ls.conv.shape
-            _, h, dk, dv = ls.rec.shape
+            km1, w = ls.conv.shape
+            h, dk, dv = ls.rec.shape
             secs.append(Section(i, KDA_CONV, 0, km1, w, sd))
             secs.append(Section(i, KDA_REC, 0, h * dk, dv, f32))
         else:
@@ -170,20 +300,21 @@ def expected_sections(state: Glm5State, pos: int) -> list[Section]:
     return secs
 
 
-def _rows_of(state: Glm5State, s: Section) -> torch.Tensor:
+def _rows_of(state: Glm5State, s: Section, at: dict) -> torch.Tensor:
     ls = state.layers[s.layer]
-    if s.kind == KDA_CONV:
-        return ls.conv[state.slot(state.pos)]
-    if s.kind == KDA_REC:
-        r = ls.rec[state.slot(state.pos)]
-        return r.reshape(-1, r.shape[-1])
+    if s.kind in (KDA_CONV, KDA_REC):  # the KDA state at pos, replayed once per layer
+        if s.layer not in at:
+            at[s.layer] = state._kda_at(ls, state.pos)[:2]
+        conv, rec = at[s.layer]
+        return conv if s.kind == KDA_CONV else rec.reshape(-1, rec.shape[-1])
     if s.kind == MLA_LATENT:
         return ls.latent[:s.rows]
     return torch.frombuffer(bytearray(ls.dsa.snapshot_blob()), dtype=torch.uint8).view(-1, 1)
 
 
 def encode(state: Glm5State) -> bytes:
-    return blob.encode(FORMAT, state, 0, expected_sections(state, state.pos), lambda s: _rows_of(state, s))
+    at: dict = {}
+    return blob.encode(FORMAT, state, 0, expected_sections(state, state.pos), lambda s: _rows_of(state, s, at))
 
 
 def decode_and_apply(state: Glm5State, data: bytes) -> None:
@@ -199,15 +330,15 @@ def decode_and_apply(state: Glm5State, data: bytes) -> None:
             state.layers[s.layer].dsa.check_blob(raw)
             dsa_blobs.append((s.layer, raw))
     # all checks passed: write
-    slot = state.slot(pos)
     for s, r in sections:
         ls = state.layers[s.layer]
         if s.kind == KDA_CONV:
-            ls.conv[slot] = r
+            ls.conv.copy_(r)
         elif s.kind == KDA_REC:
-            ls.rec[slot] = r.view(ls.rec.shape[1:])
+            ls.rec.copy_(r.view(ls.rec.shape))
         elif s.kind == MLA_LATENT:
             ls.latent[:pos] = r
     for i, raw in dsa_blobs:
         state.layers[i].dsa.restore_blob(raw)
     state.pos = state.written_until = state.rewind_floor = pos
+    state.kda_base, state.kda_cuts, state.kda_mix_low = pos, [], pos  # the base is the restored state
