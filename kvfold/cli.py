@@ -35,7 +35,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="weight dtype (default float32)")
     p.add_argument("--numerics", choices=("hf", "reference"), default="hf",
-                   help="hf: transformers' math; reference: the official code's FP8/FP4 roundings")
+                   help="hf: transformers' math; reference: the official code's order and FP8/FP4 roundings "
+                        "(with --dtype bfloat16)")
     p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
                    help="dequant: decode FP8/FP4 weights at load; quantized: keep them, decode per matmul")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None,

@@ -10,7 +10,8 @@ from helpers import random_ids
 
 @pytest.fixture(scope="module")
 def ref():
-    return kvfold.load_model("tiny", numerics="reference")
+    # reference numerics are the release's bf16 activations (fp32 is refused: see below)
+    return kvfold.load_model("tiny", numerics="reference", dtype=torch.bfloat16)
 
 
 def rel_rms(a, b):
@@ -62,3 +63,13 @@ def test_states_of_the_two_numerics_modes_are_kept_apart(tiny, ref):
         tiny.forward([1, 2], st)
     with pytest.raises(kvfold.ConfigError):
         kvfold.load_model("tiny", numerics="fast")
+
+
+def test_reference_numerics_refuse_a_model_that_is_not_bf16():
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(kvfold.ConfigError, match="dtype=torch.bfloat16"):
+            kvfold.load_model("tiny", numerics="reference", dtype=dtype)
+    hf = kvfold.load_model("tiny")
+    with pytest.raises(kvfold.ConfigError):
+        hf.set_numerics("reference")
+    assert hf.numerics == "hf" and not hf.model.layers[1].mlp.experts.act_quant  # refused before any change

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..numerics.quant import act_quant_fp8
+from ..numerics.reference import release_swiglu
 from ..numerics.rows import combine_experts, row_mm, rows_invariant, swiglu
 from .basic import Linear, _param, matmul_weight
 
@@ -28,6 +29,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over each row's k experts of weight * expert(row), fp32 [T, hidden]."""
+        if self.act_quant:  # set by numerics="reference" only
+            return self._forward_release(x, weights, ids)
         k = ids.shape[1]
         invariant = rows_invariant()
         flat_ids = ids.reshape(-1)
@@ -62,6 +65,34 @@ class Experts(nn.Module):
         w2 = matmul_weight(self.down_proj, e)
         ye = row_mm(h.to(w2.dtype), w2)
         return ye if ye.dtype == torch.float32 else ye.float()
+
+
+    def _forward_release(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The DeepSeek-V4 release's order (docs/checkpoints.md, reference numerics): per expert
+        in ascending id, gate and up from FP8 activations into the GEMM (outputs in the model
+        dtype), silu(gate) * up and the routing weight in fp32, cast to the model dtype, FP8
+        activations into w2; the w2 outputs (model dtype) summed in fp32, ascending expert order."""
+        k = ids.shape[1]
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        flat_w = weights.reshape(-1).float()
+        offset = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[offset:offset + n]
+            rows = slots // k
+            xe = act_quant_fp8(x[rows], 128)
+            w13 = matmul_weight(self.gate_up_proj, e)
+            gate, up = row_mm(xe.to(w13.dtype), w13).to(x.dtype).chunk(2, dim=-1)
+            h = release_swiglu(gate, up, self.limit, flat_w[slots, None]).to(x.dtype)
+            w2 = matmul_weight(self.down_proj, e)
+            ye = row_mm(act_quant_fp8(h, 128).to(w2.dtype), w2).to(x.dtype)
+            out.index_add_(0, rows, ye.float())
+            offset += n
+        return out
 
 
 class SwiGluMLP(nn.Module):

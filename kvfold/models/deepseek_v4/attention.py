@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, unweighted_rms_norm
+from ...numerics.reference import release_q_norm, release_sparse_attn
 from ...numerics.rows import grouped_row_mm, own_rows, rows_invariant
 from ...profiling import scope
 from .state import LayerState
@@ -63,10 +64,14 @@ class GroupedLinear(nn.Module):
 
 
 class Attention(nn.Module):
-    simulate_kv = False  # reference numerics: FP8-simulate the window KV's non-rope dims
+    # Reference numerics (set by `set_numerics("reference")`, bf16 models only): FP8-simulate the
+    # window KV's non-rope dims, and run the release's order of operations here (bf16 q norm, the
+    # sparse attention kernel's blocked softmax with bf16 probabilities).
+    simulate_kv = False
 
     def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
         super().__init__()
+        self.act_dtype = dtype
         self.layer_idx = layer_idx  # which of a state's LayerStates this layer reads
         self.rope_dim = cfg.qk_rope_head_dim
         self.kind = cfg.layer_types[layer_idx]
@@ -116,7 +121,11 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_lora = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
-        rows = {"q": apply_rope(unweighted_rms_norm(q, self.eps), cos, sin),
+        if self.simulate_kv:  # the release's per-head q norm, in bf16
+            q = release_q_norm(q, self.eps)
+        else:
+            q = unweighted_rms_norm(q, self.eps)
+        rows = {"q": apply_rope(q, cos, sin),
                 "kv": apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)}  # [R, D], K = V
         if self.simulate_kv:
             rows["kv"] = simulate_kv_fp8(rows["kv"], self.head_dim - self.rope_dim)
@@ -179,6 +188,8 @@ class Attention(nn.Module):
         n_comp = 0 if selected is None else selected.shape[1]
         if self.kind == HCA:
             n_comp = (start + t) // self.ratio
+        if self.simulate_kv:
+            return self._attend_release(q, local, local_start, start, pool, selected, n_comp, sinks, positions)
         q = (q if q.dtype == f32 else q.float()) * d ** -0.5
         if local.dtype != f32:
             local = local.float()
@@ -236,6 +247,41 @@ class Attention(nn.Module):
             pc = p[..., nw:-1]
             acc = acc + (pc @ keys_c if self.kind == HCA else torch.bmm(pc, keys_c))
         return acc
+
+    def _attend_release(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, pool,
+                        selected: torch.Tensor | None, n_comp: int, sinks: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+        """Reference numerics: each query's keys laid out in the columns the release's
+        sparse attention reads (docs/checkpoints.md): first its window, oldest position first,
+        -1 padded to W columns (a prefill from position 0 shorter than W: to its length); then its
+        compressed entries (HCA: 0.. ascending; CSA: the indexer's picks in its topk order). The kernel's blocked
+        softmax runs over those columns (numerics/reference.py `release_sparse_attn`)."""
+        t, h, d = q.shape
+        w, dev = self.window, q.device
+        width = min(t, w) if start == 0 else w
+        f32 = torch.float32
+        per_query = (width + n_comp) * (d + 2 * h)
+        block = max(1, min(t, _ATTN_BUDGET // max(1, per_query)))
+        out = torch.empty(t, h, d, dtype=f32, device=dev)
+        cols = torch.arange(width, device=dev)
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            qpos = positions[b0:b1]
+            n_win = torch.clamp(qpos + 1, max=w)  # window positions qpos - n_win + 1 .. qpos
+            wpos = qpos[:, None] - n_win[:, None] + 1 + cols[None, :]
+            valid = cols[None, :] < n_win[:, None]
+            keys = local[(wpos.clamp(min=local_start) - local_start).clamp(max=local.shape[0] - 1)]
+            keys = keys.masked_fill(~valid[..., None], 0.0)
+            if self.kind == HCA and n_comp > 0:
+                comp = pool[:n_comp].to(f32)[None].expand(b1 - b0, -1, -1)
+                vis = torch.arange(n_comp, device=dev)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+                keys, valid = torch.cat([keys, comp], 1), torch.cat([valid, vis], 1)
+            elif self.kind == CSA and n_comp > 0:
+                sel = selected[b0:b1]
+                comp = pool[sel.clamp(min=0)].to(f32)
+                keys, valid = torch.cat([keys, comp], 1), torch.cat([valid, sel >= 0], 1)
+            out[b0:b1] = release_sparse_attn(q[b0:b1], keys, valid, sinks, d ** -0.5)
+        return out
 
 
 def _native_attend_one(q: torch.Tensor, local: torch.Tensor, pool, selected: torch.Tensor | None,

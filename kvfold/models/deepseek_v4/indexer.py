@@ -12,6 +12,7 @@ from torch import nn
 
 from ...numerics import apply_rope, native, topk_lower_index
 from ...numerics.quant import fp4_e2m1_simulate, hadamard
+from ...numerics.reference import release_index_scores, topk_descending
 from .state import CompressorState
 from ...state.kv_rows import plain_rows
 from ...layers.basic import Linear
@@ -42,27 +43,40 @@ class Indexer(Compressor):
         t = x.shape[0]
         f32 = torch.float32
         q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
+        if self.entry_sim == "hadamard_fp4":
+            return self._queries_release(x, q, cos, sin)
         q = apply_rope(q if q.dtype == f32 else q.float(), cos, sin)
         w = self.scorer.weights_proj(x)
         w = w if w.dtype == f32 else w.float()
-        if self.entry_sim == "hadamard_fp4":  # reference numerics: rotated FP4 queries, bf16 scores
-            q = fp4_e2m1_simulate(hadamard(q), 32)
-            return q.to(torch.bfloat16), (w * (self.n_heads ** -0.5)).to(torch.bfloat16)
         return q, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+
+    def _queries_release(self, x: torch.Tensor, q: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference numerics (docs/checkpoints.md): rope on the bf16 queries, Hadamard
+        (`rotate_activation`), FP4 simulation in blocks of 32, all in bf16; head weights from the
+        bf16 weights_proj times d^-1/2 H^-1/2, rounded to bf16."""
+        bf16 = torch.bfloat16
+        q = fp4_e2m1_simulate(hadamard(apply_rope(q.to(bf16), cos, sin)), 32)
+        weight = self.scorer.weights_proj.weight
+        weight = weight.dequant() if not isinstance(weight, torch.Tensor) else weight
+        w = torch.nn.functional.linear(x.to(bf16), weight.to(bf16))
+        return q, w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
     def select(self, q: torch.Tensor, w: torch.Tensor, start: int, st: CompressorState) -> torch.Tensor:
         """One sequence's half: entries chosen for each of its T queries (from `queries`) at
-        positions start..start+T-1: [T, k] long, ascending, -1 padded. Call after `step`/`fold`
-        so entries completed by these tokens exist."""
+        positions start..start+T-1: [T, k] long, ascending, -1 padded (reference numerics: in the
+        release's topk order, see `_select_release`). Call after `step`/`fold` so entries
+        completed by these tokens exist."""
         t = q.shape[0]
         r = self.ratio
         n_entries = (start + t) // r
         k = min(self.topk, n_entries)
         if k == 0:
             return torch.empty(t, 0, dtype=torch.long, device=q.device)
+        if self.entry_sim == "hadamard_fp4":
+            return self._select_release(q, w, start, st, n_entries, k)
         f32 = torch.float32
-        scale = self.head_dim ** -0.5 if self.entry_sim == "hadamard_fp4" else None
-        if t == 1 and scale is None:  # one fp32 query (decode) in one native call of the same rule
+        if t == 1:  # one fp32 query (decode) in one native call of the same rule
             out = _native_topk_one(q, w, self.n_heads, self.head_dim, st.pool, n_entries, k)
             if out is not None:
                 return out
@@ -76,10 +90,29 @@ class Indexer(Compressor):
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
             s = torch.relu(q[b0:b1] @ keys.t())
-            scores = torch.bmm(w[b0:b1, None, :], s if scale is None else s * scale)[:, 0]
+            scores = torch.bmm(w[b0:b1, None, :], s)[:, 0]
             if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
+        return out
+
+    def _select_release(self, q: torch.Tensor, w: torch.Tensor, start: int, st: CompressorState, n_entries: int,
+                        k: int) -> torch.Tensor:
+        """Reference numerics (docs/checkpoints.md): bf16 scores (numerics/reference.py
+        `release_index_scores`), invisible entries -inf, then `topk`: [T, k] in descending score
+        order, ties to the lower entry index (torch.topk's own choice among ties is unspecified),
+        -1 for picks past the visible entries."""
+        t = q.shape[0]
+        keys = st.pool[:n_entries]
+        visible = (torch.arange(start, start + t, device=q.device) + 1) // self.ratio
+        entry_ids = torch.arange(n_entries, device=q.device)
+        block = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_entries))
+        out = torch.empty(t, k, dtype=torch.long, device=q.device)
+        for b0 in range(0, t, block):
+            b1 = min(t, b0 + block)
+            scores = release_index_scores(q[b0:b1], keys, w[b0:b1])
+            scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
+            out[b0:b1] = topk_descending(scores, k)
         return out
 
 

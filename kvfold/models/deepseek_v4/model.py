@@ -71,10 +71,12 @@ class Dsv4Model(CausalLM):
 
     # ---- numerics ----------------------------------------------------------------------------
     def set_numerics(self, mode: str) -> None:
-        """"hf": plain fp32-style math (transformers' DeepseekV4ForCausalLM). "reference": the
-        official inference code's roundings: FP8 window/compressed KV (non-rope dims, blocks of 64),
-        Hadamard + FP4 indexer queries and keys (blocks of 32), bf16 index scores, and FP8
-        per-token activations into the release's FP8/FP4 GEMMs."""
+        """"hf": plain fp32-style math (transformers' DeepseekV4ForCausalLM). "reference" (bf16
+        models only): the official inference code's order of operations and roundings: FP8
+        window/compressed KV (non-rope dims, blocks of 64), Hadamard + FP4 indexer queries and keys
+        (blocks of 32), bf16 index scores, FP8 per-token activations into the release's FP8/FP4
+        GEMMs, and the MoE, attention core and indexer orders of `numerics/reference.py`
+        (docs/checkpoints.md cites the release function each follows)."""
         from .attention import Attention
         from .compressor import Compressor
         from .indexer import Indexer
@@ -83,6 +85,10 @@ class Dsv4Model(CausalLM):
         if mode not in ("hf", "reference"):
             raise ConfigError(f"numerics must be 'hf' or 'reference', got {mode!r}")
         ref = mode == "reference"
+        if ref and self.dtype != torch.bfloat16:  # refused before any module changes
+            raise ConfigError(
+                f"numerics='reference' reproduces the release's bf16 activations (its default dtype); this model "
+                f"is {self.dtype}: load it with dtype=torch.bfloat16 (CLI: --dtype bfloat16), or use numerics='hf'")
         for name, mod in self.named_modules():
             if isinstance(mod, Attention):
                 mod.simulate_kv = ref

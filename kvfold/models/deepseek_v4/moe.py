@@ -10,6 +10,7 @@ from torch import nn
 from ...layers.basic import _param
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
+from ...numerics.reference import release_swiglu
 from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant
 from .config import Dsv4Config
 
@@ -74,11 +75,18 @@ class MoE(nn.Module):
             if y is not None:
                 return y
         weights, ids = self.gate(x, token_ids)
-        y = self.experts(x, weights, ids)
+        y = self.experts(x, weights, ids)  # the release's order in reference numerics (layers/moe.py)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x)
+            shared = self._shared_release(x) if self.experts.act_quant else self.shared_experts(x)
             y = y + (shared if shared.dtype == torch.float32 else shared.float())
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _shared_release(self, x: torch.Tensor) -> torch.Tensor:
+        """Reference numerics: the shared expert as the release's later revision runs it
+        (docs/checkpoints.md): clamped, silu(gate) * up in fp32, cast to the model dtype before w2."""
+        sh = self.shared_experts
+        h = release_swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit).to(x.dtype)
+        return sh.down_proj(h)
 
     def _native_one(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
         """The whole layer for one fp32 row in one native call (router, experts, shared expert), or
