@@ -197,3 +197,24 @@ def test_repetition_penalty_keeps_every_logit_finite():
             check_sampling(repetition_penalty=bad)
     x = Sampler(SamplingRule(repetition_penalty=0.01), prompt=[0]).process(torch.tensor([3e36, 1.0]), [])
     assert torch.isfinite(x).all()
+
+
+def test_speculative_verify_draws_from_the_processed_distribution():
+    """Rejection sampling against the request's processed p (top-k 3 and a presence penalty on
+    the token already out): the first emitted token's frequencies match that p, not the raw
+    softmax, whatever the drafter's q."""
+    from kvfold.decoding.speculative import verify_drafts
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0], [0.0] * 5])
+    rule = SamplingRule(temperature=1.0, top_k=3, presence_penalty=1.0)
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler(rule, generator=g)
+    p = sampler.probs(logits[0], [0])  # token 0 is out already: penalised; top-3 of the rest
+    assert p[4] == 0 and p[3] == 0 and p[0] < torch.softmax(logits[0].double(), -1)[0]
+    q = torch.tensor([0.1, 0.1, 0.1, 0.6, 0.1], dtype=torch.float64)
+    n, counts = 6000, torch.zeros(5)
+    for _ in range(n):
+        d = int(torch.multinomial(q, 1, generator=g))
+        acc, nxt = verify_drafts(logits, [d], q[None], sampler, [0])
+        counts[d if acc else nxt] += 1
+    sigma = (p * (1 - p) / n).sqrt()
+    assert ((counts / n - p).abs() <= 5 * sigma + 1e-12).all(), (counts / n, p)
