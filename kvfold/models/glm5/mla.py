@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...numerics import rms_norm
+from ...numerics.rows import row_mm
 from .dsa_select import dsa_select
 from ...layers.basic import Linear, _param
 
@@ -79,7 +80,8 @@ class DsaIndexer(nn.Module):
     def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token rows the state stores: (k_normed [T, d], gate [T, d])."""
         k = self.k_norm(self.wk(x))
-        gate = x.to(self.index_kpool_compress_gate.dtype) @ self.index_kpool_compress_gate.t()
+        # a token-parallel GEMM like the others: in batch-invariant mode native.c's fixed-order dot
+        gate = row_mm(x.to(self.index_kpool_compress_gate.dtype), self.index_kpool_compress_gate)
         return k, gate
 
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, dsa) -> torch.Tensor:
