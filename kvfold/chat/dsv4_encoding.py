@@ -106,8 +106,9 @@ def encode_chat(messages: list[dict], *, tools: list[dict] | None = None, thinki
 
 
 def opens_reasoning(prompt: str) -> bool:
-    """Whether the model's reply to `prompt` starts inside a reasoning block (thinking mode)."""
-    return prompt.endswith(THINK_OPEN)
+    """Whether the model's reply to `prompt` starts inside a reasoning block (thinking mode; for
+    any template whose generation prompt ends in "<think>", whitespace after it allowed)."""
+    return prompt.rstrip().endswith(THINK_OPEN)
 
 
 def _render(turns: list[_Turn], *, thinking: bool, keep_reasoning: bool,

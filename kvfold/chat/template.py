@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from .dsv4_encoding import encode_chat
+from .dsv4_encoding import encode_chat, opens_reasoning
 from ..errors import InvalidRequestError
 
 PLAIN_TEMPLATE = "<|{role}|>\n{content}\n"
@@ -136,10 +136,8 @@ class ChatTemplate:
             return tok.encode(text)
         return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text)
 
-    @staticmethod
-    def opens_reasoning(text: str) -> bool:
-        """Whether a rendered prompt leaves the reply inside a reasoning block (ends in "<think>")."""
-        return text.rstrip().endswith("<think>")
+    # whether a rendered prompt leaves the reply inside a reasoning block (it ends in "<think>")
+    opens_reasoning = staticmethod(opens_reasoning)
 
 
 def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
