@@ -31,59 +31,49 @@ class Experts(nn.Module):
         """sum over each row's k experts of weight * expert(row), fp32 [T, hidden]."""
         if self.act_quant:  # set by numerics="reference" only
             return self._forward_release(x, weights, ids)
-        k = ids.shape[1]
         invariant = rows_invariant()
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         # batch-invariant: each (row, slot) output kept apart, then combined in slot order (ascending ids)
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
         out = None if invariant else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        offset = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            slots = order[offset:offset + n]
-            rows = slots // k
+        for e, slots, rows in self._groups(ids):
             ye = self._expert(e, x[rows])
             if invariant:
                 per_slot[slots] = ye
             else:
                 out.index_add_(0, rows, ye * weights.reshape(-1)[slots, None])
-            offset += n
         return combine_experts(per_slot.view(*ids.shape, -1), weights) if invariant else out
+
+    def _groups(self, ids: torch.Tensor):
+        """(expert e, its (row, slot) indices into ids.reshape(-1), their rows) for each expert
+        that has rows, in ascending id."""
+        k = ids.shape[1]
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        offset = 0
+        for e, n in enumerate(counts):
+            if n:
+                slots = order[offset:offset + n]
+                yield e, slots, slots // k
+            offset += n
 
     def _expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         """Expert e on rows xe [n, hidden] -> fp32 [n, hidden]."""
-        if self.act_quant:
-            xe = act_quant_fp8(xe, 128)
         w13 = matmul_weight(self.gate_up_proj, e)
         gate, up = row_mm(xe.to(w13.dtype), w13).chunk(2, dim=-1)
         h = swiglu(gate, up, self.limit)
-        if self.act_quant:
-            h = act_quant_fp8(h, 128)
         w2 = matmul_weight(self.down_proj, e)
         ye = row_mm(h.to(w2.dtype), w2)
         return ye if ye.dtype == torch.float32 else ye.float()
-
 
     def _forward_release(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The DeepSeek-V4 release's order (docs/checkpoints.md, reference numerics): per expert
         in ascending id, gate and up from FP8 activations into the GEMM (outputs in the model
         dtype), silu(gate) * up and the routing weight in fp32, cast to the model dtype, FP8
         activations into w2; the w2 outputs (model dtype) summed in fp32, ascending expert order."""
-        k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_w = weights.reshape(-1).float()
-        offset = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            slots = order[offset:offset + n]
-            rows = slots // k
+        for e, slots, rows in self._groups(ids):
             xe = act_quant_fp8(x[rows], 128)
             w13 = matmul_weight(self.gate_up_proj, e)
             gate, up = row_mm(xe.to(w13.dtype), w13).to(x.dtype).chunk(2, dim=-1)
@@ -91,7 +81,6 @@ class Experts(nn.Module):
             w2 = matmul_weight(self.down_proj, e)
             ye = row_mm(act_quant_fp8(h, 128).to(w2.dtype), w2).to(x.dtype)
             out.index_add_(0, rows, ye.float())
-            offset += n
         return out
 
 

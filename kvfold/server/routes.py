@@ -21,7 +21,8 @@ from . import openapi as doc
 from .context import ServerContext, sampling, server_context
 from .formats import ChatFormat, CompletionFormat
 from .responses import cancel_all, respond
-from .schemas import ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse
+from .schemas import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
+                      tool_dicts)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -97,8 +98,8 @@ async def chat_completions(request: Request) -> Response:
     after = ctx.tokenizer.encode("</think>") if reasoning else []
     params = sampling(req, max_tokens, logprobs=logprobs, grammar_after=after, tool_family=ctx.template.family)
     streams = await ctx.start(ids, params, length_param=limit)
-    family, tools = ctx.template.family, [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    parser = (lambda: OutputParser(family, tools=tools if req.calls_tools else None, in_reasoning=reasoning))
+    family, tools = ctx.template.family, tool_dicts(req.tools) if req.calls_tools else None
+    parser = (lambda: OutputParser(family, tools=tools, in_reasoning=reasoning))
     fmt = ChatFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, logprobs is not None, len(params), parser)
     return await respond(request, streams, req, fmt)
 
@@ -183,7 +184,7 @@ def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) 
     if ctx.template is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template", param="messages")
     messages = [m.as_dict() for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = tool_dicts(req.tools)
     try:
         text = ctx.template.text(messages, tools, req.render_options())
         return ctx.template.ids(text), ctx.template.opens_reasoning(text)

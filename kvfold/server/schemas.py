@@ -13,11 +13,12 @@ JSON schemas.
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..decoding.grammar import GrammarError, GrammarSpec
 from ..decoding.sampling import SamplingArgumentError, check_sampling
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -168,21 +169,22 @@ class _Request(_Strict):
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 "logit_bias": self.token_bias(), "min_tokens": self.min_tokens or 0}
 
-    def structured(self) -> tuple[str, dict[str, Any]] | None:
-        """(param, spec) of the one output constraint asked for, in GrammarSpec's terms, or None;
-        a 400 when more than one is."""
-        found = []
+    def structured(self) -> tuple[str, GrammarSpec] | None:
+        """(param, spec) of the one output constraint asked for, or None; a 400 when more than one
+        is, or when the one is malformed (naming its field)."""
+        found: list[tuple[str, Callable[[], GrammarSpec]]] = []
         so = self.structured_outputs
         if so is not None:
             for kind, value in (("json_schema", so.json_schema), ("regex", so.regex), ("choice", so.choice),
                                 ("ebnf", so.grammar), ("json_object", True if so.json_object else None)):
                 if value is not None:
-                    found.append(("structured_outputs", {"kind": kind, "value": None if kind == "json_object" else value}))
+                    found.append(("structured_outputs", lambda k=kind, v=value: GrammarSpec(
+                        k, None if k == "json_object" else v, param="structured_outputs")))
         for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "ebnf")):
             value = getattr(self, name)
             if value is not None:
-                found.append((name, {"kind": kind, "value": value}))
+                found.append((name, lambda k=kind, v=value, n=name: GrammarSpec(k, v, param=n)))
         found += self._response_format()
         if len(found) > 1:
             raise ApiError(400, f"{found[1][0]}: one output constraint per request ({found[0][0]} is one already)",
@@ -190,9 +192,15 @@ class _Request(_Strict):
         if so is not None and not found:
             raise ApiError(400, "structured_outputs: give one of json, regex, choice, grammar or json_object",
                            param="structured_outputs")
-        return found[0] if found else None
+        if not found:
+            return None
+        param, make = found[0]
+        try:
+            return param, make()
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), param=param) from None
 
-    def _response_format(self) -> list[tuple[str, dict[str, Any]]]:
+    def _response_format(self) -> list[tuple[str, Callable[[], GrammarSpec]]]:
         return []
 
     def forced_tools(self) -> tuple[list[dict[str, Any]], str] | None:
@@ -307,6 +315,11 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Request tools as the chat formats, parsers and grammars take them (plain OpenAI dicts)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 class NamedFunction(_Strict):
     name: str
 
@@ -374,9 +387,9 @@ class ChatCompletionRequest(_Request):
         """(tools, "required" | "forced") when tool_choice makes the model call one, else None."""
         tc = self.tool_choice
         if tc == "required":
-            return [t.model_dump(exclude_none=True) for t in self.tools], "required"
+            return tool_dicts(self.tools), "required"
         if isinstance(tc, NamedToolChoice):
-            return [t.model_dump(exclude_none=True) for t in self.tools if t.function.name == tc.function.name], "forced"
+            return tool_dicts([t for t in self.tools if t.function.name == tc.function.name]), "forced"
         return None
 
     def render_options(self) -> dict[str, Any]:
@@ -399,11 +412,11 @@ class ChatCompletionRequest(_Request):
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         return self
 
-    def _response_format(self) -> list[tuple[str, dict[str, Any]]]:
+    def _response_format(self) -> list[tuple[str, Callable[[], GrammarSpec]]]:
         rf = self.response_format
         if rf is None or rf == {"type": "text"}:
             return []
-        return [("response_format", {"response_format": rf})]
+        return [("response_format", lambda: GrammarSpec.from_response_format(rf))]
 
 
 class TokenizeRequest(_Strict):
