@@ -499,14 +499,15 @@ def test_server_serves_glm5_with_greedy_equal_to_generate(pair, seq):
 
 
 @pytest.mark.batch_invariance
-def test_forward_batch_is_one_call_bit_identical_to_each_sequence_alone(pair, seq):
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_forward_batch_is_one_call_bit_identical_to_each_sequence_alone(pair, seq, kv_dtype):
     _, model, _ = pair
     model.set_batch_invariant(True)
     try:
         prompts, feeds = [seq[:0], seq[:7], seq[:70]], [seq[100:105], seq[105:106], seq[106:107]]
 
         def prefilled(p):
-            st = model.new_state(capacity=160, max_rewind=2)
+            st = model.new_state(capacity=160, max_rewind=2, kv_dtype=kv_dtype)
             if len(p):
                 model.forward(p, st)
             return st

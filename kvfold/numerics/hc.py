@@ -9,7 +9,8 @@ For one row of streams X [hc, d], with x = flat(X) [hc*d] and r = 1 / rms(x):
     collapse: sum_k pre_k X_k;   expand: X'_k = post_k * out + sum_j comb[j, k] X_j
 Sinkhorn: a column normalisation, then iters-1 rounds of (rows, columns), each sum + eps. The
 weights are computed in float64 after the fp32 matmul and rounded to fp32 once (more accurate
-than fp32 throughout); the collapse and expand run in the streams' dtype.
+than fp32 throughout); the collapse sums in fp32 and rounds once, the expand runs in the streams'
+dtype.
 
 These torch functions are the reference; on fp32 CPU tensors the native kernels (native.c:
 kv_hc_collapse, kv_hc_head, kv_hc_expand) compute the same formulas, each row alone.
@@ -68,8 +69,11 @@ def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
 
 
 def weighted_streams(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_k pre[:, k] * streams[:, k] in the streams' dtype."""
-    return (pre.to(streams.dtype)[..., None] * streams).sum(dim=1)
+    """sum_k pre[:, k] * streams[:, k]: fp32 weights times the streams, summed in fp32 and rounded
+    to the streams' dtype once, as transformers' and the release's collapse and head do in bf16
+    (rounding the weights, each product and each partial sum to bf16 instead moves a bf16 model's
+    logits by twice transformers' own bf16 error). fp32 streams: the same ops as ever."""
+    return (pre[..., None] * streams.float()).sum(dim=1).to(streams.dtype)
 
 
 def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -4,9 +4,15 @@ gates and validity that k-pool selection (dsa_select.py) reads.
 One sequence x one *full* DSA layer. Three flat buffers, allocated once (zeroed) at `capacity`
 rows and never grown:
 
-    k_normed [capacity, d]  indexer keys after the k_norm LayerNorm   (model dtype, bf16 default)
-    gate     [capacity, d]  compress-gate projection G.x              (same dtype)
+    k_normed [capacity, d]  indexer keys after the k_norm LayerNorm   (model dtype, bf16 default;
+                            float8_e4m3fn at unit scale in an FP8 KV state, `key_dtype`)
+    gate     [capacity, d]  compress-gate projection G.x              (model dtype)
     valid    [capacity]     u8, 1 unless the row is padding
+
+FP8 keys (`key_dtype=torch.float8_e4m3fn`, a state made with `kv_dtype="fp8"`) are stored clamped to
++-448 and read back decoded, exactly, into the model dtype (`readable()`); the gates stay in the
+model dtype: they are softmax logits, where FP8's relative step of 1/16 would move a pool slot's
+weight by |gate|/16, several percent for logits of order one.
 
 Rows [0, len) are reachable; the selector reads only those. Rows at or past `len` may still hold
 old data (a rewound draft) but the next write overwrites them before anything selects over them.
@@ -32,6 +38,19 @@ from ...errors import (CapacityError, ConfigError, FreedStateError, RewindError,
                       StateMismatchError)
 
 BLOB_HEADER = struct.Struct("<QQ")  # len, index_head_dim: u64 little-endian each
+KV_FP8 = torch.float8_e4m3fn  # what kv_dtype="fp8" stores: MLA latent rows and indexer keys
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x as float8_e4m3fn at unit scale, saturated at +-448 (not every cast saturates)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 _MAX_TOPK_TILE = 2048  # largest power of two T with 16*T <= 49,152 B of shared memory (one top-k tile)
 
 
@@ -86,18 +105,24 @@ def dsa_capacity(max_context: int, index_kpool: int) -> int:
     return (max(max_context, 0) // kp) * kp
 
 
-def indexer_state_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def _row_bytes(index_head_dim: int, dtype: torch.dtype, key_dtype: torch.dtype | None) -> int:
+    """Bytes per row: a key row (in key_dtype, default dtype), a gate row (dtype), a validity byte."""
+    return index_head_dim * (_itemsize(key_dtype or dtype) + _itemsize(dtype)) + 1
+
+
+def indexer_state_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                        key_dtype: torch.dtype | None = None) -> int:
     """Bytes one state holds: two [capacity, d] row buffers plus one validity byte per row
-    (capacity * (4d + 1) in bf16, i.e. 513 B per token at d = 128)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return capacity * (2 * index_head_dim * itemsize + 1)
+    (capacity * (4d + 1) in bf16, i.e. 513 B per token at d = 128; with FP8 keys 385 B)."""
+    return capacity * _row_bytes(index_head_dim, dtype, key_dtype)
 
 
-def dsa_blob_bytes(rows: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+def dsa_blob_bytes(rows: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                   key_dtype: torch.dtype | None = None) -> int:
     """Bytes of `snapshot_blob` at len `rows`: the 16-byte header plus two [rows, d] row blocks
-    and one validity byte per row (16 + 513 * rows in bf16 at d = 128)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return BLOB_HEADER.size + rows * (2 * index_head_dim * itemsize + 1)
+    and one validity byte per row (16 + 513 * rows in bf16 at d = 128; 16 + 385 * rows with FP8
+    keys)."""
+    return BLOB_HEADER.size + rows * _row_bytes(index_head_dim, dtype, key_dtype)
 
 
 def _next_pow2(n: int) -> int:
@@ -108,26 +133,32 @@ class Glm5NextDsaState:
     """Indexer rows of one sequence for one full DSA layer. See the module docstring."""
 
     def __init__(self, max_context: int, index_head_dim: int, index_kpool: int, *,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+                 key_dtype: torch.dtype | None = None):
         if index_head_dim < 1:
             raise ConfigError(f"index_head_dim must be >= 1, got {index_head_dim}")
+        if key_dtype not in (None, dtype, KV_FP8):
+            raise ConfigError(f"indexer keys are stored in the state dtype ({dtype}) or {KV_FP8}, "
+                              f"not {key_dtype}")
         self._capacity = dsa_capacity(max_context, index_kpool)
         self._d = index_head_dim
         self.dtype = dtype
+        self.key_dtype = key_dtype or dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._len = 0
         self._released = False
-        self._k_normed: torch.Tensor | None = torch.zeros(self._capacity, index_head_dim, dtype=dtype,
+        self._k_normed: torch.Tensor | None = torch.zeros(self._capacity, index_head_dim, dtype=self.key_dtype,
                                                           device=self.device)
-        self._gate: torch.Tensor | None = torch.zeros_like(self._k_normed)
+        self._gate: torch.Tensor | None = torch.zeros(self._capacity, index_head_dim, dtype=dtype, device=self.device)
         self._valid: torch.Tensor | None = torch.zeros(self._capacity, dtype=torch.uint8, device=self.device)
 
     @classmethod
     def alloc(cls, cfg: Glm5NextDsaConfig, *, dtype: torch.dtype = torch.bfloat16,
-              device: torch.device | str | None = None) -> Glm5NextDsaState:
+              device: torch.device | str | None = None, key_dtype: torch.dtype | None = None) -> Glm5NextDsaState:
         """Reserve for the whole addressable context: the cap, not the prompt, sizes the state
         (the MTP drafter allocates its own with the same cap)."""
-        return cls(cfg.max_context, cfg.index_head_dim, cfg.index_kpool, dtype=dtype, device=device)
+        return cls(cfg.max_context, cfg.index_head_dim, cfg.index_kpool, dtype=dtype, device=device,
+                   key_dtype=key_dtype)
 
     # ---- read-only ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -155,13 +186,22 @@ class Glm5NextDsaState:
         return self._released
 
     @property
+    def fp8_keys(self) -> bool:
+        return self.key_dtype == KV_FP8
+
+    @property
     def nbytes(self) -> int:
         """Bytes of buffers held (0 once freed)."""
-        return 0 if self._released else indexer_state_bytes(self._capacity, self._d, self.dtype)
+        return 0 if self._released else indexer_state_bytes(self._capacity, self._d, self.dtype, self.key_dtype)
 
     def row_offset(self, pos: int) -> int:
-        """Byte offset of row `pos` in k_normed / gate (pos * d * 2 in bf16)."""
-        return pos * self._d * torch.empty(0, dtype=self.dtype).element_size()
+        """Byte offset of row `pos` in gate, and in k_normed when the keys are in the state dtype
+        (pos * d * 2 in bf16); FP8 keys: `key_row_offset`."""
+        return pos * self._d * _itemsize(self.dtype)
+
+    def key_row_offset(self, pos: int) -> int:
+        """Byte offset of row `pos` in k_normed (pos * d with FP8 keys)."""
+        return pos * self._d * _itemsize(self.key_dtype)
 
     @property
     def k_normed(self) -> torch.Tensor:
@@ -179,10 +219,16 @@ class Glm5NextDsaState:
         return self._valid
 
     def reachable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of rows [0, len) of k_normed, gate and valid: what the selector reads."""
+        """Views of rows [0, len) of k_normed, gate and valid, as stored."""
         self._check_alive()
         n = self._len
         return self._k_normed[:n], self._gate[:n], self._valid[:n]
+
+    def readable(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [0, len) as the selector reads them: `reachable()` with FP8 keys decoded into the
+        state dtype (exact: every float8_e4m3fn value is a bf16 and an fp32 value)."""
+        k, gate, valid = self.reachable()
+        return (k if k.dtype == self.dtype else k.to(self.dtype)), gate, valid
 
     # ---- room checks (never mutate) -----------------------------------------------------------
     def ensure_room_through(self, end: int) -> None:
@@ -206,7 +252,8 @@ class Glm5NextDsaState:
     def write_rows(self, start: int, k_normed: torch.Tensor, gate: torch.Tensor,
                    valid: torch.Tensor | None = None) -> None:
         """Write rows [start, start + n) of k_normed and gate ([n, d] each, cast to the state's
-        dtype) and their validity (default 1: not padding). Does not move `len`: call
+        dtype; keys to FP8, saturated, in an FP8-key state) and their validity (default 1: not
+        padding). Does not move `len`: call
         `advance(n)` after writing at `len`, or `sync_to` after a replay that wrote at seq_len.
 
         `start` may be below `len` (a replay over a rejected draft) but not above it, since the
@@ -223,7 +270,8 @@ class Glm5NextDsaState:
                              f"below len ({self._len})")
         self.ensure_room_through(start + n)
         end = start + n
-        self._k_normed[start:end] = k_normed.to(device=self.device, dtype=self.dtype)
+        keys = k_normed.to(device=self.device)
+        self._k_normed[start:end] = to_fp8(keys) if self.fp8_keys else keys.to(self.dtype)
         self._gate[start:end] = gate.to(device=self.device, dtype=self.dtype)
         if valid is None:
             self._valid[start:end] = 1
@@ -297,9 +345,10 @@ class Glm5NextDsaState:
 
     # ---- blob: prefix-cache and snapshot form of rows [0, len) --------------------------------
     def snapshot_blob(self) -> bytes:
-        """Rows [0, len): 16-byte header (len u64 LE, index_head_dim u64 LE), then key rows,
-        gate rows (raw, row-major, in the state's dtype) and validity bytes. The size,
-        16 + len * (4d + 1) in bf16, does not depend on capacity."""
+        """Rows [0, len): 16-byte header (len u64 LE, index_head_dim u64 LE), then key rows (raw,
+        row-major, in the key dtype), gate rows (in the state's dtype) and validity bytes. The size,
+        16 + len * (4d + 1) in bf16 (16 + len * (3d + 1) with FP8 keys), does not depend on
+        capacity."""
         self._check_alive()
         n = self._len
         parts = [BLOB_HEADER.pack(n, self._d)]
@@ -324,10 +373,10 @@ class Glm5NextDsaState:
         if width != self._d:
             raise SnapshotModelError(f"DSA indexer blob has index_head_dim {width}, this state {self._d}: "
                                      f"it was taken from another model")
-        expected = dsa_blob_bytes(rows, self._d, self.dtype)
+        expected = dsa_blob_bytes(rows, self._d, self.dtype, self.key_dtype)
         if len(blob) != expected:
             raise SnapshotSizeError(f"DSA indexer blob is {len(blob)} bytes but its header (len {rows}, "
-                                    f"d {width}) implies {expected}: it is cut short or corrupted")
+                                    f"d {width}) implies {expected}: {self._size_cause(len(blob), rows)}")
         if rows > self._capacity:
             raise SnapshotCapacityError(
                 f"DSA indexer blob holds {rows} rows but this state reserves {self._capacity}; raise the "
@@ -341,9 +390,9 @@ class Glm5NextDsaState:
         holds the whole context would be silently wrong."""
         blob = bytes(blob)
         rows = self.check_blob(blob)
-        key_bytes = self.row_offset(rows)
         at = BLOB_HEADER.size
-        for buf, size in ((self._k_normed, key_bytes), (self._gate, key_bytes), (self._valid, rows)):
+        for buf, size in ((self._k_normed, self.key_row_offset(rows)), (self._gate, self.row_offset(rows)),
+                          (self._valid, rows)):
             if rows:
                 _copy_raw(blob[at:at + size], buf[:rows])
             at += size
@@ -359,6 +408,16 @@ class Glm5NextDsaState:
         self._k_normed = self._gate = self._valid = None
         self._len = 0
 
+    def _size_cause(self, size: int, rows: int) -> str:
+        """Why a blob has another byte count: taken with the other key storage (the sizes differ by
+        len * d * (itemsize - 1)), else cut short or corrupted."""
+        other = self.dtype if self.fp8_keys else KV_FP8
+        if rows and size == dsa_blob_bytes(rows, self._d, self.dtype, other):
+            want = "kv_dtype='fp8'" if other == KV_FP8 else "the default kv_dtype"
+            return (f"it holds keys in {other}, this state in {self.key_dtype}; restore it into a state made with "
+                    f"new_state(..., {want})")
+        return "it is cut short or corrupted"
+
     def _check_alive(self) -> None:
         if self._released:
             raise FreedStateError("this DSA indexer state was freed; allocate a new one")
@@ -370,7 +429,8 @@ class Glm5NextDsaState:
 
     def __repr__(self) -> str:
         status = "freed" if self._released else f"len={self._len}/{self._capacity}"
-        return f"Glm5NextDsaState({status}, d={self._d}, {self.dtype})"
+        keys = ", fp8 keys" if self.fp8_keys else ""
+        return f"Glm5NextDsaState({status}, d={self._d}, {self.dtype}{keys})"
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:

@@ -20,6 +20,7 @@ from torch import nn
 from ...numerics import rms_norm
 from ...numerics.rows import row_mm
 from .dsa_select import dsa_select
+from .indexer_state import KV_FP8, to_fp8
 from ...layers.basic import Linear, _param
 
 _GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
@@ -89,7 +90,7 @@ class DsaIndexer(nn.Module):
         t = x.shape[0]
         q = self.wq_b(q_resid).view(t, self.nh, self.d)
         w = self.weights_proj(x).float() * self.nh ** -0.5
-        return dsa_select(q, w, *dsa.reachable(), self.index_kpool_compress_ape, topk=self.topk,
+        return dsa_select(q, w, *dsa.readable(), self.index_kpool_compress_ape, topk=self.topk,
                           kpool=self.kpool, select_tail=self.tail)
 
 
@@ -110,14 +111,17 @@ class IndexedMLA(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int, latent, dsa, prev_sel: torch.Tensor | None):
         """x [T, hidden] at positions start..start+T-1; `latent` [capacity, kv_lora] rows (written
-        here at [start, start+T)); `dsa` this full layer's Glm5NextDsaState (len == start on entry,
-        advanced by T here) or None for a shared layer, which reads `prev_sel`.
-        Returns (y [T, hidden], selection [T, width])."""
+        here at [start, start+T); float8_e4m3fn in an FP8 KV state); `dsa` this full layer's
+        Glm5NextDsaState (len == start on entry, advanced by T here) or None for a shared layer,
+        which reads `prev_sel`. Returns (y [T, hidden], selection [T, width]).
+
+        Every query reads the latent rows (its chunk's own included) back from `latent`, so with
+        FP8 storage a row attends as it will in any later call: the chunking changes nothing."""
         t = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, self.nh, self.dn)
         c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        latent[start:start + t] = c
+        latent[start:start + t] = to_fp8(c) if latent.dtype == KV_FP8 else c
         if self.indexer is not None:
             k, gate = self.indexer.rows(x)
             dsa.write_rows(start, k, gate)

@@ -20,9 +20,9 @@ from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
 from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
-from .indexer_state import Glm5NextDsaState
+from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
-from ..base import CausalLM, Embedding
+from ..base import Capabilities, CausalLM, Embedding
 
 
 def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
@@ -36,11 +36,12 @@ def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:
     """The mean of [T, hc, d] over its hc streams, summed left to right: elementwise IEEE adds, so a
-    row's bits never depend on its batch (a reduction kernel may split the sum by tensor size)."""
-    acc = streams[:, 0]
+    row's bits never depend on its batch (a reduction kernel may split the sum by tensor size).
+    Summed in fp32 and rounded once, as torch's mean over bf16 streams (transformers' head) does."""
+    acc = streams[:, 0].float()  # (a no-op on fp32 streams)
     for k in range(1, streams.shape[1]):
         acc = acc + streams[:, k]
-    return acc / streams.shape[1]
+    return (acc / streams.shape[1]).to(streams.dtype)
 
 
 class Glm5Router(nn.Module):
@@ -116,8 +117,18 @@ class Glm5Body(nn.Module):
         self.norm = GlmRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
+def kv_storage(kv_dtype: str | None) -> torch.dtype | None:
+    """The dtype `new_state(kv_dtype=...)` stores MLA latent rows and indexer keys in: None for the
+    model dtype, float8_e4m3fn for "fp8"."""
+    if kv_dtype not in (None, "auto", "fp8"):
+        raise ConfigError(f"kv_dtype must be None (the model dtype) or 'fp8', got {kv_dtype!r}")
+    return KV_FP8 if kv_dtype == "fp8" else None
+
+
 class Glm5Model(CausalLM):
     """Weights named as the text part of a transformers `Glm5NextForConditionalGeneration`."""
+
+    capabilities = Capabilities(fp8_kv=True)
 
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__(cfg, dtype, device)
@@ -132,12 +143,14 @@ class Glm5Model(CausalLM):
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later);
         the KDA layers keep one state plus the inputs of the tokens a rewind of up to `max_rewind`
-        tokens replays (see state.py)."""
+        tokens replays (see state.py).
+
+        `kv_dtype="fp8"` stores the MLA latent rows and the full DSA layers' indexer keys as
+        float8_e4m3fn at unit scale (all their dims: GLM-5.3's MLA has no rope dims); the KDA
+        states, the indexer gates and validity stay as they are."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
-        if kv_dtype not in (None, "auto"):
-            raise ConfigError(f"glm5_next stores its latent cache in the model dtype; kv_dtype {kv_dtype!r} "
-                              f"is not supported")
+        fp8 = kv_storage(kv_dtype)
         cfg, dev, dt = self.config, self.device, self.dtype
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kp = max(cfg.index_kpool, 1)
@@ -156,12 +169,12 @@ class Glm5Model(CausalLM):
                     beta=torch.zeros(n_in, nh, dtype=dt, device=dev),
                     mixed=torch.zeros(n_mix, c3, dtype=dt, device=dev)))
             else:
-                dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev) \
+                dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8) \
                     if cfg.indexer_types[i] == "full" else None
-                layers.append(MlaLayerState(latent=torch.zeros(capacity, cfg.kv_lora_rank, dtype=dt, device=dev),
+                layers.append(MlaLayerState(latent=torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev),
                                             dsa=dsa))
         return Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
-                         device=dev, dtype=dt)
+                         device=dev, dtype=dt, kv_fp8=fp8 is not None)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -209,14 +222,17 @@ class Glm5Model(CausalLM):
         """CausalLM.state_layout from the config: fixed, per KDA layer its conv and recurrent state
         and the rings of per-token inputs that rewinding by up to max_rewind replays (state.py); per token, the MLA latent of every DSA layer; per whole
         k-pool, the indexer rows (k, gate in the model dtype, one validity byte) of every full DSA
-        layer (its buffers round capacity up to pools)."""
+        layer (its buffers round capacity up to pools). With kv_dtype="fp8" the latent and k take
+        one byte per value."""
+        fp8 = kv_storage(kv_dtype)
         cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
+        kv_esz = 1 if fp8 is not None else esz
         c = cfg.linear_num_heads * cfg.linear_head_dim
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kda = (c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1 + n_mix) * 3 * c * esz
                + n_in * (2 * c * 4 + c * esz + cfg.linear_num_heads * esz))
         kp = max(cfg.index_kpool, 1)
-        pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * esz)]
+        pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * kv_esz)]
         if cfg.full_dsa_layers:
-            pools.append((kp, kp * len(cfg.full_dsa_layers) * (2 * cfg.index_head_dim * esz + 1)))
+            pools.append((kp, kp * len(cfg.full_dsa_layers) * (cfg.index_head_dim * (kv_esz + esz) + 1)))
         return len(cfg.kda_layers) * kda, pools

@@ -44,18 +44,22 @@ Per layer:
 * Full DSA layer: additionally one `Glm5NextDsaState` (indexer keys, gates, validity), whose
   `len` tracks `pos`. It is allocated with capacity rounded *up* to whole k-pools so it never
   refuses a position below the state's capacity.
+* FP8 KV (`new_state(kv_dtype="fp8")`, `kv_fp8`): the latent rows and the indexer keys are
+  float8_e4m3fn at unit scale, everything else as above.
 
 MLA latent and DSA rows rewind by cursor: rows past `pos` are unreachable and overwritten later.
 
 Snapshots (`snapshot()` / `restore()`, docs/state-format.md): the shared framing of
 kvfold/state/blob.py with magic b"KVFGLM5S", version 2; 64-byte header (magic, version, flags,
 fingerprint, dtype, n_sections, pos, body_len, reserved), a 32-byte entry per section (layer, kind,
-first, rows, width, dtype), the body (each section's rows, row-major) and a SHA-256 trailer.
+first, rows, width, dtype), the body (each section's rows, row-major) and a SHA-256 trailer. Header
+flag 0x1 marks an FP8 KV state (latent sections then hold the raw float8_e4m3fn rows, and each
+indexer blob FP8 key rows); a blob restores only into a state of the same KV storage.
 Sections at pos: per KDA layer its conv and recurrent state at pos (replayed from the base: the
 layout does not depend on max_rewind, so the format is unchanged); per DSA layer the latent rows
 [0, pos); per full DSA layer one u8 section holding that layer's `Glm5NextDsaState.snapshot_blob()`
 at len pos, byte for byte. Refusals, in this order, before any write: truncated, magic, version
-(and unknown flags), model fingerprint, dtype, section table vs pos, body size, checksum, capacity;
+(and unknown flags), model fingerprint, KV storage and dtype, section table vs pos, body size, checksum, capacity;
 then each DSA layer's blob through `check_blob` (truncated, width, size, capacity). A refused
 restore changes nothing.
 """
@@ -104,8 +108,9 @@ class Glm5State(SequenceState):
     written_until) (module docstring); `kda_cuts` lists the segment starts in that range (the base
     first), `kda_mix_low` the first position whose pre-conv row is still in the `mixed` ring."""
 
-    def __init__(self, layers: list, **kw):
+    def __init__(self, layers: list, *, kv_fp8: bool = False, **kw):
         super().__init__(layers, **kw)
+        self.kv_fp8 = kv_fp8  # MLA latent rows and indexer keys stored as float8_e4m3fn
         kda = [ls for ls in layers if isinstance(ls, KdaLayerState)]
         self.n_in = kda[0].k.shape[0] if kda else 0
         self.n_mix = kda[0].mixed.shape[0] if kda else 0
@@ -278,9 +283,27 @@ class Glm5State(SequenceState):
 # restore goes back through `check_blob` / `restore_blob`. docs/state-format.md has the layout.
 KDA_CONV, KDA_REC, MLA_LATENT, DSA_BLOB = range(4)
 KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA indexer blob"]
+# FP8 KV state: latent rows and indexer keys are float8_e4m3fn (the blob holds their raw bytes).
+# A flag, not a new version: blobs of plain states are unchanged.
+FLAG_FP8_KV = 1
 # version 2: each DSA layer's indexer cache is one section holding its Glm5NextDsaState blob
-FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES, version=2)
+FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES, version=2,
+                     known_flags=FLAG_FP8_KV)
 MAGIC = FORMAT.magic
+
+
+def _flags(state: Glm5State) -> int:
+    return FLAG_FP8_KV if state.kv_fp8 else 0
+
+
+def _kv_mismatch(state: Glm5State):
+    def message(flags: int) -> str:
+        blob_kv = "fp8" if flags & FLAG_FP8_KV else "plain"
+        own_kv = "fp8" if state.kv_fp8 else "plain"
+        hint = "kv_dtype='fp8'" if blob_kv == "fp8" else "the default kv_dtype"
+        return (f"snapshot KV storage is {blob_kv} but this state's is {own_kv}; restore it into a state made "
+                f"with new_state(..., {hint})")
+    return message
 
 
 def expected_sections(state: Glm5State, pos: int) -> list[Section]:
@@ -293,9 +316,10 @@ def expected_sections(state: Glm5State, pos: int) -> list[Section]:
             secs.append(Section(i, KDA_CONV, 0, km1, w, sd))
             secs.append(Section(i, KDA_REC, 0, h * dk, dv, f32))
         else:
-            secs.append(Section(i, MLA_LATENT, 0, pos, ls.latent.shape[1], sd))
+            secs.append(Section(i, MLA_LATENT, 0, pos, ls.latent.shape[1], DTYPE_CODES[ls.latent.dtype]))
             if ls.dsa is not None:  # rows = bytes of the layer's blob at len pos
-                secs.append(Section(i, DSA_BLOB, 0, dsa_blob_bytes(pos, ls.dsa.index_head_dim, ls.dsa.dtype),
+                dsa = ls.dsa
+                secs.append(Section(i, DSA_BLOB, 0, dsa_blob_bytes(pos, dsa.index_head_dim, dsa.dtype, dsa.key_dtype),
                                     1, u8))
     return secs
 
@@ -314,12 +338,14 @@ def _rows_of(state: Glm5State, s: Section, at: dict) -> torch.Tensor:
 
 def encode(state: Glm5State) -> bytes:
     at: dict = {}
-    return blob.encode(FORMAT, state, 0, expected_sections(state, state.pos), lambda s: _rows_of(state, s, at))
+    return blob.encode(FORMAT, state, _flags(state), expected_sections(state, state.pos),
+                       lambda s: _rows_of(state, s, at))
 
 
 def decode_and_apply(state: Glm5State, data: bytes) -> None:
-    pos, sections = blob.decode(FORMAT, state, data, flags_of_state=0,
-                                expected_sections=lambda p: expected_sections(state, p))
+    pos, sections = blob.decode(FORMAT, state, data, flags_of_state=_flags(state),
+                                expected_sections=lambda p: expected_sections(state, p),
+                                flags_mismatch=_kv_mismatch(state))
     # then every DSA layer's blob through the indexer state's own checks, all before any write.
     # The table fixed each blob's byte count from pos and this state's width and dtype, so a blob
     # that passes has len pos; one whose header was altered (and re-signed) is refused here.
