@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 # Pinned: this version resolves to the CPU wheel here; an unpinned `torch`
 # would pull the multi-GB CUDA build.
 TORCH  := torch==2.13.0
-PROMPT := Once upon a time, in a cache far away,
+PROMPT := The with statement is used to
 
 .PHONY: demo test .venv
 

@@ -13,7 +13,7 @@ import torch
 import kvfold
 
 torch.set_num_threads(1)
-model = kvfold.load_model("tiny")
+model = kvfold.load_model("tiny-random")
 model.set_batch_invariant(True)
 v = model.config.vocab_size
 states = []

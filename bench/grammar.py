@@ -97,7 +97,7 @@ def model_bench(reps: int) -> None:
     """Decode tok/s of `kvfold.generate` on the tiny model with the grammar and without, for as
     many tokens as the constrained output takes (plain runs with stop_ids=[] to match it)."""
     import kvfold
-    model = kvfold.load_model("tiny")
+    model = kvfold.load_model("tiny-random")
     prompt = [model.tokenizer.bos_id] + model.tokenizer.encode("A JSON list of records: ")
     # exactly 6 records: the random model cannot stop early (the main SCHEMA lets it answer "[]")
     schema = {**SCHEMA, "minItems": 6, "maxItems": 6}

@@ -17,8 +17,9 @@ __version__ = "0.1.0"
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                **kwargs):
-    """Load a DeepSeek-V4 model: a checkpoint directory, or "tiny" (built-in tiny random model with a
-    byte-level tokenizer). Keyword options: `numerics` ("hf" | "reference") and `weights`
+    """Load a model: a DeepSeek-V4 or GLM-5.3 checkpoint directory, "tiny" (the built-in small
+    DeepSeek-V4 trained on Python's documentation, kvfold/assets/tiny) or "tiny-random" (random
+    weights, byte-level tokenizer). Keyword options: `numerics` ("hf" | "reference") and `weights`
     ("dequant", the default, decodes FP8 / FP4 weights at load; "quantized" keeps them as stored and
     decodes per matmul: FP8 weights take ~1/4 of their fp32 bytes, FP4 experts ~1/7.5)."""
     from .models.registry import load

@@ -1,4 +1,5 @@
-"""Command line: `kvfold generate ...` streams text; `kvfold inspect ...` shows a model's layout."""
+"""Command line: `kvfold generate ...` streams text; `kvfold inspect ...` shows a model's layout;
+`kvfold eval-ppl ...` measures perplexity on a text file."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import torch
 from .argtypes import nonneg_float as _nonneg_float, nonneg_int as _nonneg_int, pos_int as _pos_int, top_p as _top_p
 from .errors import KvfoldError
 from .decoding.generate import generate, generation_capacity
+from .models.registry import checkpoint_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MIB = 1024 * 1024
+_MODEL_HELP = ('checkpoint directory, "tiny" (default: a small DeepSeek-V4 trained on Python\'s documentation) '
+               'or "tiny-random" (random weights, byte-level tokenizer)')
 
 
 def _load_model(path: str, device: str, dtype: torch.dtype, numerics: str = "hf", weights: str = "dequant") -> Any:
@@ -48,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout")
-    g.add_argument("--model", default="tiny", help='checkpoint directory, or "tiny" (default)')
+    g.add_argument("--model", default="tiny", help=_MODEL_HELP)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=_nonneg_int, required=True)
     g.add_argument("--temperature", type=_nonneg_float, default=0.0, help="0 = greedy (default)")
@@ -64,8 +68,15 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
 
     i = sub.add_parser("inspect", help="print the layer schedule and state sizes of a model")
-    i.add_argument("model", help='checkpoint directory, or "tiny"')
+    i.add_argument("model", help=_MODEL_HELP)
     _add_model_args(i)
+
+    e = sub.add_parser("eval-ppl", help="perplexity of a model on a text file")
+    e.add_argument("--model", default="tiny", help=_MODEL_HELP)
+    e.add_argument("--text", required=True, help="UTF-8 text file to score")
+    e.add_argument("--context", type=_pos_int, default=512, help="tokens per window, each behind BOS (default 512)")
+    e.add_argument("--max-tokens", type=_pos_int, default=None, help="score only the text's first N tokens")
+    _add_model_args(e)
 
     from .server import add_serve_parser
     add_serve_parser(sub)
@@ -219,12 +230,29 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     out.write(f"fixed state per sequence: {_fmt_bytes(fixed)} (buffers that do not grow with length)\n")
     for n in (4096, 131072, 1048576):
         out.write(f"state at {n} tokens: {_fmt_bytes(fixed + per_tok * n)}\n")
-    if args.model != "tiny":
+    directory = checkpoint_dir(args.model)
+    if directory is not None:
         from .models.deepseek_v4.checkpoint import checkpoint_dtype_breakdown
 
         out.write("checkpoint tensors by stored dtype:\n")
-        for name, (count, nbytes) in checkpoint_dtype_breakdown(args.model).items():
+        for name, (count, nbytes) in checkpoint_dtype_breakdown(directory).items():
             out.write(f"  {name:<8} {count:>7} tensors  {_fmt_bytes(nbytes):>12}\n")
+    return 0
+
+
+def _cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from .decoding.perplexity import score_text, unigram_perplexity
+    from .errors import InvalidInputError
+
+    try:
+        text = open(args.text, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"cannot read --text {args.text}: {exc}") from None
+    model = _load_for(args)
+    ids = model.tokenizer.encode(text)[: args.max_tokens]
+    scores = score_text(model, ids, context=args.context, kv_dtype=args.kv_dtype)
+    print(f"perplexity {scores.perplexity:.4f} over {scores.tokens} tokens of {args.text} "
+          f"(windows of {args.context}; the text's own unigram perplexity: {unigram_perplexity(ids):.2f})")
     return 0
 
 
@@ -247,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_generate(args)
         if args.command == "convert":
             return _cmd_convert(args)
+        if args.command == "eval-ppl":
+            return _cmd_eval_ppl(args)
         if args.command == "bench":
             from .bench import run_bench
             return run_bench(args)

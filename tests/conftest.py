@@ -7,7 +7,7 @@ import kvfold
 @pytest.fixture(scope="session")
 def tiny():
     """The built-in tiny model (fp32, CPU)."""
-    return kvfold.load_model("tiny")
+    return kvfold.load_model("tiny-random")
 
 
 # The suite's models are tiny: one thread avoids OpenMP oversubscription on shared CI cores

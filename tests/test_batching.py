@@ -222,8 +222,8 @@ def test_invariant_and_default_mode_agree_within_fp32_rounding(tiny):
 
 def test_batch_invariance_is_the_default_where_it_holds_and_refused_elsewhere(tiny):
     import kvfold
-    assert kvfold.load_model("tiny").batch_invariant  # fp32 on the CPU with the native kernels
-    bf16 = kvfold.load_model("tiny", dtype=torch.bfloat16)
+    assert kvfold.load_model("tiny-random").batch_invariant  # fp32 on the CPU with the native kernels
+    bf16 = kvfold.load_model("tiny-random", dtype=torch.bfloat16)
     assert not bf16.supports_batch_invariance
     with pytest.raises(ConfigError, match="fp32"):
         bf16.set_batch_invariant(True)

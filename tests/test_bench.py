@@ -457,18 +457,18 @@ sys.meta_path.insert(0, Uninstalled())
 import argparse, kvfold, uvicorn
 from kvfold.cli import main
 from kvfold.server import add_serve_parser, build_app
-assert main(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "3"]) == 0
+assert main(["generate", "--model", "tiny-random", "--prompt", "hi", "--max-new-tokens", "3"]) == 0
 p = argparse.ArgumentParser()
 add_serve_parser(p.add_subparsers(dest="command"))
-server = uvicorn.Server(uvicorn.Config(build_app(p.parse_args(["serve", "--model", "tiny"])), host="127.0.0.1",
+server = uvicorn.Server(uvicorn.Config(build_app(p.parse_args(["serve", "--model", "tiny-random"])), host="127.0.0.1",
                                        port=0, log_level="warning"))
 threading.Thread(target=server.run, daemon=True).start()
 while not server.started:
     time.sleep(0.01)
 url = "http://127.0.0.1:%d/v1/" % server.servers[0].sockets[0].getsockname()[1]
 http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-assert json.load(http.open(url + "models"))["data"][0]["id"] == "tiny"
-body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}).encode()
+assert json.load(http.open(url + "models"))["data"][0]["id"] == "tiny-random"
+body = json.dumps({"model": "tiny-random", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}).encode()
 req = urllib.request.Request(url + "completions", body, {"Content-Type": "application/json"})
 assert json.load(http.open(req))["usage"]["completion_tokens"] >= 1
 server.should_exit = True

@@ -33,7 +33,7 @@ def _run(tmp_path, *extra: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def live(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=512, max_running=16, max_queue=64)
-    with serving(create_app(engine, model_name="tiny", api_key=KEY)) as url:
+    with serving(create_app(engine, model_name="tiny-random", api_key=KEY)) as url:
         yield url
 
 
@@ -67,16 +67,16 @@ def _check_summary(res: dict, n: int, stream: bool) -> None:
 
 
 def test_in_process_streamed(tmp_path):
-    rc, res = _run(tmp_path, "--model", "tiny", "--stream", *SMALL)
+    rc, res = _run(tmp_path, "--model", "tiny-random", "--stream", *SMALL)
     assert rc == 0
     assert res["settings"] == {**res["settings"], "requests": 8, "concurrency": 4, "prompt_tokens": 16,
                                "max_tokens": 4, "stream": True, "seed": 0, "url": None, "vocab_size": 258}
-    assert res["model"] == "tiny" and res["server"].startswith("in-process") and res["command"] == "pytest"
+    assert res["model"] == "tiny-random" and res["server"].startswith("in-process") and res["command"] == "pytest"
     _check_summary(res, 8, stream=True)
 
 
 def test_url_not_streamed_with_key(tmp_path, live):
-    rc, res = _run(tmp_path, "--url", live, "--api-key", KEY, *SMALL)
+    rc, res = _run(tmp_path, "--url", live, "--model", "tiny-random", "--api-key", KEY, *SMALL)
     assert rc == 0 and res["settings"]["url"] == live and res["server"].startswith(live)
     _check_summary(res, 8, stream=False)
 
@@ -88,7 +88,7 @@ def test_url_wrong_key_is_a_clear_error(tmp_path, live):
 
 def test_deadline_counts_unfinished_requests_as_errors(tmp_path, live):
     # far more work than fits in the deadline: the run stops at it and says so
-    rc, res = _run(tmp_path, "--url", live, "--api-key", KEY, "--stream", "--requests", "200", "--concurrency", "2",
+    rc, res = _run(tmp_path, "--url", live, "--model", "tiny-random", "--api-key", KEY, "--stream", "--requests", "200", "--concurrency", "2",
                    "--prompt-tokens", "8", "--max-tokens", "64", "--warmup", "0", "--timeout", "1.5")
     sm = res["summary"]
     assert rc == 1 and res["timed_out"]

@@ -12,7 +12,7 @@ from kvfold.models.deepseek_v4.names import Target, to_kvfold_name
 
 @pytest.fixture()
 def ckpt(tiny, tmp_path):
-    return save_checkpoint(tiny, tmp_path / "tiny")
+    return save_checkpoint(tiny, tmp_path / "tiny-random")
 
 
 def rewrite(directory, edit):

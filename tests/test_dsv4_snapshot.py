@@ -94,7 +94,7 @@ def test_refusal_order_reports_the_first_problem(tiny, seq):
     with pytest.raises(errors.SnapshotMagicError):
         tiny.new_state(capacity=100).restore(bad)
     # wrong dtype and over capacity: dtype first
-    bf = kvfold.load_model("tiny", dtype=torch.bfloat16).new_state(capacity=10)
+    bf = kvfold.load_model("tiny-random", dtype=torch.bfloat16).new_state(capacity=10)
     with pytest.raises(errors.SnapshotDtypeError):
         bf.restore(blob)
 

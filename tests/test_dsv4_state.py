@@ -65,7 +65,7 @@ def test_state_of_another_model_is_refused_and_unchanged(tiny):
 
 
 def test_state_of_another_dtype_is_refused(tiny):
-    half = kvfold.load_model("tiny", dtype=torch.bfloat16)
+    half = kvfold.load_model("tiny-random", dtype=torch.bfloat16)
     st = half.new_state(capacity=16)
     with pytest.raises(kvfold.StateMismatchError, match="bfloat16"):
         tiny.forward([1], st)

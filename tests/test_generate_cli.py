@@ -247,7 +247,7 @@ def test_cli_inspect(monkeypatch, capsys):
     model.state_bytes_per_token = lambda kv_dtype=None: 48.0 if kv_dtype == "fp8" else 96.5
     model.fixed_state_bytes = lambda: 3 * 1024 * 1024
     patch_loader(monkeypatch, model)
-    assert cli.main(["inspect", "tiny"]) == 0
+    assert cli.main(["inspect", "tiny-random"]) == 0
     out = capsys.readouterr().out
     assert "parameters: 1,234,567" in out
     assert re.search(r"^\s+0\s+sliding_attention\s+-\s+hash_moe$", out, re.M)

@@ -236,7 +236,7 @@ def test_bad_snapshots_are_refused_in_order_and_change_nothing(pair, seq):
         small.restore(blob)
     assert small.pos == 0
     with pytest.raises(errors.SnapshotMagicError):  # a DeepSeek-V4 blob is not a GLM-5 blob
-        tgt.restore(kvfold.load_model("tiny").new_state(capacity=8).snapshot())
+        tgt.restore(kvfold.load_model("tiny-random").new_state(capacity=8).snapshot())
     assert _same(_buffers(tgt), before)
 
 

@@ -202,7 +202,7 @@ def make_docs(model) -> list[dict]:
 @pytest.fixture(scope="module")
 def server(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=512, max_running=16, max_queue=64)
-    app = create_app(engine, model_name="tiny", api_key=KEY)
+    app = create_app(engine, model_name="tiny-random", api_key=KEY)
     with serving(app) as url:
         yield url
 
@@ -224,7 +224,7 @@ def test_echo_logprobs_contract(server, tiny):
     the position's argmax logprob (bit-equal to token_logprobs[p] where that token is the argmax)."""
     tok = tiny.tokenizer
     prompts = [[tok.bos_id] + tok.encode(t) for t in ("Question: 2 + 2 =\nAnswer: 4", "Café: 日本語", "a")]
-    body = {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+    body = {"model": "tiny-random", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
             "echo": True}
     out = post(server, body)
     choices = sorted(out["choices"], key=lambda c: c["index"])
@@ -264,7 +264,7 @@ def run_lm_eval(tmp_path, url: str, docs: list[dict]) -> tuple[dict, list[dict]]
     (tasks / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=json.dumps(str(data))), encoding="utf-8")
     write_byte_tokenizer(tokdir, 256, 257)
     model_args = ",".join([
-        "model=tiny", f"base_url={url}/v1/completions", f"tokenizer={tokdir}",
+        "model=tiny-random", f"base_url={url}/v1/completions", f"tokenizer={tokdir}",
         "tokenizer_backend=huggingface",  # not "auto": that probes /tokenizer_info first (3 tries)
         "add_bos_token=True",  # BOS then the bytes: what kvfold does with a text prompt
         "max_length=512", "max_retries=1", "timeout=120"])

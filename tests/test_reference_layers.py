@@ -19,7 +19,7 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 @pytest.fixture(scope="module")
 def ref():
-    return kvfold.load_model("tiny", numerics="reference", dtype=BF16)
+    return kvfold.load_model("tiny-random", numerics="reference", dtype=BF16)
 
 
 # ---- the release's formulas ------------------------------------------------------------------

@@ -11,7 +11,7 @@ from helpers import random_ids
 @pytest.fixture(scope="module")
 def ref():
     # reference numerics are the release's bf16 activations (fp32 is refused: see below)
-    return kvfold.load_model("tiny", numerics="reference", dtype=torch.bfloat16)
+    return kvfold.load_model("tiny-random", numerics="reference", dtype=torch.bfloat16)
 
 
 def rel_rms(a, b):
@@ -22,7 +22,7 @@ def test_reference_differs_from_hf_by_the_order_of_bf16_noise_and_not_more(tiny,
     ids = random_ids(140, tiny.config.vocab_size, seed=40)
     hf = tiny.forward(ids, tiny.new_state(capacity=140))
     reference = ref.forward(ids, ref.new_state(capacity=140))
-    bf16 = kvfold.load_model("tiny", dtype=torch.bfloat16)
+    bf16 = kvfold.load_model("tiny-random", dtype=torch.bfloat16)
     noise = rel_rms(hf, bf16.forward(ids, bf16.new_state(capacity=140)))
     moved = rel_rms(hf, reference)
     # measured: reference 20%, bf16 alone 13% (a random 4-layer model amplifies any rounding)
@@ -62,14 +62,14 @@ def test_states_of_the_two_numerics_modes_are_kept_apart(tiny, ref):
     with pytest.raises(kvfold.StateMismatchError):
         tiny.forward([1, 2], st)
     with pytest.raises(kvfold.ConfigError):
-        kvfold.load_model("tiny", numerics="fast")
+        kvfold.load_model("tiny-random", numerics="fast")
 
 
 def test_reference_numerics_refuse_a_model_that_is_not_bf16():
     for dtype in (torch.float32, torch.float16):
         with pytest.raises(kvfold.ConfigError, match="dtype=torch.bfloat16"):
-            kvfold.load_model("tiny", numerics="reference", dtype=dtype)
-    hf = kvfold.load_model("tiny")
+            kvfold.load_model("tiny-random", numerics="reference", dtype=dtype)
+    hf = kvfold.load_model("tiny-random")
     with pytest.raises(kvfold.ConfigError):
         hf.set_numerics("reference")
     assert hf.numerics == "hf" and not hf.model.layers[1].mlp.experts.act_quant  # refused before any change

@@ -183,7 +183,7 @@ def test_float_checkpoints_stay_float_and_quantized_models_are_not_saved(both, o
     plain = save_checkpoint(original, tmp_path / "plain")  # unquantized: nothing to keep quantized
     m = kvfold.load_model(plain, weights="quantized")
     assert not m.quantized_weights() and m.weight_bytes() == original.weight_bytes()
-    assert not kvfold.load_model("tiny", weights="quantized").quantized_weights()
+    assert not kvfold.load_model("tiny-random", weights="quantized").quantized_weights()
     deq, q = both[torch.float32]
     save_checkpoint(deq, tmp_path / "deq")  # dequant models save as before
     with pytest.raises(CheckpointError, match="weights='dequant'"):

@@ -27,7 +27,7 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=512, max_running=16, max_queue=64)
-    app = create_app(engine, model_name="tiny", api_key=KEY)
+    app = create_app(engine, model_name="tiny-random", api_key=KEY)
     with serving(app) as url:
         yield url, app.state.engine
 
@@ -61,14 +61,14 @@ def test_health_models_and_auth(server):
     url, _ = server
     with urllib.request.urlopen(url + "/health") as r:
         assert json.load(r) == {"status": "ok"}
-    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+    assert [m.id for m in client(url).models.list().data] == ["tiny-random"]
     with pytest.raises(openai.AuthenticationError) as e:
-        client(url, key="wrong-key").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        client(url, key="wrong-key").completions.create(model="tiny-random", prompt="hi", max_tokens=2)
     assert e.value.status_code == 401
     err = e.value.response.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
     # no Authorization header at all (the openai client always sends one)
-    req = urllib.request.Request(url + "/v1/completions", data=b'{"model": "tiny", "prompt": "hi"}',
+    req = urllib.request.Request(url + "/v1/completions", data=b'{"model": "tiny-random", "prompt": "hi"}',
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
@@ -79,7 +79,7 @@ def test_completion_greedy_equals_generate(server, tiny):
     url, _ = server
     ref = kvfold.generate(tiny, prompt_ids(tiny, "Once upon a time"), 16).tokens
     c = client(url)
-    r = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0,
+    r = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16, temperature=0,
                              extra_body={"return_token_ids": True})
     choice = r.choices[0]
     assert choice.token_ids == ref and choice.text == tiny.tokenizer.decode(ref)
@@ -87,7 +87,7 @@ def test_completion_greedy_equals_generate(server, tiny):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (17, len(ref))
 
     ids, text = [], ""
-    chunks = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0,
+    chunks = c.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16, temperature=0,
                                   stream=True, stream_options={"include_usage": True},
                                   extra_body={"return_token_ids": True})
     finish, usage = None, None
@@ -102,7 +102,7 @@ def test_completion_greedy_equals_generate(server, tiny):
 
     # token-id prompts and seeded sampling
     sampled = kvfold.generate(tiny, prompt_ids(tiny, "abc"), 8, temperature=0.8, top_p=0.9, seed=3).tokens
-    r = c.completions.create(model="tiny", prompt=prompt_ids(tiny, "abc"), max_tokens=8, temperature=0.8, top_p=0.9,
+    r = c.completions.create(model="tiny-random", prompt=prompt_ids(tiny, "abc"), max_tokens=8, temperature=0.8, top_p=0.9,
                              seed=3, extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == sampled
 
@@ -113,11 +113,11 @@ def test_chat_greedy_equals_generate(server, tiny):
     ids = prompt_ids(tiny, "<|system|>\nBe brief.\n<|user|>\nHello there\n<|assistant|>\n")
     ref = kvfold.generate(tiny, ids, 12).tokens
     c = client(url)
-    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    r = c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=12, temperature=0)
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == tiny.tokenizer.decode(ref)
     assert r.usage.prompt_tokens == len(ids)
-    stream = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+    stream = c.chat.completions.create(model="tiny-random", messages=messages, max_tokens=12, temperature=0, stream=True,
                                        extra_body={"return_token_ids": True})
     got, content, roles = [], "", []
     for ch in stream:
@@ -139,7 +139,7 @@ def test_concurrent_streams_with_cancellation(server, tiny):
 
     async def one(c, i):
         stream = await c.completions.create(
-            model="tiny", prompt=texts[i], max_tokens=64 if i in cancel else max_toks[i], temperature=0,
+            model="tiny-random", prompt=texts[i], max_tokens=64 if i in cancel else max_toks[i], temperature=0,
             stream=True, extra_body={"return_token_ids": True})
         ids, chunks = [], 0
         async for ch in stream:
@@ -176,8 +176,8 @@ def test_prefix_cache_hit_over_http(server, tiny):
     base = "".join(f"Prefix test sentence number {i}, long enough to span blocks. " for i in range(6))
     a, b = base + "First ending.", base[:300] + " a different ending"
     before = metrics(url)
-    ra = c.completions.create(model="tiny", prompt=a, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
-    rb = c.completions.create(model="tiny", prompt=b, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    ra = c.completions.create(model="tiny-random", prompt=a, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    rb = c.completions.create(model="tiny-random", prompt=b, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
     assert ra.usage.prompt_tokens_details.cached_tokens == 0
     assert rb.usage.prompt_tokens_details.cached_tokens == 256
     # a cold run: the same prompt through a fresh engine with no prefix cache, and the chunked reference
@@ -197,7 +197,7 @@ def test_request_errors(server):
 
     def error_of(exc_type, status, **kw):
         with pytest.raises(exc_type) as e:
-            c.completions.create(**{"model": "tiny", "prompt": "hi", "max_tokens": 2, **kw})
+            c.completions.create(**{"model": "tiny-random", "prompt": "hi", "max_tokens": 2, **kw})
         assert e.value.status_code == status
         err = e.value.response.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
@@ -212,7 +212,7 @@ def test_request_errors(server):
     err = error_of(openai.APIStatusError, 413, prompt="x" * (1 << 20))
     assert err["code"] == "request_too_large"
     with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 600}])
+        c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x" * 600}])
     m = wait_idle(url)
     assert m['kvfold_http_errors_total{status="413"}'] >= 1
 
@@ -235,12 +235,12 @@ def test_inputs_that_crashed_a_request_get_a_400_and_keep_the_connection(server)
         return r.status, json.loads(r.read())
 
     try:
-        status, body = post('{"model": "tiny", "prompt": "\\ud800x", "max_tokens": 2}')  # JSON escape, ASCII body
+        status, body = post('{"model": "tiny-random", "prompt": "\\ud800x", "max_tokens": 2}')  # JSON escape, ASCII body
         assert status == 400 and body["error"]["param"] == "prompt" and "surrogate" in body["error"]["message"]
         status, body = post("[" * 100_000 + "]" * 100_000)
         assert status == 400 and "nested too deeply" in body["error"]["message"]
         assert set(body["error"]) == {"message", "type", "param", "code"}
-        status, body = post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        status, body = post(json.dumps({"model": "tiny-random", "prompt": "hi", "max_tokens": 2}))
         assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         conn.close()
@@ -249,20 +249,20 @@ def test_inputs_that_crashed_a_request_get_a_400_and_keep_the_connection(server)
 def test_queue_full_is_503(tiny):
     """One running sequence, one waiting: the third request is refused with 503, the others complete."""
     engine = kvfold.Engine(tiny, max_seq_len=512, max_running=1, max_queue=1)
-    with serving(create_app(engine, model_name="tiny")) as url:
+    with serving(create_app(engine, model_name="tiny-random")) as url:
         c = client(url)
-        first = c.completions.create(model="tiny", prompt="long runner", max_tokens=400, temperature=0, stream=True)
+        first = c.completions.create(model="tiny-random", prompt="long runner", max_tokens=400, temperature=0, stream=True)
         next(iter(first))  # its first token: it is running now
         waiting = {}
         t = threading.Thread(target=lambda: waiting.update(
-            r=c.completions.create(model="tiny", prompt="queued", max_tokens=2, temperature=0)))
+            r=c.completions.create(model="tiny-random", prompt="queued", max_tokens=2, temperature=0)))
         t.start()
         deadline = time.monotonic() + 20
         while metrics(url)["kvfold_queue_depth"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         with pytest.raises(openai.InternalServerError) as e:
-            c.completions.create(model="tiny", prompt="one too many", max_tokens=2)
+            c.completions.create(model="tiny-random", prompt="one too many", max_tokens=2)
         assert e.value.status_code == 503 and e.value.response.json()["error"]["code"] == "queue_full"
         first.close()  # hang up: frees the slot for the queued request
         t.join(timeout=30)
@@ -275,13 +275,13 @@ def test_serve_cli_and_checkpoint_chat_template(tmp_path, tiny):
     import argparse
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--model", "tiny", "--max-seq-len", "256"])
+    args = parser.parse_args(["serve", "--model", "tiny-random", "--max-seq-len", "256"])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
     app = build_app(args)
     assert app.state.engine.engine.max_seq_len == 256
     assert app.state.engine.engine.pages.num_pages == 16 * 2  # default: max-running sequences of max-seq-len
     assert app.state.engine.engine.model.batch_invariant  # the serving default
-    args = parser.parse_args(["serve", "--model", "tiny", "--max-seq-len", "256", "--kv-page-bytes", "0",
+    args = parser.parse_args(["serve", "--model", "tiny-random", "--max-seq-len", "256", "--kv-page-bytes", "0",
                               "--no-batch-invariant"])
     app = build_app(args)
     assert app.state.engine.engine.pages is None  # private per-sequence pools
@@ -334,7 +334,7 @@ def _error(call, status=400) -> dict:
 @pytest.mark.parametrize("kw,param", REFUSED_CHAT, ids=lambda v: v if isinstance(v, str) else None)
 def test_chat_option_kvfold_lacks_is_refused(server, kw, param):
     c = client(server[0])
-    err = _error(lambda: c.chat.completions.create(**{"model": "tiny", "messages": CHAT, "max_tokens": 2, **kw}))
+    err = _error(lambda: c.chat.completions.create(**{"model": "tiny-random", "messages": CHAT, "max_tokens": 2, **kw}))
     assert err["param"] == param and err["code"] == "unsupported_parameter", err
     assert err["message"].startswith(param) and "is not supported by kvfold" in err["message"], err
 
@@ -342,7 +342,7 @@ def test_chat_option_kvfold_lacks_is_refused(server, kw, param):
 @pytest.mark.parametrize("kw,param", REFUSED_COMPLETION, ids=lambda v: v if isinstance(v, str) else None)
 def test_completion_option_kvfold_lacks_is_refused(server, kw, param):
     c = client(server[0])
-    err = _error(lambda: c.completions.create(**{"model": "tiny", "prompt": "hi", "max_tokens": 2, **kw}))
+    err = _error(lambda: c.completions.create(**{"model": "tiny-random", "prompt": "hi", "max_tokens": 2, **kw}))
     assert err["param"] == param and err["code"] == "unsupported_parameter", err
     assert err["message"].startswith(param) and "is not supported by kvfold" in err["message"], err
 
@@ -352,8 +352,8 @@ def test_unknown_fields_are_refused(server):
     inside known objects, are 400s naming the field."""
     c = client(server[0])
     for extra in UNKNOWN:
-        for call in (lambda: c.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra),
-                     lambda: c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=2, extra_body=extra)):
+        for call in (lambda: c.completions.create(model="tiny-random", prompt="hi", max_tokens=2, extra_body=extra),
+                     lambda: c.chat.completions.create(model="tiny-random", messages=CHAT, max_tokens=2, extra_body=extra)):
             err = _error(call)
             (name,) = extra
             assert (err["param"], err["code"]) == (name, "unknown_parameter")
@@ -363,7 +363,7 @@ def test_unknown_fields_are_refused(server):
                "messages.0.content.0.bold"),
               ({"stream_options": {"include_usage": True, "every": 2}, "stream": True}, "stream_options.every")]
     for kw, param in nested:
-        err = _error(lambda: c.chat.completions.create(**{"model": "tiny", "messages": CHAT, "max_tokens": 2, **kw}))
+        err = _error(lambda: c.chat.completions.create(**{"model": "tiny-random", "messages": CHAT, "max_tokens": 2, **kw}))
         assert (err["param"], err["code"]) == (param, "unknown_parameter")
 
 
@@ -375,15 +375,15 @@ def test_harmless_fields_are_accepted_and_change_nothing(server, tiny):
                     prompt_cache_key="pk", prompt_cache_retention="24h", prompt_cache_options={"mode": "implicit"},
                     response_format={"type": "text"}, modalities=["text"], tools=None, tool_choice=None,
                     stream_options=None, extra_body={"return_token_ids": True})
-    plain = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+    plain = c.chat.completions.create(model="tiny-random", messages=CHAT, max_tokens=6, temperature=0,
                                       extra_body={"return_token_ids": True})
-    r = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0, **harmless)
+    r = c.chat.completions.create(model="tiny-random", messages=CHAT, max_tokens=6, temperature=0, **harmless)
     assert r.choices[0].token_ids == plain.choices[0].token_ids
     parts = [{"type": "text", "text": "h", "prompt_cache_breakpoint": {"ttl": "30m"}}, {"type": "text", "text": "i"}]
-    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=6,
+    r = c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": parts}], max_tokens=6,
                                   temperature=0, extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == plain.choices[0].token_ids
-    r = c.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, echo=False, best_of=1,
+    r = c.completions.create(model="tiny-random", prompt="hi", max_tokens=4, temperature=0, echo=False, best_of=1,
                              suffix="", n=1, logprobs=None, user="u", extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == kvfold.generate(tiny, prompt_ids(tiny, "hi"), 4).tokens
 
@@ -413,17 +413,17 @@ def test_types_are_strict(server):
              ({"n": "1"}, "n"), ({"top_p": True}, "top_p"), ({"stop": 5}, "stop"), ({"user": 5}, "user"),
              ({"model": 1}, "model")]
     for kw, param in cases:
-        err = _error(lambda: c.completions.create(**{"model": "tiny", "prompt": "hi", "max_tokens": 2, **kw}))
+        err = _error(lambda: c.completions.create(**{"model": "tiny-random", "prompt": "hi", "max_tokens": 2, **kw}))
         assert err["param"] == param, (kw, err)
-        err = _error(lambda: c.chat.completions.create(**{"model": "tiny", "messages": CHAT, "max_tokens": 2, **kw}))
+        err = _error(lambda: c.chat.completions.create(**{"model": "tiny-random", "messages": CHAT, "max_tokens": 2, **kw}))
         assert err["param"] == param, (kw, err)
     for value in ("true", 1, None, [True]):
-        err = _error(lambda: c.completions.create(model="tiny", prompt="hi", max_tokens=2,
+        err = _error(lambda: c.completions.create(model="tiny-random", prompt="hi", max_tokens=2,
                                                   extra_body={"return_token_ids": value}))
         assert err["param"] == "return_token_ids" and "boolean" in err["message"]
-    err = _error(lambda: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": 5}]))
+    err = _error(lambda: c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": 5}]))
     assert err["param"] == "messages.0.content"
-    err = _error(lambda: c.completions.create(model="tiny", prompt=[1, "a"], max_tokens=2))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt=[1, "a"], max_tokens=2))
     assert err["param"] == "prompt" and "list of token ids" in err["message"]
 
 
@@ -437,7 +437,7 @@ def test_http_level_refusals(server):
     try:
         for ctype in ("text/plain", None, "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
             headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": ctype} if ctype else {})}
-            conn.request("POST", "/v1/completions", body=b'{"model": "tiny", "prompt": "hi"}', headers=headers)
+            conn.request("POST", "/v1/completions", body=b'{"model": "tiny-random", "prompt": "hi"}', headers=headers)
             r = conn.getresponse()
             body = json.loads(r.read())
             assert r.status == 415 and body["error"]["code"] == "unsupported_media_type", (ctype, body)
@@ -530,7 +530,7 @@ def _bad_bodies(base: dict, fields: dict) -> list[tuple[str, str | None]]:
     return out
 
 
-BAD_TEXTS = ["", " ", "{", "}", "[", '{"model": }', "{'model': 'tiny'}", '{"model": "tiny"} x', "nul", "[]", "[1]",
+BAD_TEXTS = ["", " ", "{", "}", "[", '{"model": }', "{'model': 'tiny'}", '{"model": "tiny-random"} x', "nul", "[]", "[1]",
              '"text"', "5", "null", "true", "1.5", '"\\ud800"', "\ufeff{}", "[" * 100_000]
 
 
@@ -543,8 +543,8 @@ def test_malformed_bodies_get_a_4xx_and_the_connection_serves_on(server):
     u = urllib.parse.urlparse(server[0])
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    bases = {"/v1/completions": ({"model": "tiny", "prompt": "hi", "max_tokens": 2}, COMPLETION_FIELDS),
-             "/v1/chat/completions": ({"model": "tiny", "messages": [{"role": "user", "content": [
+    bases = {"/v1/completions": ({"model": "tiny-random", "prompt": "hi", "max_tokens": 2}, COMPLETION_FIELDS),
+             "/v1/chat/completions": ({"model": "tiny-random", "messages": [{"role": "user", "content": [
                                            {"type": "text", "text": "hi"}]}], "max_tokens": 2}, CHAT_FIELDS)}
     sock, statuses = None, Counter()
     try:
@@ -578,14 +578,14 @@ def test_malformed_bodies_get_a_4xx_and_the_connection_serves_on(server):
 
 def test_models_retrieve(server):
     c = client(server[0])
-    m = c.models.retrieve("tiny")
-    assert (m.id, m.object, m.owned_by) == ("tiny", "model", "kvfold") and m.max_model_len == 512
+    m = c.models.retrieve("tiny-random")
+    assert (m.id, m.object, m.owned_by) == ("tiny-random", "model", "kvfold") and m.max_model_len == 512
     with pytest.raises(openai.NotFoundError) as e:
         c.models.retrieve("gpt-4o")
     err = e.value.response.json()["error"]
     assert (err["code"], err["param"]) == ("model_not_found", "model")
     with pytest.raises(openai.AuthenticationError):
-        client(server[0], key="wrong").models.retrieve("tiny")
+        client(server[0], key="wrong").models.retrieve("tiny-random")
 
 
 def test_batched_prompts(server, tiny):
@@ -596,7 +596,7 @@ def test_batched_prompts(server, tiny):
     texts = ["Once upon a time", "abc", "The quick brown fox jumps", "x"]
     refs = [kvfold.generate(tiny, prompt_ids(tiny, t), 10).tokens for t in texts]
     before = metrics(url)
-    r = c.completions.create(model="tiny", prompt=texts, max_tokens=10, temperature=0,
+    r = c.completions.create(model="tiny-random", prompt=texts, max_tokens=10, temperature=0,
                              extra_body={"return_token_ids": True})
     m = wait_idle(url)
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
@@ -610,22 +610,22 @@ def test_batched_prompts(server, tiny):
     assert m["kvfold_requests_total"] - before["kvfold_requests_total"] == 4 and rows > steps  # side by side
 
     # one prompt in a list is a batch of one; a prompt the context cannot hold refuses the batch
-    r = c.completions.create(model="tiny", prompt=["abc"], max_tokens=10, temperature=0,
+    r = c.completions.create(model="tiny-random", prompt=["abc"], max_tokens=10, temperature=0,
                              extra_body={"return_token_ids": True})
     assert [ch.token_ids for ch in r.choices] == [refs[1]]
-    err = _error(lambda: c.completions.create(model="tiny", prompt=["abc", "x" * 600], max_tokens=4))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt=["abc", "x" * 600], max_tokens=4))
     assert (err["param"], err["code"]) == ("prompt.1", "context_length_exceeded")
-    err = _error(lambda: c.completions.create(model="tiny", prompt="y" * 200, max_tokens=400))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt="y" * 200, max_tokens=400))
     assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
-    err = _error(lambda: c.completions.create(model="tiny", prompt="y" * 600))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt="y" * 600))
     assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
-    err = _error(lambda: c.completions.create(model="tiny", prompt=["x" * 600], max_tokens=4))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt=["x" * 600], max_tokens=4))
     assert (err["param"], err["code"]) == ("prompt.0", "context_length_exceeded")
-    err = _error(lambda: c.completions.create(model="tiny", prompt=["a"] * 65, max_tokens=4))  # max_queue 64
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt=["a"] * 65, max_tokens=4))  # max_queue 64
     assert err["param"] == "prompt" and "queues at once" in err["message"]
-    err = _error(lambda: c.completions.create(model="tiny", prompt=[[1, 2], []], max_tokens=4))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt=[[1, 2], []], max_tokens=4))
     assert err["param"] == "prompt.1"
-    err = _error(lambda: c.completions.create(model="tiny", prompt=[[1, 2], [5, 100000]], max_tokens=4))
+    err = _error(lambda: c.completions.create(model="tiny-random", prompt=[[1, 2], [5, 100000]], max_tokens=4))
     assert err["param"] == "prompt.1" and "vocabulary" in err["message"]
     assert wait_idle(url)["kvfold_live_states"] == 0  # the refused batches left nothing behind
 
@@ -639,7 +639,7 @@ def test_batched_prompts_streamed(server, tiny):
     refs = [kvfold.generate(tiny, prompt_ids(tiny, t), 10).tokens for t in texts]
     id_prompts = [prompt_ids(tiny, t) for t in texts]
     got, finish, usage = {}, {}, None
-    for ch in c.completions.create(model="tiny", prompt=id_prompts, max_tokens=10, temperature=0, stream=True,
+    for ch in c.completions.create(model="tiny-random", prompt=id_prompts, max_tokens=10, temperature=0, stream=True,
                                    stream_options={"include_usage": True}, extra_body={"return_token_ids": True}):
         for choice in ch.choices:
             got.setdefault(choice.index, []).extend(choice.token_ids)
@@ -650,7 +650,7 @@ def test_batched_prompts_streamed(server, tiny):
     assert usage.prompt_tokens == sum(map(len, id_prompts))
 
     before = metrics(url)  # hang up after a few chunks
-    stream = c.completions.create(model="tiny", prompt=["lorem ipsum " * 4, "dolor sit amet", "consectetur"],
+    stream = c.completions.create(model="tiny-random", prompt=["lorem ipsum " * 4, "dolor sit amet", "consectetur"],
                                   max_tokens=200, temperature=0, stream=True)
     for i, _ in enumerate(stream):
         if i == 3:

@@ -16,7 +16,7 @@ from helpers import fp32_paths_bound, serving
 @pytest.fixture(scope="module")
 def url(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=512, max_running=16, max_queue=64)
-    with serving(create_app(engine, model_name="tiny")) as u:
+    with serving(create_app(engine, model_name="tiny-random")) as u:
         yield u
 
 
@@ -40,7 +40,7 @@ def test_every_sampling_parameter_reaches_the_engine(url, tiny):
     bias = {66: 3.0, 101: -2.0}
     want = kvfold.generate(tiny, prompt_ids(tiny, "hello"), 12, temperature=0.8, top_p=0.9, seed=4,
                            presence_penalty=0.5, frequency_penalty=0.25, logit_bias=bias, **shaped).tokens
-    r = client(url).completions.create(model="tiny", prompt="hello", max_tokens=12, temperature=0.8, top_p=0.9, seed=4,
+    r = client(url).completions.create(model="tiny-random", prompt="hello", max_tokens=12, temperature=0.8, top_p=0.9, seed=4,
                                        presence_penalty=0.5, frequency_penalty=0.25,
                                        logit_bias={str(k): v for k, v in bias.items()},
                                        extra_body={"return_token_ids": True, **shaped})
@@ -49,7 +49,7 @@ def test_every_sampling_parameter_reaches_the_engine(url, tiny):
 
 def test_n_choices_are_reproducible_and_equal_single_requests_with_derived_seeds(url):
     c = client(url)
-    kw = dict(model="tiny", max_tokens=8, temperature=1.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    kw = dict(model="tiny-random", max_tokens=8, temperature=1.0, extra_body={"return_token_ids": True, "ignore_eos": True})
     r = c.completions.create(prompt=["once", "upon"], n=3, seed=10, **kw)
     assert [ch.index for ch in r.choices] == list(range(6))
     again = c.completions.create(prompt=["once", "upon"], n=3, seed=10, **kw)
@@ -74,7 +74,7 @@ def test_derived_seeds_wrap_into_the_64_bit_range():
 
 def test_streamed_n_choices_carry_their_index(url):
     c = client(url)
-    kw = dict(model="tiny", max_tokens=6, temperature=1.0, seed=3, n=2, extra_body={"return_token_ids": True})
+    kw = dict(model="tiny-random", max_tokens=6, temperature=1.0, seed=3, n=2, extra_body={"return_token_ids": True})
     whole = c.chat.completions.create(messages=[{"role": "user", "content": "hey"}], **kw)
     got = {0: [], 1: []}
     for chunk in c.chat.completions.create(messages=[{"role": "user", "content": "hey"}], stream=True, **kw):
@@ -86,7 +86,7 @@ def test_streamed_n_choices_carry_their_index(url):
 def test_completion_logprobs_with_echo_are_the_models_log_softmax(url, tiny):
     """lm-eval's request: echo + logprobs over the prompt ids, scored against one plain forward."""
     ids = prompt_ids(tiny, "The cat sat on the mat")
-    r = client(url).completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True,
+    r = client(url).completions.create(model="tiny-random", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True,
                                        extra_body={"return_token_ids": True})
     lp = r.choices[0].logprobs
     out = r.choices[0].token_ids
@@ -105,7 +105,7 @@ def test_completion_logprobs_with_echo_are_the_models_log_softmax(url, tiny):
 
 def test_streamed_completion_logprobs_add_up_to_the_whole(url):
     c = client(url)
-    kw = dict(model="tiny", prompt="abc", max_tokens=6, temperature=0, logprobs=1, echo=True)
+    kw = dict(model="tiny-random", prompt="abc", max_tokens=6, temperature=0, logprobs=1, echo=True)
     whole = c.completions.create(**kw).choices[0]
     tokens, values, offsets, text = [], [], [], ""
     for chunk in c.completions.create(stream=True, **kw):
@@ -122,7 +122,7 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(url):
 def test_chat_logprobs_follow_openais_shape(url, tiny):
     c = client(url)
     msgs = [{"role": "user", "content": "hi"}]
-    r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+    r = c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
                                   top_logprobs=3, extra_body={"return_token_ids": True})
     content = r.choices[0].logprobs.content
     assert [e.token for e in content] == [tiny.tokenizer.decode([t]) for t in r.choices[0].token_ids]
@@ -130,11 +130,11 @@ def test_chat_logprobs_follow_openais_shape(url, tiny):
         assert e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 3
         assert e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob and e.logprob <= 0
         assert math.isclose(e.logprob, e.top_logprobs[0].logprob)  # greedy: the chosen one is the best
-    streamed = [e for chunk in c.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0,
+    streamed = [e for chunk in c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=5, temperature=0,
                                                           logprobs=True, top_logprobs=3, stream=True)
                 for ch in chunk.choices if ch.logprobs is not None for e in ch.logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
-    plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, logprobs=True)
+    plain = c.chat.completions.create(model="tiny-random", messages=msgs, max_tokens=2, logprobs=True)
     assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
 
 
@@ -147,7 +147,7 @@ def test_chat_logprobs_follow_openais_shape(url, tiny):
 ])
 def test_out_of_range_choice_parameters_are_400s_naming_them(url, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client(url).completions.create(model="tiny", prompt="hi", max_tokens=4, **kw)
+        client(url).completions.create(model="tiny-random", prompt="hi", max_tokens=4, **kw)
     assert e.value.response.json()["error"]["param"] == param, e.value.response.json()
 
 
@@ -155,7 +155,7 @@ def test_chat_top_logprobs_needs_logprobs(url):
     c = client(url)
     for kw in (dict(top_logprobs=2), dict(top_logprobs=21, logprobs=True)):
         with pytest.raises(openai.BadRequestError) as e:
-            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, **kw)
+            c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x"}], max_tokens=2, **kw)
         assert e.value.response.json()["error"]["param"] == "top_logprobs"
 
 
@@ -172,12 +172,12 @@ def post(url, path, body):
 
 
 def test_tokenize_and_detokenize_as_vllm_serves_them(url, tiny):
-    status, body = post(url, "/tokenize", {"model": "tiny", "prompt": "héllo"})
+    status, body = post(url, "/tokenize", {"model": "tiny-random", "prompt": "héllo"})
     assert status == 200 and body["tokens"] == prompt_ids(tiny, "héllo") and body["count"] == 7
     assert body["max_model_len"] == 512
     assert post(url, "/tokenize", {"prompt": "hi", "add_special_tokens": False})[1]["tokens"] == [104, 105]
     status, chat = post(url, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
-    r = client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    r = client(url).chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert status == 200 and chat["count"] == r.usage.prompt_tokens
     assert post(url, "/detokenize", {"tokens": body["tokens"]}) == (200, {"prompt": "héllo"})
     for path, bad, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),

@@ -34,7 +34,7 @@ OPERATIONS = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"), ("
 def live_url(tiny):
     # a short context: every generated request, valid or not, is cheap for the tiny model
     engine = kvfold.Engine(tiny, max_seq_len=128, max_running=4, max_queue=64)
-    with serving(create_app(engine, model_name="tiny")) as url:
+    with serving(create_app(engine, model_name="tiny-random")) as url:
         yield url
 
 

@@ -44,7 +44,7 @@ SCHEMAS = {
 @pytest.fixture(scope="module")
 def url(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=1024, max_running=8)
-    with serving(create_app(engine, model_name="tiny")) as u:
+    with serving(create_app(engine, model_name="tiny-random")) as u:
         yield u
 
 
@@ -60,7 +60,7 @@ def json_schema_format(name, schema):
 def test_every_output_validates_against_its_schema(url, name):
     c = client(url)
     for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
-        r = c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=MAX_TOKENS, temperature=temperature,
+        r = c.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=MAX_TOKENS, temperature=temperature,
                                       seed=seed, response_format=json_schema_format(name, SCHEMAS[name]))
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice
@@ -69,7 +69,7 @@ def test_every_output_validates_against_its_schema(url, name):
 
 def test_json_object_gives_a_json_object_for_each_of_n_choices(url):
     # a bias toward '"' and '}' makes the random model close its strings and objects soon
-    r = client(url).chat.completions.create(model="tiny", messages=MSGS, max_tokens=MAX_TOKENS, temperature=1.0,
+    r = client(url).chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=MAX_TOKENS, temperature=1.0,
                                             seed=5, n=3, response_format={"type": "json_object"},
                                             logit_bias={str(ord('"')): 6, str(ord("}")): 6})
     assert len(r.choices) == 3 and len({c.message.content for c in r.choices}) > 1
@@ -79,14 +79,14 @@ def test_json_object_gives_a_json_object_for_each_of_n_choices(url):
 
 def test_vllms_structured_outputs_and_guided_fields(url):
     c = client(url)
-    r = c.completions.create(model="tiny", prompt="The answer:", max_tokens=20, temperature=1.0, seed=3,
+    r = c.completions.create(model="tiny-random", prompt="The answer:", max_tokens=20, temperature=1.0, seed=3,
                              extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
     assert r.choices[0].text.count("-") == 1 and len(r.choices[0].text) == 6 and r.choices[0].text[:3].isdigit()
-    r = c.completions.create(model="tiny", prompt="Pick:", max_tokens=20, temperature=1.0, seed=4,
+    r = c.completions.create(model="tiny-random", prompt="Pick:", max_tokens=20, temperature=1.0, seed=4,
                              extra_body={"guided_choice": ["left", "right"]})
     assert r.choices[0].text in ("left", "right")
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="tiny", prompt="x", max_tokens=4,
+        c.completions.create(model="tiny-random", prompt="x", max_tokens=4,
                              extra_body={"guided_regex": "a+", "guided_choice": ["a"]})
     assert e.value.response.json()["error"]["param"] == "guided_choice"
 
@@ -98,7 +98,7 @@ class Cat(pydantic.BaseModel):
 
 
 def test_openai_parse_returns_the_pydantic_object(url):
-    r = client(url).chat.completions.parse(model="tiny", messages=MSGS, max_tokens=MAX_TOKENS, temperature=0,
+    r = client(url).chat.completions.parse(model="tiny-random", messages=MSGS, max_tokens=MAX_TOKENS, temperature=0,
                                            response_format=Cat)
     cat = r.choices[0].message.parsed
     assert isinstance(cat, Cat) and 1 <= cat.lives <= 9
@@ -106,7 +106,7 @@ def test_openai_parse_returns_the_pydantic_object(url):
 
 def test_langchain_with_structured_output(url):
     from langchain_openai import ChatOpenAI
-    llm = ChatOpenAI(model="tiny", base_url=url + "/v1", api_key="none", temperature=0, max_tokens=MAX_TOKENS,
+    llm = ChatOpenAI(model="tiny-random", base_url=url + "/v1", api_key="none", temperature=0, max_tokens=MAX_TOKENS,
                      max_retries=0)
     cat = llm.with_structured_output(Cat, method="json_schema").invoke("Describe a cat.")
     assert isinstance(cat, Cat)
@@ -123,10 +123,10 @@ def test_langchain_with_structured_output(url):
 def test_an_invalid_response_format_is_a_400_before_any_work(url, fmt):
     c = client(url)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, response_format=fmt)
+        c.chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=4, response_format=fmt)
     assert e.value.response.json()["error"]["param"].startswith("response_format")
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"guided_regex": "(unclosed"})
+        c.completions.create(model="tiny-random", prompt="x", max_tokens=4, extra_body={"guided_regex": "(unclosed"})
     assert e.value.response.json()["error"]["param"] == "guided_regex"
 
 
@@ -152,8 +152,8 @@ def test_a_template_that_opens_reasoning_leaves_the_reasoning_unmasked(tiny):
     template = ChatTemplate(tiny.tokenizer, "{% for m in messages %}{{ m.content }}\n{% endfor %}<think>")
     engine = kvfold.Engine(tiny, max_seq_len=1024)
     fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": SCHEMAS["enums"]}}
-    with serving(create_app(engine, model_name="tiny", chat_template=template)) as u:
-        kw = dict(model="tiny", messages=MSGS, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
+    with serving(create_app(engine, model_name="tiny-random", chat_template=template)) as u:
+        kw = dict(model="tiny-random", messages=MSGS, max_tokens=12, temperature=0, extra_body={"return_token_ids": True})
         free = client(u).chat.completions.create(**kw).choices[0].token_ids
         bound = client(u).chat.completions.create(response_format=fmt, **kw).choices[0].token_ids
     assert bound == free and tiny.tokenizer.decode(free)[:1] != "{"
@@ -166,7 +166,7 @@ def test_without_xgrammar_structured_output_is_a_clear_400(url, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
     try:
         with pytest.raises(openai.BadRequestError) as e:
-            client(url).chat.completions.create(model="tiny", messages=MSGS, max_tokens=4,
+            client(url).chat.completions.create(model="tiny-random", messages=MSGS, max_tokens=4,
                                                 response_format={"type": "json_object"})
         err = e.value.response.json()["error"]
         assert "xgrammar" in err["message"] and err["param"] == "response_format"

@@ -62,7 +62,7 @@ DSML = "｜DSML｜"
 @pytest.fixture(scope="module")
 def dsv4_url(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=4096, max_running=8)
-    with serving(create_app(engine, model_name="tiny", chat_template=ChatTemplate.deepseek_v4(tiny.tokenizer))) as u:
+    with serving(create_app(engine, model_name="tiny-random", chat_template=ChatTemplate.deepseek_v4(tiny.tokenizer))) as u:
         yield u
 
 
@@ -70,7 +70,7 @@ def dsv4_url(tiny):
 def glm_url(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=4096, max_running=8)
     template = ChatTemplate(tiny.tokenizer, GLM_TEMPLATE, family="glm")
-    with serving(create_app(engine, model_name="tiny", chat_template=template)) as u:
+    with serving(create_app(engine, model_name="tiny-random", chat_template=template)) as u:
         yield u
 
 
@@ -88,7 +88,7 @@ def check_weather_call(call):
 @pytest.mark.parametrize("which", ["dsv4", "glm"])
 def test_tool_choice_required_makes_a_call_the_parser_reads(which, dsv4_url, glm_url):
     url = dsv4_url if which == "dsv4" else glm_url
-    r = client(url).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+    r = client(url).chat.completions.create(model="tiny-random", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
                                             max_tokens=300, temperature=1.0, seed=1, parallel_tool_calls=False)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
@@ -97,7 +97,7 @@ def test_tool_choice_required_makes_a_call_the_parser_reads(which, dsv4_url, glm
 
 def test_a_named_tool_choice_calls_that_function(dsv4_url):
     c = client(dsv4_url)
-    r = c.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=300, seed=2,
+    r = c.chat.completions.create(model="tiny-random", messages=ASK, tools=[WEATHER, TIME], max_tokens=300, seed=2,
                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     (call,) = r.choices[0].message.tool_calls
     check_weather_call(call)
@@ -107,7 +107,7 @@ def test_a_named_tool_choice_calls_that_function(dsv4_url):
 def test_a_streamed_call_reassembles_with_the_clients_own_helpers(dsv4_url):
     """The openai client's stream helper accumulates the deltas (id and name first, then the
     arguments in fragments) into the same call the whole response holds."""
-    kw = dict(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=300, seed=3,
+    kw = dict(model="tiny-random", messages=ASK, tools=[WEATHER], max_tokens=300, seed=3,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     c = client(dsv4_url)
     whole = c.chat.completions.create(**kw).choices[0].message.tool_calls[0]
@@ -125,12 +125,12 @@ def test_a_streamed_call_reassembles_with_the_clients_own_helpers(dsv4_url):
 def test_a_multi_turn_conversation_sends_the_result_back(dsv4_url, tiny):
     c = client(dsv4_url)
     forced = {"type": "function", "function": {"name": "get_weather"}}
-    r = c.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=forced, max_tokens=300,
+    r = c.chat.completions.create(model="tiny-random", messages=ASK, tools=[WEATHER], tool_choice=forced, max_tokens=300,
                                   seed=4)
     call = r.choices[0].message.tool_calls[0]
     history = ASK + [r.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    again = c.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=8, temperature=0)
+    again = c.chat.completions.create(model="tiny-random", messages=history, tools=[WEATHER], max_tokens=8, temperature=0)
     assert again.choices[0].finish_reason in ("stop", "length")
     # what the model saw: its own call and the result, in the release's format
     import urllib.request
@@ -149,7 +149,7 @@ def test_tool_choice_auto_parses_a_call_the_model_writes(dsv4_url):
               f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n'
               f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
               f'</{DSML}invoke>\n</{DSML}tool_calls>')
-    r = client(dsv4_url).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=400,
+    r = client(dsv4_url).chat.completions.create(model="tiny-random", messages=ASK, tools=[WEATHER], max_tokens=400,
                                                  extra_body={"structured_outputs": {"regex": _literal(markup)}})
     msg = r.choices[0].message
     assert (msg.content or "").strip() == "Let me check."
@@ -161,7 +161,7 @@ def test_malformed_tool_markup_comes_back_as_content(dsv4_url):
     markup = f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n<{DSML}parameter name="city"'
     for stream in (False, True):
         c = client(dsv4_url)
-        kw = dict(model="tiny", messages=ASK, tools=[WEATHER], max_tokens=400,
+        kw = dict(model="tiny-random", messages=ASK, tools=[WEATHER], max_tokens=400,
                   extra_body={"structured_outputs": {"regex": _literal(markup)}})
         if stream:
             text = "".join(ch.delta.content or "" for chunk in c.chat.completions.create(stream=True, **kw)
@@ -176,7 +176,7 @@ def test_malformed_tool_markup_comes_back_as_content(dsv4_url):
 def test_reasoning_content_is_separated(glm_url):
     out = "<think>Paris is in France.</think>It is sunny."
     c = client(glm_url)
-    kw = dict(model="tiny", messages=ASK, max_tokens=200, extra_body={"structured_outputs": {"regex": _literal(out)}})
+    kw = dict(model="tiny-random", messages=ASK, max_tokens=200, extra_body={"structured_outputs": {"regex": _literal(out)}})
     msg = c.chat.completions.create(**kw).choices[0].message
     assert (msg.reasoning_content, msg.content) == ("Paris is in France.", "It is sunny.")
     deltas = [ch.delta for chunk in c.chat.completions.create(stream=True, **kw) for ch in chunk.choices]
@@ -185,7 +185,7 @@ def test_reasoning_content_is_separated(glm_url):
 
 
 def test_thinking_mode_output_is_reasoning_until_it_closes(dsv4_url):
-    r = client(dsv4_url).chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0,
+    r = client(dsv4_url).chat.completions.create(model="tiny-random", messages=ASK, max_tokens=6, temperature=0,
                                                  extra_body={"chat_template_kwargs": {"thinking": True}})
     msg = r.choices[0].message
     assert msg.reasoning_content and not msg.content  # the random model never writes </think>
@@ -199,7 +199,7 @@ def test_langchain_bind_tools(dsv4_url):
         city: str = pydantic.Field(max_length=8)
         days: int = pydantic.Field(ge=1, le=7)
 
-    llm = ChatOpenAI(model="tiny", base_url=dsv4_url + "/v1", api_key="none", temperature=0, max_tokens=300,
+    llm = ChatOpenAI(model="tiny-random", base_url=dsv4_url + "/v1", api_key="none", temperature=0, max_tokens=300,
                      max_retries=0)
     msg = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("Weather in Paris?")
     (call,) = msg.tool_calls
@@ -208,7 +208,7 @@ def test_langchain_bind_tools(dsv4_url):
 
 def test_tool_choice_none_renders_the_tools_but_parses_no_call(dsv4_url):
     markup = f'<{DSML}tool_calls>\n<{DSML}invoke name="get_weather">\n</{DSML}invoke>\n</{DSML}tool_calls>'
-    r = client(dsv4_url).chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="none",
+    r = client(dsv4_url).chat.completions.create(model="tiny-random", messages=ASK, tools=[WEATHER], tool_choice="none",
                                                  max_tokens=200,
                                                  extra_body={"structured_outputs": {"regex": _literal(markup)}})
     assert r.choices[0].message.content == markup and not r.choices[0].message.tool_calls
@@ -216,14 +216,14 @@ def test_tool_choice_none_renders_the_tools_but_parses_no_call(dsv4_url):
 
 def test_what_the_plain_template_cannot_show_is_refused(tiny):
     engine = kvfold.Engine(tiny, max_seq_len=256)
-    with serving(create_app(engine, model_name="tiny")) as u:  # the tiny model's default: the plain template
+    with serving(create_app(engine, model_name="tiny-random")) as u:  # the tiny model's default: the plain template
         c = client(u)
         for kw, param in ((dict(tools=[WEATHER]), "tools"), (dict(reasoning_effort="max"), "reasoning_effort"),
                           (dict(messages=ASK + [{"role": "assistant", "content": "", "tool_calls": [
                               {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
                            "messages.1.tool_calls")):
             with pytest.raises(openai.BadRequestError) as e:
-                c.chat.completions.create(**{"model": "tiny", "messages": ASK, "max_tokens": 2, **kw})
+                c.chat.completions.create(**{"model": "tiny-random", "messages": ASK, "max_tokens": 2, **kw})
             assert e.value.response.json()["error"]["param"] == param
 
 
@@ -236,7 +236,7 @@ def test_what_the_plain_template_cannot_show_is_refused(tiny):
 ])
 def test_inconsistent_tool_requests_are_400s(dsv4_url, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client(dsv4_url).chat.completions.create(**{"model": "tiny", "messages": ASK, "max_tokens": 2, **kw})
+        client(dsv4_url).chat.completions.create(**{"model": "tiny-random", "messages": ASK, "max_tokens": 2, **kw})
     assert e.value.response.json()["error"]["param"] == param, e.value.response.json()
 
 

@@ -111,7 +111,7 @@ def test_foreign_model_session_is_refused_before_anything(tiny, saved, monkeypat
 
 
 def test_other_dtype_session_is_refused(saved):
-    bf = kvfold.load_model("tiny", dtype=torch.bfloat16)
+    bf = kvfold.load_model("tiny-random", dtype=torch.bfloat16)
     with pytest.raises(errors.SessionModelError, match="bfloat16"):
         sess.load_session(saved[0], bf, extra_capacity=10)
 

@@ -388,11 +388,13 @@ def in_process_server(args: argparse.Namespace, api_key: str | None,
 
 
 def _vocab_of(model: str) -> int:
-    """The vocabulary size of "tiny" or a checkpoint directory's config.json (no weights loaded)."""
-    if model == "tiny":
+    """The vocabulary size of a built-in model or a checkpoint directory's config.json (no weights loaded)."""
+    from ..models.registry import checkpoint_dir
+    directory = checkpoint_dir(model)
+    if directory is None:
         from ..models.deepseek_v4.tiny import tiny_config
         return int(tiny_config().vocab_size)
-    path = Path(model) / "config.json"
+    path = directory / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

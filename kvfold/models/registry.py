@@ -1,4 +1,4 @@
-"""`kvfold.load_model`: a checkpoint directory or "tiny" -> a ready model of its family, with its tokenizer.
+"""`kvfold.load_model`: a checkpoint directory or a built-in name -> a ready model of its family, with its tokenizer.
 
 The family comes from the directory's `config.json` (`model_type` / `architectures`): the first
 entry of FAMILIES whose test accepts it. DeepSeek-V4 is last and takes the rest, including the
@@ -43,6 +43,19 @@ def family_of(directory: str | Path) -> Family:
     return next(f for f in FAMILIES if f.accepts(d))
 
 
+TINY_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny"  # written by tools/train_tiny.py
+# Built-in model names: "tiny" is a small DeepSeek-V4 trained on Python's documentation (shipped in
+# TINY_DIR); "tiny-random" is the random one with a byte-level tokenizer that tests and benches use.
+BUILT_IN = ("tiny", "tiny-random")
+
+
+def checkpoint_dir(name: str | Path) -> Path | None:
+    """The directory a model name reads: TINY_DIR for "tiny", None for "tiny-random" (no files)."""
+    if str(name) == "tiny-random":
+        return None
+    return TINY_DIR if str(name) == "tiny" else Path(name)
+
+
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
          numerics: str = "hf", weights: str = "dequant"):
     """`weights`: "dequant" decodes FP8 / FP4 checkpoint weights into `dtype` at load; "quantized" keeps
@@ -55,6 +68,7 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
         raise ConfigError(f"numerics must be 'hf' or 'reference', got {numerics!r}")
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
-    if str(path) == "tiny":
+    directory = checkpoint_dir(path)
+    if directory is None:
         return load_tiny(device=device, dtype=dtype, numerics=numerics)
-    return family_of(path).load(path, device=device, dtype=dtype, numerics=numerics, weights=weights)
+    return family_of(directory).load(directory, device=device, dtype=dtype, numerics=numerics, weights=weights)

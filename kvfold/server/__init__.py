@@ -23,13 +23,13 @@ def _int_at_least(lo: int):
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    p.add_argument("--model", default="tiny", help='checkpoint directory, or "tiny" (default)')
+    p.add_argument("--model", default="tiny", help='checkpoint directory, "tiny" (default) or "tiny-random"')
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVFOLD_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
-                   help='model id clients send (default: "tiny" or the checkpoint directory name)')
+                   help='model id clients send (default: the built-in name or the checkpoint directory name)')
     p.add_argument("--max-seq-len", type=_int_at_least(1), default=4096,
                    help="prompt + max_tokens limit per request (default 4096)")
     p.add_argument("--max-running", type=_int_at_least(1), default=16,
@@ -62,7 +62,7 @@ def build_app(args: argparse.Namespace):
     from ..engine import Engine
     from ..errors import KvfoldError
     from .app import create_app
-    from ..models.registry import family_of
+    from ..models.registry import BUILT_IN, checkpoint_dir, family_of
     from ..chat.template import ChatTemplate
 
     model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
@@ -73,8 +73,9 @@ def build_app(args: argparse.Namespace):
                         kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant)
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
-    model_dir = None if args.model == "tiny" else args.model
-    name = args.served_model_name or ("tiny" if model_dir is None else os.path.basename(os.path.normpath(model_dir)))
+    model_dir = checkpoint_dir(args.model)
+    name = args.served_model_name or (args.model if args.model in BUILT_IN
+                                      else os.path.basename(os.path.normpath(args.model)))
     family = family_of(model_dir).name if model_dir is not None else None
     template = ChatTemplate.for_model(model.tokenizer, model_dir, family) if model.tokenizer is not None else None
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFOLD_API_KEY") or None

@@ -1,5 +1,5 @@
-"""Load a DeepSeek-V4 model: a checkpoint directory (transformers or official layout), or the built-in
-random "tiny" model with its byte-level tokenizer."""
+"""Load a DeepSeek-V4 model: a checkpoint directory (transformers or official layout; the trained
+built-in "tiny" is one), or the random "tiny-random" model with its byte-level tokenizer."""
 from __future__ import annotations
 
 import sys

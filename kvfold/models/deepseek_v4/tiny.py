@@ -1,5 +1,6 @@
-"""The built-in tiny model: a small random DeepSeek-V4 with every layer and routing kind, so the
-demo and the tests run in seconds on a laptop CPU. Its tokenizer is byte-level."""
+"""The built-in "tiny-random" model: a small random DeepSeek-V4 with every layer and routing kind,
+so the tests and benches run in seconds on a laptop CPU. Its tokenizer is byte-level. (The
+built-in "tiny" is a trained checkpoint directory, kvfold/assets/tiny, made by tools/train_tiny.py.)"""
 from __future__ import annotations
 
 import math
