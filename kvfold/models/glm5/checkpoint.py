@@ -4,33 +4,42 @@ Weights are named as the text part of a transformers `Glm5NextForConditionalGene
 written by `save_pretrained` (`model.language_model.*`, `hc_attn_fn`, `q_conv1d`, per-expert
 `experts.N.gate_proj`); the in-memory layout (`attn_hc.fn`, fused `conv1d`, `forget_gate.*`,
 stacked `experts.gate_up_proj`) and text-only `model.*` names load as well.
+
+Block-FP8 checkpoints (the GLM-5.3 release's format, docs/checkpoints.md): a quantized weight is
+stored float8_e4m3fn under its usual name with `<name>_scale_inv` beside it, one scale per block of
+config.json's `quantization_config.weight_block_size`, W[i, j] = q[i, j] * scale_inv[i // br, j // bc].
+Which tensors are FP8 is read from the files (their dtype), not assumed. `weights="dequant"` decodes
+them into the model dtype at load, `weights="quantized"` keeps them as `QuantizedWeight`s; both use
+the decoder DeepSeek-V4's loader uses (`dequant_into`, `QuantizedWeight.load_`), so logits are
+bit-identical. Every FP8 tensor and scale is checked from the file headers before the model is built.
+
+Tensors are read one at a time from memory-mapped safetensors files (DeepSeek-V4's `CheckpointReader`).
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ...errors import CheckpointError, ConfigError
-from .config import load_glm5_config
+from ...layers.basic import QuantizedWeight
+from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader
+from ..deepseek_v4.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
+from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.")
 _VISION_MARKERS = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.")
 _HC_NAMES = {"hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
              "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale"}
+_FUSED_CONV = ".self_attn.conv1d.weight"  # in-memory layout: q|k|v taps in one tensor
 
-
-def _checkpoint_tensors(directory: Path):
-    from safetensors import safe_open
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory} holds no *.safetensors files")
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
+_FP8_STORED = "F8_E4M3"
+_SCALE_STORED = {"F32", "BF16", "F16", "F8_E8M0", "U8"}
+_E8M0_STORED = {"F8_E8M0", "U8"}  # exponent bytes, kept as bytes; float scales are kept as float32
+_MAX_LISTED = 20
 
 
 def _internal(name: str, n_layers: int) -> tuple[str, str | None]:
@@ -58,61 +67,198 @@ def _internal(name: str, n_layers: int) -> tuple[str, str | None]:
     return "text", "model." + ".".join(parts)
 
 
-@torch.no_grad()
-def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
+class _Slot(NamedTuple):
+    """Where a checkpoint tensor goes: a model tensor (parameter, buffer or QuantizedWeight), or one
+    expert's part of a stacked one (gate_proj and up_proj fill the two halves of gate_up_proj)."""
+    name: str
+    expert: int | None = None
+    part: str | None = None  # "gate_proj", "up_proj" or "down_proj" with an expert
+
+
+def _slot_of(name: str) -> _Slot:
+    parts = name.split(".")
+    if len(parts) >= 8 and parts[4] == "experts" and parts[5].isdigit():  # experts.N.gate_proj.weight
+        which = parts[6]
+        if which not in ("gate_proj", "up_proj", "down_proj"):
+            raise CheckpointError(f"unknown expert tensor {name}: experts have gate_proj, up_proj and down_proj")
+        stacked = ".down_proj" if which == "down_proj" else ".gate_up_proj"
+        return _Slot(".".join(parts[:5]) + stacked, int(parts[5]), which)
+    if ".self_attn." in name and name.endswith("_conv1d.weight"):
+        return _Slot(name[:-len(".weight")])
+    return _Slot(name)
+
+
+def _expert_rows(slot: _Slot, inter: int) -> slice | None:
+    """The rows of one expert's gate_up_proj that its gate_proj (first half) or up_proj fills."""
+    if slot.part == "gate_proj":
+        return slice(0, inter)
+    return slice(inter, 2 * inter) if slot.part == "up_proj" else None
+
+
+def _text_tensors(reader: CheckpointReader, n_layers: int):
+    """(checkpoint key, internal name) of every tensor the text model loads; the scale companions of
+    weights are not among them (a scale whose weight is absent is)."""
+    for key in reader.weight_keys:
+        kind, name = _internal(key, n_layers)
+        if kind == "text":
+            yield key, name
+
+
+def check_quantized_tensors(reader: CheckpointReader, n_layers: int, block: tuple[int, int] | None) -> None:
+    """Refuse, from the file headers alone, every FP8 weight or block scale kvfold cannot decode, in one
+    CheckpointError naming each tensor: an FP8 weight without its `_scale_inv`, a scale without its
+    weight, a scale whose shape is not the weight's blocks under config.json's weight_block_size
+    (another block size), a scale of an unknown dtype, FP8 dtypes other than e4m3, and FP8 or scaled
+    weights in a checkpoint whose config declares no weight_block_size."""
+    problems = []
+    for key, name in sorted(_text_tensors(reader, n_layers)):
+        entry, scale_key = reader.entries[key], reader.scales.get(key)
+        if key.endswith("_scale_inv"):
+            problems.append(f"{key} is a block scale, but its weight {key.removesuffix('_scale_inv')} is not in "
+                            f"the checkpoint")
+        elif entry.dtype.startswith("F8_") and entry.dtype != _FP8_STORED:
+            problems.append(f"{key} is stored {entry.dtype}: kvfold reads FP8 weights in e4m3 ({_FP8_STORED}) only")
+        elif scale_key is None:
+            if entry.dtype == _FP8_STORED:
+                problems.append(f"{key} is stored {_FP8_STORED} but has no block scale {key}_scale_inv next to it")
+        elif block is None:
+            problems.append(f"{key} has a block scale {scale_key}, but config.json declares no "
+                            f"quantization_config.weight_block_size to read it with")
+        elif name.endswith(_FUSED_CONV) or len(entry.shape) < 2:
+            problems.append(f"{key} {list(entry.shape)} has a block scale, but kvfold decodes block-FP8 only in "
+                            f"projection and expert weight matrices")
+        else:
+            scale = reader.entries[scale_key]
+            want = expected_scale_shape(entry.shape, FP8, QuantSettings(fp8_block=block))
+            if scale.dtype not in _SCALE_STORED:
+                problems.append(f"{scale_key} is stored {scale.dtype}; block scales must be one of "
+                                f"{sorted(_SCALE_STORED)}")
+            elif tuple(scale.shape) != want:
+                problems.append(f"{scale_key} has shape {list(scale.shape)}, but {key} {list(entry.shape)} in "
+                                f"weight_block_size {list(block)} blocks needs {list(want)}")
+    if problems:
+        more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointError(f"checkpoint {reader.directory}: {len(problems)} FP8 weights cannot be decoded, "
+                              f"nothing was loaded; check the files against config.json's quantization_config: "
+                              + "; ".join(problems[:_MAX_LISTED]) + more)
+
+
+def _keep_fp8_resident(model: Glm5Model, reader: CheckpointReader, block: tuple[int, int]) -> None:
+    """weights="quantized": replace every float slot whose checkpoint tensors are all FP8 with scales,
+    and whose module lists it in `quantizable`, by an empty `QuantizedWeight` of the stored blocks.
+    Stacked experts whose gate / up halves do not fill whole row blocks (moe_intermediate_size not a
+    multiple of the block's rows) keep one scale per row, so no block straddles gate and up."""
     cfg = model.config
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
+    found: dict[str, list[tuple[bool, _Slot, str | None]]] = {}
+    for key, name in _text_tensors(reader, cfg.num_hidden_layers):
+        if name.endswith(_FUSED_CONV):
+            continue
+        slot, scale_key = _slot_of(name), reader.scales.get(key)
+        fp8 = scale_key is not None and reader.entries[key].dtype == _FP8_STORED
+        found.setdefault(slot.name, []).append((fp8, slot, reader.entries[scale_key].dtype if fp8 else None))
+    for name, parts in found.items():
+        if not all(fp8 for fp8, _, _ in parts):
+            continue  # float, or a mix of float and FP8 parts: loaded as floats
+        mod_name, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(mod_name)
+        except AttributeError:
+            continue  # not a tensor of this model: reported by the loader
+        if attr not in getattr(module, "quantizable", ()):
+            continue
+        current = getattr(module, attr)
+        stored = block
+        if any(s.part in ("gate_proj", "up_proj") for _, s, _ in parts) and cfg.moe_intermediate_size % block[0]:
+            stored = (1, block[1])
+        scale_dtype = torch.uint8 if all(sd in _E8M0_STORED for _, _, sd in parts) else torch.float32
+        holder = QuantizedWeight(FP8, tuple(current.shape), current.dtype, stored, scale_dtype, current.device)
+        delattr(module, attr)
+        setattr(module, attr, holder)
+
+
+def _weight_slots(model: Glm5Model) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every loadable tensor by name: parameters, buffers and `QuantizedWeight`s (not their q / scale)."""
+    holders = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    slots: dict = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                   if n.rpartition(".")[0] not in holders}
+    slots.update(holders)
+    return slots
+
+
+def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
+    """Fill `model` from a checkpoint directory (its FP8 weights decoded into the model's float slots,
+    or copied into the `QuantizedWeight`s that replaced them)."""
+    directory = Path(directory)
+    reader = CheckpointReader(directory)
+    block = fp8_weight_block(read_config_json(directory))
+    check_quantized_tensors(reader, model.config.num_hidden_layers, block)
+    _load_weights(model, reader, block)
+
+
+@torch.no_grad()
+def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, int] | None) -> None:
+    """Float tensors are converted into place; FP8 ones (already checked, with their `_scale_inv` in
+    `block` blocks) decoded straight into float slots, or copied as stored into `QuantizedWeight`s."""
+    cfg = model.config
+    settings = QuantSettings(fp8_block=block) if block is not None else None
+    slots = _weight_slots(model)
     seen: set[str] = set()
-    experts: dict[tuple[str, int, str], torch.Tensor] = {}
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     n_vision = 0
 
-    def put(name: str, t: torch.Tensor) -> None:
-        if name not in params:
-            raise CheckpointError(f"checkpoint tensor {name} has no place in the glm5_next model")
-        p = params[name]
-        if tuple(p.shape) != tuple(t.shape):
-            raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
-        p.copy_(t.to(p.dtype))
-        seen.add(name)
+    def put(key: str, slot: _Slot, read, read_scale) -> None:
+        target = slots.get(slot.name)
+        if target is None:
+            raise CheckpointError(f"checkpoint tensor {key} ({slot.name}) has no place in the glm5_next model")
+        want, rows = tuple(target.shape), _expert_rows(slot, cfg.moe_intermediate_size)
+        if slot.expert is not None:
+            if len(want) != 3 or slot.expert >= want[0]:
+                raise CheckpointError(f"checkpoint expert tensor {key} has no place in the glm5_next model "
+                                      f"({want[0] if want else 0} experts)")
+            want = (cfg.moe_intermediate_size,) + want[2:] if rows is not None else want[1:]
+        stored = tuple(reader.entries[key].shape)
+        if stored != want:
+            raise CheckpointError(f"{key}: checkpoint shape {stored}, model expects {want}")
+        if isinstance(target, QuantizedWeight):  # the stored bytes and scale, as they are
+            target.load_(read(), read_scale(), block, slot.expert, rows)
+        else:
+            dest = target.data if slot.expert is None else target.data[slot.expert]
+            dest = dest if rows is None else dest[rows]
+            if key in reader.scales:
+                dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
+            else:
+                dest.copy_(read())  # converted into place
+        if slot.expert is None:
+            seen.add(slot.name)
+        else:
+            expert_parts.setdefault(slot.name, set()).add((slot.expert, slot.part))
 
-    for raw, t in _checkpoint_tensors(directory):
-        kind, name = _internal(raw, cfg.num_hidden_layers)
+    for key, read, read_scale in reader.tensors():
+        kind, name = _internal(key, cfg.num_hidden_layers)
         if kind == "vision":
             n_vision += 1
             continue
         if kind == "skip":
             continue
-        parts = name.split(".")
-        if ".self_attn.conv1d.weight" in name:  # in-memory layout: fused q|k|v taps
+        if name.endswith(_FUSED_CONV):
             pre = name[:-len("conv1d.weight")]
-            for sub, piece in zip(("q", "k", "v"), t.chunk(3, dim=0)):
-                put(f"{pre}{sub}_conv1d", piece)
+            for sub, piece in zip(("q", "k", "v"), read().chunk(3, dim=0)):
+                target = slots.get(f"{pre}{sub}_conv1d")
+                if target is None or tuple(target.shape) != tuple(piece.shape):
+                    raise CheckpointError(f"{key}: its {sub} third {tuple(piece.shape)} has no place in the "
+                                          f"glm5_next model")
+                target.data.copy_(piece)
+                seen.add(f"{pre}{sub}_conv1d")
             continue
-        if ".self_attn." in name and name.endswith("_conv1d.weight"):
-            put(name[:-len(".weight")], t)
-            continue
-        if len(parts) >= 8 and parts[4] == "experts" and parts[5].isdigit():  # experts.N.gate_proj.weight
-            experts[(".".join(parts[:5]), int(parts[5]), parts[6])] = t
-            continue
-        put(name, t)
-    for (pre, e, which), t in experts.items():
-        if which in ("gate_proj", "up_proj"):
-            p = params.get(pre + ".gate_up_proj")
-            if p is None:
-                raise CheckpointError(f"checkpoint expert {pre}.{e} has no place in the glm5_next model")
-            i = cfg.moe_intermediate_size
-            rows = slice(0, i) if which == "gate_proj" else slice(i, 2 * i)
-            p[e, rows].copy_(t.to(p.dtype))
-        elif which == "down_proj":
-            params[pre + ".down_proj"][e].copy_(t.to(params[pre + ".down_proj"].dtype))
-        else:
-            raise CheckpointError(f"unknown expert tensor {pre}.{e}.{which}")
-        seen.add(pre + (".down_proj" if which == "down_proj" else ".gate_up_proj"))
+        put(key, _slot_of(name), read, read_scale)
+    for name, parts in expert_parts.items():  # a stacked tensor counts once every expert's parts are in
+        halves = ("down_proj",) if name.endswith(".down_proj") else ("gate_proj", "up_proj")
+        if parts == {(e, h) for e in range(slots[name].shape[0]) for h in halves}:
+            seen.add(name)
     if "lm_head.weight" not in seen and cfg.tie_word_embeddings and "model.embed_tokens.weight" in seen:
-        params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
+        slots["lm_head.weight"].data.copy_(slots["model.embed_tokens.weight"].data)
         seen.add("lm_head.weight")
-    missing = sorted(set(params) - seen)
+    missing = sorted(set(slots) - seen)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} glm5_next tensors, e.g. {missing[:5]}")
     if n_vision:
@@ -122,14 +268,22 @@ def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
 
 def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
               numerics: str = "hf", weights: str = "dequant") -> Glm5Model:
+    """A GLM-5.3 model from a checkpoint directory. `weights`: "dequant" decodes block-FP8 weights into
+    `dtype` at load; "quantized" keeps them as stored (float8_e4m3fn + scales, decoded per matmul,
+    routed experts only when routed to). Float tensors load as floats."""
     directory = Path(directory)
     if numerics != "hf":
         raise ConfigError(f"glm5_next supports numerics 'hf' only, got {numerics!r}")
-    if weights != "dequant":
-        raise ConfigError(f"glm5_next loads float weights only (weights='dequant'), got {weights!r}")
+    if weights not in WEIGHT_RESIDENCIES:
+        raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     cfg = load_glm5_config(directory)
+    block = fp8_weight_block(read_config_json(directory))
+    reader = CheckpointReader(directory)
+    check_quantized_tensors(reader, cfg.num_hidden_layers, block)  # before the model is built
     model = Glm5Model(cfg, dtype=dtype, device=device)
-    load_glm5_weights(model, directory)
+    if weights == "quantized" and block is not None:
+        _keep_fp8_resident(model, reader, block)
+    _load_weights(model, reader, block)
     try:
         from ...tokenizer import load_tokenizer
         model.tokenizer = load_tokenizer(str(directory), cfg.bos_token_id, cfg.eos_ids[0] if cfg.eos_ids else None,

@@ -12,6 +12,9 @@ ignored). Schedules are derived as transformers' `Glm5NextTextConfig` does:
 * `linear_attn_config` {head_dim, num_heads, short_conv_kernel_size, gate_lower_bound, safe_gate}
   overrides the `linear_*` fields.
 
+`fp8_weight_block` reads a block-FP8 checkpoint's `quantization_config` (kept out of `Glm5Config`:
+the weights' storage does not change the model, its states or its fingerprint).
+
 Validation (HF `validate_architecture` plus what kvfold needs): index_kpool >= 1, index_topk a
 multiple of it, q_lora_rank set, qk_rope_head_dim == 0 (NoPE), as many KV heads as heads, schedules
 of num_hidden_layers known values, and a "full" DSA layer before any "shared" one (kvfold carries
@@ -209,6 +212,35 @@ def glm5_config_from_dict(d: dict[str, Any]) -> Glm5Config:
     if problems := cfg.problems():
         raise ConfigError("invalid glm5_next config: " + "; ".join(problems))
     return cfg
+
+
+def fp8_weight_block(d: dict[str, Any]) -> tuple[int, int] | None:
+    """The (rows, cols) block of a block-FP8 checkpoint's weight scales, from config.json's
+    `quantization_config` (at the top level, where transformers writes it, or under `text_config`):
+    {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [br, bc]}.
+    None when the config declares no quantization; ConfigError for one kvfold cannot load."""
+    q = d.get("quantization_config") or text_config_dict(d).get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"quantization_config must be an object, got {q!r}")
+    if q.get("quant_method") != "fp8":
+        raise ConfigError(f"quantization_config quant_method {q.get('quant_method')!r} is not supported: kvfold "
+                          f"loads float and block-FP8 (quant_method 'fp8') glm5_next checkpoints")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ConfigError(f"quantization_config fmt {q['fmt']!r} is not supported: FP8 weights must be e4m3")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError(f"quantization_config activation_scheme {q['activation_scheme']!r} is not supported: "
+                          f"kvfold decodes FP8 weights and computes activations in the model dtype, so it cannot "
+                          f"apply static activation scales; only 'dynamic' checkpoints load")
+    block = q.get("weight_block_size")
+    if block is None:
+        raise ConfigError("quantization_config declares FP8 without weight_block_size: kvfold loads block-scaled "
+                          "FP8 (a `weight_scale_inv` per [rows, cols] block) only, not per-tensor scales")
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or \
+            not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block):
+        raise ConfigError(f"quantization_config weight_block_size must be two positive ints, got {block!r}")
+    return int(block[0]), int(block[1])
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:

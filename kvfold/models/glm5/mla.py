@@ -21,7 +21,7 @@ from ...numerics import rms_norm
 from ...numerics.rows import row_mm
 from .dsa_select import dsa_select
 from .indexer_state import KV_FP8, to_fp8
-from ...layers.basic import Linear, _param
+from ...layers.basic import Linear, _param, matmul_weight
 
 _GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
 
@@ -130,7 +130,7 @@ class IndexedMLA(nn.Module):
         else:
             sel = prev_sel
         seq = start + t
-        wkv = self.kv_b_proj.weight.view(self.nh, self.dn + self.dv, self.lat)
+        wkv = matmul_weight(self.kv_b_proj.weight).view(self.nh, self.dn + self.dv, self.lat)  # FP8: decoded here
         w_uk, w_uv = wkv[:, :self.dn], wkv[:, self.dn:]
         q_lat = torch.einsum("thd,hdl->thl", q, w_uk.to(q.dtype))  # [T, H, lat]
         rows, valid = _selected_rows(sel, seq)  # [T, W] each query's distinct selected rows
