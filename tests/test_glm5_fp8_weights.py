@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 import kvfold
 from kvfold.errors import CheckpointError, ConfigError
-from kvfold.layers.basic import QuantizedWeight
 from kvfold.models.glm5 import checkpoint as glm5_checkpoint
 from test_glm5_next import INDEXERS, LAYERS, TEXT, VISION, _randomize, pair, seq  # noqa: F401  (the tiny model)
 
