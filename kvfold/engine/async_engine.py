@@ -5,9 +5,9 @@ an inbox the worker applies between steps, so a cancel can never free a state in
 a forward. Outputs go back through one asyncio queue per request; metrics are published by the
 worker between steps as a plain dict, so readers on other threads never see a half-updated
 engine: after any step that finished a request (before its last output goes out, so a client
-that has its answer reads the counts that include it) and otherwise at most every
-METRICS_PERIOD_S while requests stream (building the dict costs a few per cent of a small
-model's decode step).
+that has its answer reads the counts that include it), after adds and cancels, when the engine
+goes idle, and otherwise at most every METRICS_PERIOD_S while requests stream (building the dict
+costs a few per cent of a small model's decode step).
 """
 from __future__ import annotations
 
