@@ -659,3 +659,17 @@ def test_batched_prompts_streamed(server, tiny):
     m = wait_idle(url)
     assert m["kvfold_requests_cancelled_total"] - before["kvfold_requests_cancelled_total"] >= 1
     assert m["kvfold_live_states"] == 0 and m["kvfold_state_bytes"] == 0
+
+
+def test_metrics_read_right_after_a_streamed_answer_count_all_its_tokens(server):
+    """Metrics are published at most every 50 ms while requests stream, but always after the step
+    that finished a request and before its last chunk goes out (engine/async_engine.py)."""
+    url, _ = server
+    before = metrics(url)
+    chunks = list(client(url).completions.create(model="tiny-random", prompt="count me", max_tokens=40,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True}))
+    n = sum(len(ch.choices[0].token_ids or []) for ch in chunks if ch.choices)
+    m = metrics(url)
+    assert n == 40
+    assert m["kvfold_generation_tokens_total"] - before["kvfold_generation_tokens_total"] == 40
