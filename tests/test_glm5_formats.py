@@ -8,7 +8,8 @@ import kvfold
 from kvfold import errors
 from kvfold.models.glm5 import state as g5s
 from kvfold.models.glm5.config import glm5_config_from_dict
-from kvfold.models.glm5.indexer_state import KV_FP8, Glm5NextDsaState, to_fp8
+from kvfold.models.glm5.indexer_state import KV_FP8, Glm5NextDsaState
+from kvfold.numerics.quant import e4m3_saturate as to_fp8
 from kvfold.models.glm5.model import Glm5Model, stream_mean
 from helpers import fp32_paths_bound, random_ids
 from test_glm5_next import TEXT, VISION, _randomize, hf_logits, pair, seq  # noqa: F401  (the tiny model)

@@ -92,6 +92,42 @@ class QuantizedWeight(nn.Module):
                 f"scale={self.scale.dtype}")
 
 
+E8M0_STORED = {"F8_E8M0", "U8"}  # checkpoint scale dtypes held as exponent bytes; float scales as float32
+
+
+def hold_quantized(model: nn.Module, name: str, fmt: str, block: tuple[int, int],
+                   scale_dtypes: list[str]) -> bool:
+    """Replace the float weight `name` of `model` by an empty `QuantizedWeight` of its shape and
+    dtype, stored in `block`s, with scales of the checkpoint's `scale_dtypes` (all exponent bytes:
+    uint8, else float32). False, and nothing changed, where `name` is not a weight its module
+    lists as `quantizable`, or is FP4 with an odd row length (FP4 packs two columns a byte): the
+    loader then reports the tensor as not the model's or mis-shaped."""
+    mod_name, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(mod_name)
+    except AttributeError:
+        return False
+    if attr not in getattr(module, "quantizable", ()):
+        return False
+    current = getattr(module, attr)
+    if fmt == FP4 and current.shape[-1] % 2:
+        return False
+    scale_dtype = torch.uint8 if all(sd in E8M0_STORED for sd in scale_dtypes) else torch.float32
+    holder = QuantizedWeight(fmt, tuple(current.shape), current.dtype, block, scale_dtype, current.device)
+    delattr(module, attr)
+    setattr(module, attr, holder)
+    return True
+
+
+def weight_slots(model: nn.Module) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every loadable tensor by name: parameters, buffers and `QuantizedWeight`s (not their q / scale)."""
+    holders = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    slots: dict = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                   if n.rpartition(".")[0] not in holders}
+    slots.update(holders)
+    return slots
+
+
 def matmul_weight(w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:
     """The float weight one matmul reads: a parameter as it is, a `QuantizedWeight` dequantized for
     just this matmul; `index` selects one slice (an expert of a stacked weight), the only one decoded."""

@@ -96,9 +96,15 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     return _FP4_TABLE.to(x.device)[e2m1_codes(x).long()]
 
 
+def e4m3_saturate(x: torch.Tensor) -> torch.Tensor:
+    """x as float8_e4m3fn (nearest, ties to even), saturating at +-448 (a plain cast does not
+    saturate everywhere): how FP8 KV storage writes its rows."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     """x rounded to float8_e4m3fn (nearest, ties to even), saturating at +-448, as float32."""
-    return x.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return e4m3_saturate(x.to(torch.float32)).to(torch.float32)
 
 
 # ---- FP4 packing ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ HEADER = struct.Struct("<8sII16sIIQQQ")  # 64 bytes
 SECTION = struct.Struct("<IIQQII")  # 32 bytes
 DIGEST = 32
 
+FLAG_FP8_KV = 1  # header flag bit 0, in every format: the state stores its KV rows in FP8 (kv_dtype="fp8")
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.uint8: 6}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
@@ -73,8 +74,7 @@ def encode(fmt: Format, state, flags: int, sections: list[Section], rows_of: Cal
 
 
 def decode(fmt: Format, state, blob: bytes, *, flags_of_state: int,
-           expected_sections: Callable[[int], list[Section]],
-           flags_mismatch: Callable[[int], str] | None = None) -> tuple[int, list[tuple[Section, torch.Tensor]]]:
+           expected_sections: Callable[[int], list[Section]]) -> tuple[int, list[tuple[Section, torch.Tensor]]]:
     """Check `blob` against `state` and return (pos, [(section, rows on the state's device)]).
 
     Refusals, in order: truncated; bad magic; unsupported version (or undefined flags / reserved
@@ -82,7 +82,7 @@ def decode(fmt: Format, state, blob: bytes, *, flags_of_state: int,
     size mismatch; checksum mismatch; pos beyond the state's capacity. Nothing is written here."""
     blob = bytes(blob)
     h = _read_header(fmt, blob)
-    _check_owner(fmt, state, h, flags_of_state, flags_mismatch)
+    _check_owner(fmt, state, h, flags_of_state)
     want = _check_sections(fmt, blob, h, expected_sections)
     _check_body(blob, h, want)
     if h.pos > state.capacity:
@@ -127,8 +127,7 @@ def _read_header(fmt: Format, blob: bytes) -> _Header:
     return h
 
 
-def _check_owner(fmt: Format, state, h: _Header, flags_of_state: int,
-                 flags_mismatch: Callable[[int], str] | None) -> None:
+def _check_owner(fmt: Format, state, h: _Header, flags_of_state: int) -> None:
     """Refuse a snapshot of another model, or one whose rows are stored otherwise than `state`'s
     (storage flags, dtype)."""
     fp_str = h.fingerprint.rstrip(b"\0").decode(errors="replace")
@@ -136,11 +135,19 @@ def _check_owner(fmt: Format, state, h: _Header, flags_of_state: int,
         raise SnapshotModelError(f"snapshot was taken from a model with config fingerprint {fp_str}; this state "
                                  f"belongs to {state.fingerprint}; restore it into a state of the same model")
     if h.flags & ~fmt.layout_flags != flags_of_state:
-        raise SnapshotDtypeError(flags_mismatch(h.flags) if flags_mismatch else
-                                 f"snapshot storage flags {h.flags:#x} differ from this state's {flags_of_state:#x}")
+        raise SnapshotDtypeError(_storage_mismatch(h.flags & ~fmt.layout_flags, flags_of_state))
     if CODE_DTYPES.get(h.dtype_code) != state.dtype:
         raise SnapshotDtypeError(f"snapshot dtype {CODE_DTYPES.get(h.dtype_code, h.dtype_code)} differs from the "
                                  f"state's {state.dtype}; load the model with the snapshot's dtype")
+
+
+def _storage_mismatch(blob_flags: int, own_flags: int) -> str:
+    if not (blob_flags ^ own_flags) & FLAG_FP8_KV:
+        return f"snapshot storage flags {blob_flags:#x} differ from this state's {own_flags:#x}"
+    blob_kv, own_kv = ("fp8" if f & FLAG_FP8_KV else "plain" for f in (blob_flags, own_flags))
+    hint = "kv_dtype='fp8'" if blob_kv == "fp8" else "the default kv_dtype"
+    return (f"snapshot KV storage is {blob_kv} but this state's is {own_kv}; restore it into a state made "
+            f"with new_state(..., {hint})")
 
 
 def _check_sections(fmt: Format, blob: bytes, h: _Header, expected_sections: Callable) -> list[Section]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import torch
 
 from ..numerics import native
-
-FP8_MAX = 448.0
+from ..numerics.quant import e4m3_saturate
 
 
 def fp8_roundtrip(x: torch.Tensor, nope: int) -> torch.Tensor:
     """What FP8 storage of the first `nope` dims gives back: used on a chunk's fresh rows so
     they attend exactly as they will when read back from the state later."""
-    q = x[..., :nope].clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    q = e4m3_saturate(x[..., :nope]).to(x.dtype)
     return torch.cat([q, x[..., nope:]], dim=-1)
 
 
@@ -63,7 +62,7 @@ class KvRows:
             self.data[index] = values if values.dtype == self.dtype else values.to(self.dtype)
             return
         n = self.fp8_nope
-        self.nope[index] = values[..., :n].clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        self.nope[index] = e4m3_saturate(values[..., :n])
         self.rope[index] = values[..., n:].to(self.dtype)
 
     def clone_storage(self) -> list[torch.Tensor]:

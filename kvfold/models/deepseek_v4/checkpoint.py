@@ -28,13 +28,12 @@ from safetensors import safe_open
 
 from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
 from ...errors import CheckpointError
-from ...layers.basic import QuantizedWeight
-from .quant_formats import (FP4, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
+from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
+from .quant_formats import (FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
                         read_config_dict, scale_keys, stored_format)
 
 _PREFIX = "model."
 WEIGHT_RESIDENCIES = ("dequant", "quantized")
-_E8M0_STORED = {"F8_E8M0", "U8"}  # scale dtypes kept as exponent bytes; float scales are kept as float32
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
@@ -179,14 +178,6 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
         if len(fmts) != 1 or None in fmts:
             continue  # unquantized, or a mix of formats: loaded as floats
         fmt = fmts.pop()
-        mod_name, _, attr = name.rpartition(".")
-        try:
-            module = model.get_submodule(mod_name)
-        except AttributeError:
-            continue  # not a parameter of this model: reported by the loader
-        if attr not in getattr(module, "quantizable", ()):
-            continue
-        current = getattr(module, attr)
         block = _stored_block(fmt, settings)
         if fmt == FP8 and block[0] > 1:
             # per-expert halves of gate_up_proj share the stored row blocks only if I is a multiple of br
@@ -194,21 +185,7 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
                 rows = _expert_rows(target, inter)
                 if rows is not None and (rows.start % block[0] or (rows.stop - rows.start) % block[0]):
                     block = (1, block[1])
-        if fmt == FP4 and current.shape[-1] % 2:
-            continue  # mis-shaped: reported by the loader
-        scale_dtype = torch.uint8 if all(sd in _E8M0_STORED for _, _, sd in found) else torch.float32
-        holder = QuantizedWeight(fmt, tuple(current.shape), current.dtype, block, scale_dtype, current.device)
-        delattr(module, attr)
-        setattr(module, attr, holder)
-
-
-def _weight_slots(model: torch.nn.Module) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every loadable tensor by name: parameters, buffers and `QuantizedWeight`s (not their q / scale)."""
-    holders = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
-    slots: dict = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                   if n.rpartition(".")[0] not in holders}
-    slots.update(holders)
-    return slots
+        hold_quantized(model, name, fmt, block, [sd for _, _, sd in found])
 
 
 def read_quant_settings(directory: Path) -> QuantSettings:
@@ -265,7 +242,7 @@ class _WeightLoader:
 
     def __init__(self, model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings):
         self.model, self.reader, self.settings = model, reader, settings
-        self.params = _weight_slots(model)
+        self.params = weight_slots(model)
         has_mtp = getattr(model, "mtp", None) is not None
         self.expected = {n for n in self.params if has_mtp or not n.startswith("mtp.")}
         self.seen: set[str] = set()

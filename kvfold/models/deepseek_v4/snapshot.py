@@ -9,7 +9,7 @@ from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
 from ...state.rings import PositionRing
 
-FLAG_FP8_KV = 1  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
+FLAG_FP8_KV = blob.FLAG_FP8_KV  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
 # (layout flags use bits 8-15) pool sections leave out the rows of the whole pages before pos:
 # those live in pages shared by reference; only the last, partial page's rows are in the blob
 FLAG_NO_POOLS = 0x100
@@ -80,16 +80,6 @@ def encode(state, pools: bool = True) -> bytes:
                        lambda s: _rows_of(state, s))
 
 
-def _kv_mismatch(state):
-    def message(flags: int) -> str:
-        blob_kv = "fp8" if flags & FLAG_FP8_KV else "plain"
-        own_kv = "fp8" if _flags(state) else "plain"
-        hint = "kv_dtype='fp8'" if blob_kv == "fp8" else "the default kv_dtype"
-        return (f"snapshot KV storage is {blob_kv} but this state's is {own_kv}; restore it into a state made "
-                f"with new_state(..., {hint})")
-    return message
-
-
 def _check_pages(state, pos: int, no_pools: bool) -> None:
     """Refusal 10 (docs/state-format.md): a blob without its whole pages' pool rows restores only
     into a state holding exactly those pages by reference; a full blob never rewrites a shared
@@ -117,8 +107,7 @@ def _check_pages(state, pos: int, no_pools: bool) -> None:
 
 def decode_and_apply(state, data: bytes) -> None:
     pos, sections = blob.decode(FORMAT, state, data, flags_of_state=_flags(state),
-                                expected_sections=lambda p, layout: expected_sections(state, p, layout),
-                                flags_mismatch=_kv_mismatch(state))
+                                expected_sections=lambda p, layout: expected_sections(state, p, layout))
     flags = blob.HEADER.unpack_from(data, 0)[2]
     _check_pages(state, pos, bool(flags & FLAG_NO_POOLS))
     # every check passed: write (rows are placed by position)

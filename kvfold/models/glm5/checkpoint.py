@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ...errors import CheckpointError, ConfigError
-from ...layers.basic import QuantizedWeight
+from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
 from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader
 from ..deepseek_v4.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
 from .config import fp8_weight_block, load_glm5_config, read_config_json
@@ -38,7 +38,6 @@ _FUSED_CONV = ".self_attn.conv1d.weight"  # in-memory layout: q|k|v taps in one 
 
 _FP8_STORED = "F8_E4M3"
 _SCALE_STORED = {"F32", "BF16", "F16", "F8_E8M0", "U8"}
-_E8M0_STORED = {"F8_E8M0", "U8"}  # exponent bytes, kept as bytes; float scales are kept as float32
 _MAX_LISTED = 20
 
 
@@ -159,30 +158,10 @@ def _keep_fp8_resident(model: Glm5Model, reader: CheckpointReader, block: tuple[
     for name, parts in found.items():
         if not all(fp8 for fp8, _, _ in parts):
             continue  # float, or a mix of float and FP8 parts: loaded as floats
-        mod_name, _, attr = name.rpartition(".")
-        try:
-            module = model.get_submodule(mod_name)
-        except AttributeError:
-            continue  # not a tensor of this model: reported by the loader
-        if attr not in getattr(module, "quantizable", ()):
-            continue
-        current = getattr(module, attr)
         stored = block
         if any(s.part in ("gate_proj", "up_proj") for _, s, _ in parts) and cfg.moe_intermediate_size % block[0]:
             stored = (1, block[1])
-        scale_dtype = torch.uint8 if all(sd in _E8M0_STORED for _, _, sd in parts) else torch.float32
-        holder = QuantizedWeight(FP8, tuple(current.shape), current.dtype, stored, scale_dtype, current.device)
-        delattr(module, attr)
-        setattr(module, attr, holder)
-
-
-def _weight_slots(model: Glm5Model) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every loadable tensor by name: parameters, buffers and `QuantizedWeight`s (not their q / scale)."""
-    holders = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedWeight)}
-    slots: dict = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                   if n.rpartition(".")[0] not in holders}
-    slots.update(holders)
-    return slots
+        hold_quantized(model, name, FP8, stored, [sd for _, _, sd in parts])
 
 
 def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
@@ -201,7 +180,7 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
     `block` blocks) decoded straight into float slots, or copied as stored into `QuantizedWeight`s."""
     cfg = model.config
     settings = QuantSettings(fp8_block=block) if block is not None else None
-    slots = _weight_slots(model)
+    slots = weight_slots(model)
     seen: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     n_vision = 0

@@ -36,19 +36,10 @@ import torch
 from ...errors import (CapacityError, ConfigError, FreedStateError, RewindError, SnapshotCapacityError,
                       SnapshotModelError, SnapshotSizeError, SnapshotTruncatedError, StateError,
                       StateMismatchError)
+from ...numerics.quant import e4m3_saturate
 
 BLOB_HEADER = struct.Struct("<QQ")  # len, index_head_dim: u64 little-endian each
 KV_FP8 = torch.float8_e4m3fn  # what kv_dtype="fp8" stores: MLA latent rows and indexer keys
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """x as float8_e4m3fn at unit scale, saturated at +-448 (not every cast saturates)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(KV_FP8)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 _MAX_TOPK_TILE = 2048  # largest power of two T with 16*T <= 49,152 B of shared memory (one top-k tile)
@@ -107,7 +98,7 @@ def dsa_capacity(max_context: int, index_kpool: int) -> int:
 
 def _row_bytes(index_head_dim: int, dtype: torch.dtype, key_dtype: torch.dtype | None) -> int:
     """Bytes per row: a key row (in key_dtype, default dtype), a gate row (dtype), a validity byte."""
-    return index_head_dim * (_itemsize(key_dtype or dtype) + _itemsize(dtype)) + 1
+    return index_head_dim * ((key_dtype or dtype).itemsize + dtype.itemsize) + 1
 
 
 def indexer_state_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -197,11 +188,11 @@ class Glm5NextDsaState:
     def row_offset(self, pos: int) -> int:
         """Byte offset of row `pos` in gate, and in k_normed when the keys are in the state dtype
         (pos * d * 2 in bf16); FP8 keys: `key_row_offset`."""
-        return pos * self._d * _itemsize(self.dtype)
+        return pos * self._d * self.dtype.itemsize
 
     def key_row_offset(self, pos: int) -> int:
         """Byte offset of row `pos` in k_normed (pos * d with FP8 keys)."""
-        return pos * self._d * _itemsize(self.key_dtype)
+        return pos * self._d * self.key_dtype.itemsize
 
     @property
     def k_normed(self) -> torch.Tensor:
@@ -271,7 +262,7 @@ class Glm5NextDsaState:
         self.ensure_room_through(start + n)
         end = start + n
         keys = k_normed.to(device=self.device)
-        self._k_normed[start:end] = to_fp8(keys) if self.fp8_keys else keys.to(self.dtype)
+        self._k_normed[start:end] = e4m3_saturate(keys) if self.fp8_keys else keys.to(self.dtype)
         self._gate[start:end] = gate.to(device=self.device, dtype=self.dtype)
         if valid is None:
             self._valid[start:end] = 1

@@ -20,7 +20,8 @@ from torch import nn
 from ...numerics import rms_norm
 from ...numerics.rows import row_mm
 from .dsa_select import dsa_select
-from .indexer_state import KV_FP8, to_fp8
+from ...numerics.quant import e4m3_saturate
+from .indexer_state import KV_FP8
 from ...layers.basic import Linear, _param, matmul_weight
 
 _GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
@@ -121,7 +122,7 @@ class IndexedMLA(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, self.nh, self.dn)
         c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
-        latent[start:start + t] = to_fp8(c) if latent.dtype == KV_FP8 else c
+        latent[start:start + t] = e4m3_saturate(c) if latent.dtype == KV_FP8 else c
         if self.indexer is not None:
             k, gate = self.indexer.rows(x)
             dsa.write_rows(start, k, gate)

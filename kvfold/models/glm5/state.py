@@ -285,7 +285,7 @@ KDA_CONV, KDA_REC, MLA_LATENT, DSA_BLOB = range(4)
 KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA indexer blob"]
 # FP8 KV state: latent rows and indexer keys are float8_e4m3fn (the blob holds their raw bytes).
 # A flag, not a new version: blobs of plain states are unchanged.
-FLAG_FP8_KV = 1
+FLAG_FP8_KV = blob.FLAG_FP8_KV
 # version 2: each DSA layer's indexer cache is one section holding its Glm5NextDsaState blob
 FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES, version=2,
                      known_flags=FLAG_FP8_KV)
@@ -294,16 +294,6 @@ MAGIC = FORMAT.magic
 
 def _flags(state: Glm5State) -> int:
     return FLAG_FP8_KV if state.kv_fp8 else 0
-
-
-def _kv_mismatch(state: Glm5State):
-    def message(flags: int) -> str:
-        blob_kv = "fp8" if flags & FLAG_FP8_KV else "plain"
-        own_kv = "fp8" if state.kv_fp8 else "plain"
-        hint = "kv_dtype='fp8'" if blob_kv == "fp8" else "the default kv_dtype"
-        return (f"snapshot KV storage is {blob_kv} but this state's is {own_kv}; restore it into a state made "
-                f"with new_state(..., {hint})")
-    return message
 
 
 def expected_sections(state: Glm5State, pos: int) -> list[Section]:
@@ -344,8 +334,7 @@ def encode(state: Glm5State) -> bytes:
 
 def decode_and_apply(state: Glm5State, data: bytes) -> None:
     pos, sections = blob.decode(FORMAT, state, data, flags_of_state=_flags(state),
-                                expected_sections=lambda p: expected_sections(state, p),
-                                flags_mismatch=_kv_mismatch(state))
+                                expected_sections=lambda p: expected_sections(state, p))
     # then every DSA layer's blob through the indexer state's own checks, all before any write.
     # The table fixed each blob's byte count from pos and this state's width and dtype, so a blob
     # that passes has len pos; one whose header was altered (and re-signed) is refused here.
