@@ -261,7 +261,7 @@ def test_fp8_snapshot_restore_and_rewind_are_exact(pair, seq, pos):
     model.forward(seq[:pos], a)
     blob = a.snapshot()
     want = cont(a)
-    b = model.new_state(capacity=120, kv_dtype="fp8")
+    b = model.new_state(capacity=120, max_rewind=4, kv_dtype="fp8")  # the same KDA chunking (kda.py)
     model.forward(seq[:9], b)  # overwrite some rows first
     b.restore(blob)
     assert b.pos == pos and torch.equal(cont(b), want)

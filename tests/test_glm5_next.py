@@ -178,7 +178,9 @@ def test_snapshot_restore_continues_bit_identically(pair, seq, pos):
         model.forward(seq[:pos], a)
     blob = a.snapshot()
     want = continue_after(model, a, seq, pos)
-    b = model.new_state(capacity=145, max_rewind=4)
+    # another capacity, the same max_rewind: a state's last max_rewind tokens of each call run one
+    # per KDA chunk (kda.py), so the continuation's bits are those of states of one max_rewind
+    b = model.new_state(capacity=145, max_rewind=2)
     model.forward(seq[:9], b)  # overwrite some rows first
     b.restore(blob)
     assert b.pos == pos
@@ -272,9 +274,16 @@ def test_snapshot_dsa_part_is_the_layer_blob(pair, seq):
         other = Glm5NextDsaState(64, dsa.index_head_dim, 4, dtype=dsa.dtype)
         other.restore_blob(raw)  # and it decodes through restore_blob
         assert other.len == 45 and all(torch.equal(a, b) for a, b in zip(other.reachable(), dsa.reachable()))
-    big = model.new_state(capacity=150, max_rewind=3)  # the snapshot does not depend on capacity
+    big = model.new_state(capacity=150)  # the snapshot does not depend on capacity
     model.forward(seq[:45], big)
     assert big.snapshot() == blob
+    # nor on max_rewind where the forward computed the same bits (the rewind rings are not in it):
+    # one token per call is one token per KDA chunk at any max_rewind
+    plain, ring = model.new_state(capacity=100), model.new_state(capacity=100, max_rewind=3)
+    for p in range(12):
+        for s_ in (plain, ring):
+            model.forward(seq[p:p + 1], s_)
+    assert ring.snapshot() == plain.snapshot()
 
 
 def test_corrupted_dsa_part_is_refused_with_the_blob_error_and_changes_nothing(pair, seq):
@@ -302,7 +311,7 @@ def test_corrupted_dsa_part_is_refused_with_the_blob_error_and_changes_nothing(p
 @pytest.mark.parametrize("rejected", [0, 1, 3, 4])
 def test_rejected_drafts_rewind_exactly(pair, seq, pos, rejected):
     _, model, _ = pair
-    ref = model.new_state(capacity=100)
+    ref = model.new_state(capacity=100, max_rewind=4)  # the same chunking of each call (kda.py)
     model.forward(seq[:pos], ref)
     want = continue_after(model, ref, seq, pos, chunks=(4, 1, 1))
     st = model.new_state(capacity=100, max_rewind=4)
@@ -318,7 +327,7 @@ def test_rejected_drafts_rewind_exactly(pair, seq, pos, rejected):
 
 def test_rewind_inside_a_verify_chunk(pair, seq):
     _, model, _ = pair
-    ref = model.new_state(capacity=100)
+    ref = model.new_state(capacity=100, max_rewind=4)
     model.forward(seq[:62], ref)
     model.forward(seq[62:64], ref)
     want = model.forward(seq[64:67], ref)
@@ -326,7 +335,8 @@ def test_rewind_inside_a_verify_chunk(pair, seq):
     model.forward(seq[:62], st)
     model.forward(torch.cat([seq[62:64], random_ids(3, 96, seed=1)]), st)  # verify: 2 accepted, 3 rejected
     st.rewind_to(64)
-    # the state at 64 came from a step inside a 5-row chunk, the reference's from a 2-row call
+    # both ran the KDA recurrence one token per chunk there, but the rows feeding the deeper layers
+    # came from a 5-row call in one and a 2-row call in the other
     assert (model.forward(seq[64:67], st) - want).abs().max().item() < 1e-5
 
 

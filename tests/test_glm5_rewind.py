@@ -86,10 +86,11 @@ class Recorder:
 
 def replayed_by_hand(calls, m, km1):
     """What a forward of only the first m tokens of the recorded call computes from the same
-    per-token inputs: kda_chunked over them from the call's start state."""
+    per-token inputs: kda_chunked over them from the call's start state, chunked as the call was."""
     out = []
     for rec0, step in calls:
-        _, rec, _ = kda_chunked(None, step.k[:m], step.v[:m], step.g[:m], step.beta[:m], rec0)
+        starts = [a for a in step.starts if a < m]
+        _, rec, _ = kda_chunked(None, step.k[:m], step.v[:m], step.g[:m], step.beta[:m], rec0, starts=starts)
         out += [step.full[m:m + km1], rec]
     return out
 
@@ -100,14 +101,15 @@ def test_every_draft_length_and_acceptance(model, seq, max_rewind, prompt):  # n
     """Draft lengths 0..max_rewind, every acceptance j of k: after the rewind, (a) every KDA layer's
     state is, bit for bit, kda_chunked over the accepted tokens' recorded inputs from the verify
     call's start state (a forward of those tokens); (b) the first KDA layer's state equals a state
-    that only ran the accepted tokens (its inputs do not depend on the call length); (c) the whole
+    of the same max_rewind that only ran the accepted tokens (its inputs do not depend on the call
+    length); (c) the whole
     state (snapshot) and the next logits equal those of a state whose rejected drafts were other
     tokens: nothing of the rejected tokens is left. Then a second round from there, the same."""
     km1 = model.config.linear_conv_kernel_dim - 1
     for k in range(max_rewind + 1):
         for j in range(k + 1):
             st, other = (model.new_state(capacity=160, max_rewind=max_rewind) for _ in range(2))
-            ref = model.new_state(capacity=160)
+            ref = model.new_state(capacity=160, max_rewind=max_rewind)
             for s in (st, other, ref):
                 model.forward(seq[:prompt], s)
             y, truth = int(seq[prompt]), seq[prompt + 1:]
@@ -144,6 +146,9 @@ def test_random_speculative_rounds_match_the_accepted_calls(model, seq):  # noqa
         verify_round(model, other, model.new_state(capacity=160), y, truth, k, j, seed=500 + r)
         y, truth = verify_round(model, st, model.new_state(capacity=160), y, truth, k, j, seed=r)
         assert_same_state(st, other)
+        # the inputs of at most max_rewind tokens are held, and every position from there is a chunk start
+        assert st.written_until - st.kda_base <= 4
+        assert set(range(st.kda_base, st.written_until)) <= set(st.kda_cuts)
         r += 1
     assert torch.equal(model.forward([y], st), model.forward([y], other))
 
@@ -151,9 +156,10 @@ def test_random_speculative_rounds_match_the_accepted_calls(model, seq):  # noqa
 @pytest.mark.parametrize("length", [20, 63, 64, 66, 129])
 def test_rewind_into_a_long_call_equals_the_call_cut_there(model, seq, length):  # noqa: F811
     """After one call of `length` tokens, rewinding to any n >= length - max_rewind gives the KDA
-    state of one call of the first n tokens (its last KDA chunk cut at n) from the same inputs, the
-    first KDA layer's state of a state that ran only those n tokens, and the whole state of a call
-    whose tokens past n were others."""
+    state of that call cut at n from the same inputs, the first KDA layer's state of a state that
+    ran only those n tokens (the call's 64-token chunks up to length - max_rewind, then one token
+    at a time, as the call ran them), and the whole state of a call whose tokens past n were
+    others."""
     r, km1 = 4, model.config.linear_conv_kernel_dim - 1
     for n in range(length - r, length + 1):
         st, other = model.new_state(capacity=140, max_rewind=r), model.new_state(capacity=140, max_rewind=r)
@@ -167,7 +173,9 @@ def test_rewind_into_a_long_call_equals_the_call_cut_there(model, seq, length): 
         st.rewind_to(n)
         other.rewind_to(n)
         ref = model.new_state(capacity=140)
-        model.forward(seq[:n], ref)
+        model.forward(seq[:length - r], ref)
+        for p in range(length - r, n):
+            model.forward(seq[p:p + 1], ref)
         got = kda_tensors(st)
         assert all(torch.equal(a, b) for a, b in zip(got, replayed_by_hand(calls, n, km1)))
         assert all(torch.equal(a, b) for a, b in zip(got[:2], kda_tensors(ref)[:2]))
@@ -281,7 +289,7 @@ def test_memory_is_one_kda_state_plus_per_token_inputs(model):
     for r in (0, 1, 4, 8):
         st = model.new_state(capacity=64, max_rewind=r)
         n_in, n_mix = kda_ring_sizes(r, km1 + 1)
-        assert (n_in, n_mix) == ((0, 0) if r == 0 else (r + 63, r + km1))
+        assert (n_in, n_mix) == ((0, 0) if r == 0 else (r, r + km1))
         for ls in st.layers:
             if isinstance(ls, g5s.KdaLayerState):  # ONE state, not one per rewindable position
                 assert ls.conv.shape == (km1, 3 * c) and ls.rec.shape == (nh, dk, dk)
@@ -302,6 +310,6 @@ def test_memory_is_one_kda_state_plus_per_token_inputs(model):
     got = {r: meta.fixed_state_bytes(r) for r in (0, 4, 8)}
     assert got[0] == 34 * state  # 140.8 MiB, as before
     for r in (4, 8):
-        assert got[r] == 34 * (state + (r + 63) * per_token + (r + 3) * row)
-    assert [round(got[r] / mib, 1) for r in (0, 4, 8)] == [140.8, 330.2, 347.2]
+        assert got[r] == 34 * (state + r * per_token + (r + 3) * row)
+    assert [round(got[r] / mib, 1) for r in (0, 4, 8)] == [140.8, 162.6, 179.6]
     assert [round(34 * (r + 1) * state / mib, 1) for r in (0, 4, 8)] == [140.8, 703.9, 1267.0]  # before

@@ -16,12 +16,16 @@ length: the chunked form builds every decay exp(G_t - G_s) as the product of the
 exp(g_j), s < j <= t, like the recurrence, never as exp of a difference of two cumulative log-decays
 G = cumsum(g), whose rounding (~|G_t| eps, |G_t| up to chunk * |lb| = 320) lands in every decay.
 
-The layer always runs the chunked form, chunks starting at the call's first token, so a call's
-outputs and final state depend only on its tokens and the state it starts from. Rewinding (state.py)
-replays with the same function: `kda_chunked` over a piece of the tokens one forward chunk covered,
-from the state at that chunk's start, computes exactly what a forward of just those tokens would
-(the same ops on the same tensors), so the forward hands out the per-token inputs of the recurrence
-(`KdaStep`) and the states at its chunk starts, and keeps no per-token state.
+The layer always runs the chunked form, with chunks that start at the call's first token and
+every 64 tokens after it, except that the last `max_rewind` tokens of a call run one token per
+chunk (`kda_chunk_starts`). So a call's outputs and final state depend only on its tokens, the state
+it starts from and where its chunks start, and every position a rewind may return to is a chunk
+start. Rewinding (state.py) replays with the same function: `kda_chunked` over one forward chunk's
+tokens, from the state at that chunk's start, computes what the forward computed (the same ops on
+equal tensors), so the forward hands out the per-token inputs of the recurrence (`KdaStep`) and
+the states at chunk starts, and keeps no per-token state. Every chunk's inputs are copied into
+fresh tensors before use, in the forward and in a replay alike, so the two hand each op operands
+of the same shape, strides and allocation, not views at different offsets.
 """
 from __future__ import annotations
 
@@ -57,18 +61,32 @@ def kda_recurrent(q, k, v, g, beta, s0: torch.Tensor, keep_states: bool = False)
     return o, s, states
 
 
-def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, chunk: int = KDA_CHUNK, keep_at=()):
-    """The same recurrence in closed form per chunk of `chunk` tokens (see the module docstring).
-    q, k, g [T, H, dk]; v [T, H, dv]; beta [T, H]; s0 [H, dk, dv]; all fp32. Returns (o [T, H, dv],
-    final state, kept): `kept` lists the state at each token index of `keep_at`, each a chunk start
-    (a multiple of `chunk`, 0 <= i <= T: 0 is s0, T the final state). With q None, o is None and
-    only the state is computed, by the very same ops (replay, state.py)."""
+def kda_chunk_starts(t: int, single_from: int | None = None) -> list[int]:
+    """Where a call of t tokens starts its chunks: every KDA_CHUNK tokens from 0, and from
+    `single_from` on (the first token a rewind may return to; None: never) at every token."""
+    single_from = t if single_from is None else max(0, min(single_from, t))
+    return list(range(0, single_from, KDA_CHUNK)) + list(range(single_from, t))
+
+
+def _chunk(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) as [H, L, .], in a fresh contiguous tensor (module docstring)."""
+    return x[a:b].transpose(0, 1).clone(memory_format=torch.contiguous_format)
+
+
+def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, starts=None, keep_at=()):
+    """The same recurrence in closed form per chunk (see the module docstring); chunks start at the
+    token indices `starts` (sorted, from 0; default every KDA_CHUNK tokens). q, k, g [T, H, dk];
+    v [T, H, dv]; beta [T, H]; s0 [H, dk, dv]; all fp32. Returns (o [T, H, dv], final state, kept):
+    `kept` lists the state at each token index of `keep_at`, each a chunk start or T (0 is s0, T the
+    final state). With q None, o is None and only the state is computed, by the very same ops
+    (replay, state.py)."""
     t_all = k.shape[0]
+    starts = kda_chunk_starts(t_all) if starts is None else list(starts)
     s = s0
     outs, at = [], {}
-    for a in range(0, t_all, chunk):
+    for a, b in zip(starts, starts[1:] + [t_all]):
         at[a] = s
-        kc, vc, gc, bc = (x[a:a + chunk].transpose(0, 1) for x in (k, v, g, beta))  # [H, L, .]
+        kc, vc, gc, bc = (_chunk(x, a, b) for x in (k, v, g, beta))  # [H, L, .]
         L = kc.shape[1]
         # every decay is a product of the per-step factors exp(g_j), as in the recurrence (module
         # docstring): eg_t = exp(G_t) = prod_{j<=t}, decay[t, s] = exp(G_t - G_s) = prod_{s<j<=t}
@@ -84,7 +102,7 @@ def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, chunk: int = KDA_CHUNK, keep
         eye = torch.eye(L, dtype=k.dtype, device=k.device)
         u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
         if q is not None:
-            qc = q[a:a + chunk].transpose(0, 1)
+            qc = _chunk(q, a, b)
             B = (qc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1).masked_fill(~lower[None], 0.0)
             outs.append(((qc * eg) @ s + B @ u).transpose(0, 1))
         s = s * eg[:, -1, :, None] + (kc * decay[:, -1]).transpose(1, 2) @ u
@@ -100,12 +118,14 @@ class KdaStep:
     per-token inputs, exactly the tensors `kda_chunked` got (k [T, H, dk], v [T, H, dv], g [T, H, dk],
     beta [T, H], fp32, contiguous), the conv inputs `full` [K-1+T, 3C] (the conv state the call
     started from, then the call's pre-conv rows: the conv state after token i is full[i+1:i+K]),
-    the final recurrent state and the states at the token indices asked for (`kept`)."""
+    the chunk starts it ran (`starts`), the final recurrent state and the states at the token
+    indices asked for (`kept`)."""
     k: torch.Tensor
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
     full: torch.Tensor
+    starts: list
     rec: torch.Tensor
     kept: list
 
@@ -162,10 +182,12 @@ class KdaAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(rate * f)
         return -rate * torch.where(f > 20.0, f, torch.log1p(torch.exp(f)))
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, keep_at=()):
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, starts=None,
+                keep_at=()):
         """x [T, hidden]; conv_state [K-1, 3C] (pre-conv inputs of the previous K-1 tokens);
-        rec_state [H, dk, dv] fp32. Neither input is modified. Returns (out [T, hidden], KdaStep),
-        the step keeping the recurrent states at the chunk starts `keep_at` (token indices)."""
+        rec_state [H, dk, dv] fp32; `starts` the chunk starts (kda_chunk_starts; default every
+        KDA_CHUNK tokens). Neither input is modified. Returns (out [T, hidden], KdaStep), the step
+        keeping the recurrent states at the chunk starts `keep_at` (token indices)."""
         t = x.shape[0]
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
         full = torch.cat([conv_state.to(mixed.dtype), mixed])  # [K-1+T, 3C]
@@ -178,8 +200,9 @@ class KdaAttention(nn.Module):
         k, v = l2norm(k).contiguous(), v.contiguous()
         g = self.forget_gate(x).contiguous()
         beta = torch.sigmoid(self.b_proj(x)).float().contiguous()
-        o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), keep_at=keep_at)
+        starts = kda_chunk_starts(t) if starts is None else list(starts)
+        o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), starts=starts, keep_at=keep_at)
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.nh, self.dk)
         y = self.o_norm(o.to(x.dtype), gate).reshape(t, self.c)
-        return self.o_proj(y), KdaStep(k, v, g, beta, full, s, kept)
+        return self.o_proj(y), KdaStep(k, v, g, beta, full, starts, s, kept)

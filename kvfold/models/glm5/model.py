@@ -14,7 +14,7 @@ from torch import nn
 from ...errors import CapacityError, ConfigError
 from .config import KDA, Glm5Config
 from ...layers.basic import Linear, _param
-from .kda import KDA_CHUNK, KdaAttention
+from .kda import KdaAttention
 from ...layers.mhc import HyperConnection
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
@@ -27,11 +27,11 @@ from ..base import Capabilities, CausalLM, Embedding
 
 def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
     """(n_in, n_mix): slots of the per-token recurrence inputs and of the pre-conv rows a KDA layer
-    holds for rewinding up to max_rewind tokens (state.py: a rewind target's last chunk may have
-    started up to KDA_CHUNK - 1 tokens below it; several short calls need 2 max_rewind)."""
+    holds for rewinding up to max_rewind tokens (state.py: every position a rewind may return to
+    is a chunk start, so the base sits max_rewind tokens below the last one written)."""
     if max_rewind == 0:
         return 0, 0
-    return max(max_rewind + KDA_CHUNK - 1, 2 * max_rewind), max_rewind + conv_kernel - 1
+    return max_rewind, max_rewind + conv_kernel - 1
 
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:

@@ -5,41 +5,39 @@ Per layer:
   model dtype) and the recurrent state S ([H, dk, dv], fp32) at the **base** position `kda_base`,
   plus, when max_rewind > 0, what the recurrence consumed per token since the base: k and g
   ([H, dk] fp32), v ([H, dv]) and beta ([H]) in the model dtype (they are model-dtype values cast to
-  fp32, so the cast back is exact), in a ring of `n_in = max(max_rewind + 63, 2 max_rewind)` slots,
-  and the pre-conv rows [3C] of the last `max_rewind + K - 1` tokens (ring `mixed`). The state at
-  any held position n (pos after a rewind, the start of the next forward, a snapshot) is replayed
-  from the base: the recurrence runs `kda_chunked` over the stored inputs, segment by segment, and
-  the conv state is copied from the stored rows. Nothing re-runs a projection.
+  fp32, so the cast back is exact), in a ring of `max_rewind` slots, and the pre-conv rows [3C] of
+  the last `max_rewind + K - 1` tokens (ring `mixed`). The state at any held position n (pos after
+  a rewind, the start of the next forward, a snapshot) is replayed from the base: the recurrence
+  runs `kda_chunked` over the stored inputs, chunk by chunk, and the conv state is copied from the
+  stored rows. Nothing re-runs a projection.
 
-  Why the replay is bit-identical by construction: a forward runs `kda_chunked`, whose chunks start
-  at the call's first token and every 64 tokens after it, and a chunk's result depends only on its
-  tokens' (k, v, g, beta) and the state at its start. The state records those chunk starts (and
-  call starts) after the base as segment boundaries (`kda_cuts`), keeps the base on one of them, and
-  replays segment by segment with `kda_chunked` itself: a whole segment is the forward's own chunk,
-  recomputed by the same ops on equal tensors (same values, shapes, dtype and layout); a segment cut
-  at n is exactly the last chunk a forward of the tokens up to n (one call from that segment's
-  start) would run. So the state at n has the bits a forward of the tokens up to n (the same calls,
-  the last one cut at n) computes from the same per-token inputs, and at a call's end the bits that
-  forward produced; nothing of a rejected token is read. The only assumption is that a torch op
-  given equal inputs computes equal outputs, which every bit-exact check here rests on; nothing
-  depends on how two different computations round. (Whether a shorter call would also reproduce
-  the accepted tokens' inputs is the forward's business: a deeper layer's inputs come from the
-  outputs the verify call computed for those rows, and the chunked KDA form and the DSA indexer's
-  gate matmul give no by-construction guarantee that those match a shorter call's in every bit.)
-  Versus the previous ring of states: call-end states are the same bits; a state inside a chunk
-  was the closed-form intermediate of the whole chunk, now it is the chunk cut there.
+  Why the replay is bit-identical by construction: a forward runs `kda_chunked` with the chunk
+  starts of `kda_chunk_starts` (kda.py): every 64 tokens from the call's first token, and at every
+  one of its last max_rewind tokens. A chunk's result depends only on its tokens' (k, v, g, beta)
+  and the state at its start. The state records the chunk starts after the base (`kda_cuts`, the
+  base first) and replays chunk by chunk with `kda_chunked` itself, on fresh copies of equal
+  tensors, so each replayed chunk is the forward's own. Every position a rewind may return to,
+  [written_until - max_rewind, written_until], is a chunk start (the last max_rewind tokens of a
+  call run one per chunk, and a call shorter than that follows positions that did too), so the
+  state at n is the state the forward itself had at n: the bits of a state that ran the same calls
+  without the tokens after n. Nothing of a rejected token is read. The only assumption is that a
+  torch op given equal inputs computes equal outputs, which every bit-exact check here rests on;
+  nothing depends on how two different computations round. (A verify call of max_rewind + 1
+  tokens therefore runs its recurrence one token per chunk, as decode does. Whether a shorter call
+  would reproduce the accepted tokens' inputs is the forward's business: a deeper layer's inputs
+  come from what the verify call computed for those rows, and the DSA indexer's gate matmul gives
+  no by-construction guarantee that those match a shorter call's in every bit.)
 
-  The base is the latest boundary at or below written_until - max_rewind whose inputs fit the
-  ring, so the tokens held are those of at most max_rewind + 63 positions (max_rewind + 1 for
-  speculative verify calls of up to max_rewind + 1 tokens, 2 max_rewind across several short calls;
-  the 63 only after a call longer than the ring, whose last chunk started earlier). Memory per KDA
-  layer: H*dk*dv*4 + (K-1)*3C*e (the state) + n_in*(2*C*4 + C*e + H*e) + (max_rewind + K-1)*3C*e,
-  C = H*dk, e = itemsize. GLM-5.3-Flash (34 KDA layers, 64 x 128 x 128, K 4, bf16): 4,341,760 B per
-  layer for the state (140.8 MiB for the model, the whole cost at max_rewind 0), 82,048 B per held
-  token and 49,152 B per conv row: max_rewind 4 costs 330.2 MiB per sequence (was 5 states,
-  703.9 MiB), max_rewind 8 347.2 MiB (was 1267.0 MiB). The price is compute: each forward replays the
-  tokens between the base and its start (up to ~max_rewind tokens in decode; a snapshot or a
-  forward after a rewind, the accepted ones).
+  The base is the chunk start written_until - max_rewind (or, after a rewind followed by a short
+  forward, the old base where that is higher): the state holds the inputs of at most max_rewind
+  tokens. Memory per KDA layer: H*dk*dv*4 + (K-1)*3C*e (the state) + max_rewind*(2*C*4 + C*e +
+  H*e) + (max_rewind + K-1)*3C*e, C = H*dk, e = itemsize. GLM-5.3-Flash (34 KDA layers, 64 x 128 x
+  128, K 4, bf16): 4,341,760 B per layer for the state (140.8 MiB for the model, the whole cost at
+  max_rewind 0), 82,048 B per held token and 49,152 B per conv row: max_rewind 4 costs 162.6 MiB
+  per sequence, max_rewind 8 179.6 MiB (one state per rewindable position cost 703.9 and
+  1267.0 MiB). The price is compute: each forward replays the tokens between the base and its
+  start (up to max_rewind single-token chunks), and a call's last max_rewind tokens run one per
+  chunk.
 * DSA layer: the MLA latent rows [capacity, kv_lora] (model dtype), prefix-shaped, row p = token p.
 * Full DSA layer: additionally one `Glm5NextDsaState` (indexer keys, gates, validity), whose
   `len` tracks `pos`. It is allocated with capacity rounded *up* to whole k-pools so it never
@@ -74,7 +72,7 @@ from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
 from ...state.base import SequenceState
 from .indexer_state import Glm5NextDsaState, dsa_blob_bytes
-from .kda import KDA_CHUNK, kda_chunked
+from .kda import kda_chunk_starts, kda_chunked
 
 
 @dataclass
@@ -105,7 +103,7 @@ class MlaLayerState:
 class Glm5State(SequenceState):
     """One sequence. Create with `model.new_state(capacity, max_rewind)`; never construct directly.
     The KDA layers hold their state at `kda_base` and the inputs of positions [kda_base,
-    written_until) (module docstring); `kda_cuts` lists the segment starts in that range (the base
+    written_until) (module docstring); `kda_cuts` lists the chunk starts in that range (the base
     first), `kda_mix_low` the first position whose pre-conv row is still in the `mixed` ring."""
 
     def __init__(self, layers: list, *, kv_fp8: bool = False, **kw):
@@ -144,7 +142,7 @@ class Glm5State(SequenceState):
 
     def _kda_at(self, ls: KdaLayerState, n: int, capture: int | None = None):
         """(conv, rec, captured) of one KDA layer at position n: `kda_chunked` over the stored inputs
-        of each segment in [kda_base, n), the last one cut at n (module docstring), from the base.
+        of each forward chunk in [kda_base, n) (n is a chunk start or written_until), from the base.
         `captured` is (conv, rec) at the boundary `capture` on the way (None if not asked)."""
         rec, cap = ls.rec, None
         if capture == self.kda_base:
@@ -155,33 +153,35 @@ class Glm5State(SequenceState):
                 break
             b1 = min(b1, n)
             idx = torch.arange(b0, b1, device=ls.k.device) % self.n_in
-            # fresh contiguous fp32 copies, as the forward handed kda_chunked (kda.py)
-            _, rec, _ = kda_chunked(None, ls.k[idx], ls.v[idx].float(), ls.g[idx], ls.beta[idx].float(), rec)
+            # one forward chunk (or its head up to n); kda_chunked copies its inputs afresh (kda.py)
+            _, rec, _ = kda_chunked(None, ls.k[idx], ls.v[idx].float(), ls.g[idx], ls.beta[idx].float(), rec,
+                                    starts=[0])
             if capture == b1:
                 cap = (self._kda_conv(ls, b1), rec)
         conv = ls.conv if n == self.kda_base else self._kda_conv(ls, n)
         return conv, rec, cap
 
     def _kda_begin(self, start: int, t: int) -> None:
-        """Plan a forward of t tokens at `start` (before any layer runs): the new base and segment
-        boundaries. The base is the latest boundary <= written_until - max_rewind whose inputs fit
-        the ring (and whose conv rows are held), else the earliest one that fits."""
+        """Plan a forward of t tokens at `start` (before any layer runs): its chunk starts, the new
+        base and the chunk starts kept. The base is the latest boundary <= written_until - max_rewind
+        whose inputs fit the ring (and whose conv rows are held), else the earliest one that fits."""
         wu = start + t
-        bounds = [b for b in self.kda_cuts if b < start] + list(range(start, wu, KDA_CHUNK))
+        starts = kda_chunk_starts(t, t - self.max_rewind)  # call-relative; singles from wu - max_rewind
+        bounds = [b for b in self.kda_cuts if b < start] + [start + a for a in starts]
         fits = [b for b in bounds + [wu] if wu - b <= self.n_in and (b >= start or self._kda_servable(b))]
         below = [b for b in fits if b <= wu - self.max_rewind]
         nb = max(below) if below else min(fits)
         low = max(wu - self.n_mix, min(self.kda_mix_low, start))
-        self._kda_plan = (start, t, nb, [b for b in bounds if b >= nb], low)
+        self._kda_plan = (start, t, nb, [b for b in bounds if b >= nb], low, starts)
 
     def _kda_forward(self, attn, ls: KdaLayerState, x: torch.Tensor, start: int) -> torch.Tensor:
         """One KDA layer's forward of x at `start`, as planned by `_kda_begin`: its state at start
         replayed from the base, then its inputs stored and the new base kept."""
-        _, t, nb, _, _ = self._kda_plan
+        _, t, nb, _, _, starts = self._kda_plan
         wu = start + t
         conv0, rec0, cap = self._kda_at(ls, start, capture=nb if nb <= start else None)
         inside = start < nb < wu
-        y, step = attn(x, conv0, rec0, keep_at=[nb - start] if inside else [])
+        y, step = attn(x, conv0, rec0, starts=starts, keep_at=[nb - start] if inside else [])
         if nb <= start:
             base = cap
         elif nb == wu:
@@ -203,7 +203,7 @@ class Glm5State(SequenceState):
 
     def _kda_commit(self) -> None:
         """After every layer ran the planned forward: move the base and the cursors."""
-        start, t, nb, cuts, low = self._kda_plan
+        start, t, nb, cuts, low, _ = self._kda_plan
         self.kda_base, self.kda_cuts, self.kda_mix_low = nb, cuts, low
         self._kda_plan = None
 
