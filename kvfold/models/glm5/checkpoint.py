@@ -29,6 +29,7 @@ from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader
 from ..deepseek_v4.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
+from .mtp import Glm5Mtp
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.")
 _VISION_MARKERS = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.")
@@ -42,7 +43,8 @@ _MAX_LISTED = 20
 
 
 def _internal(name: str, n_layers: int) -> tuple[str, str | None]:
-    """(kind, internal name): kind "text", "vision" or "skip" (MTP layers, shared heads)."""
+    """(kind, internal name): kind "text" (the MTP layer's tensors under `mtp.`), "vision" or "skip"
+    (further MTP layers, the MTP layer's copies of the embedding and head)."""
     bare = name
     for m in ("model.", ""):
         if any(bare.startswith(m + v) for v in _VISION_MARKERS):
@@ -56,9 +58,13 @@ def _internal(name: str, n_layers: int) -> tuple[str, str | None]:
     else:
         return "skip", None
     parts = bare.split(".")
+    if parts[0] == "layers" and int(parts[1]) == n_layers:  # the MTP layer (mtp.py)
+        if parts[2] == "embed_tokens" or parts[2:4] == ["shared_head", "head"]:
+            return "skip", None  # the main model's embedding and lm_head serve it
+        return "text", "mtp." + ".".join(parts[2:])
     if parts[0] == "layers":
-        if int(parts[1]) >= n_layers or "shared_head" in parts or parts[2] in ("eh_proj", "enorm", "hnorm"):
-            return "skip", None
+        if int(parts[1]) > n_layers or "shared_head" in parts or parts[2] in ("eh_proj", "enorm", "hnorm"):
+            return "skip", None  # further MTP layers (one is read) and stray heads
         if parts[2] in _HC_NAMES:
             parts = parts[:2] + _HC_NAMES[parts[2]].split(".") + parts[3:]
         if parts[2] == "self_attn" and parts[3] == "forget_gate":
@@ -76,12 +82,13 @@ class _Slot(NamedTuple):
 
 def _slot_of(name: str) -> _Slot:
     parts = name.split(".")
-    if len(parts) >= 8 and parts[4] == "experts" and parts[5].isdigit():  # experts.N.gate_proj.weight
-        which = parts[6]
+    e = next((i for i in range(len(parts) - 3) if parts[i] == "experts" and parts[i + 1].isdigit()), None)
+    if e is not None:  # <module>.experts.N.gate_proj.weight
+        which = parts[e + 2]
         if which not in ("gate_proj", "up_proj", "down_proj"):
             raise CheckpointError(f"unknown expert tensor {name}: experts have gate_proj, up_proj and down_proj")
         stacked = ".down_proj" if which == "down_proj" else ".gate_up_proj"
-        return _Slot(".".join(parts[:5]) + stacked, int(parts[5]), which)
+        return _Slot(".".join(parts[:e + 1]) + stacked, int(parts[e + 1]), which)
     if ".self_attn." in name and name.endswith("_conv1d.weight"):
         return _Slot(name[:-len(".weight")])
     return _Slot(name)
@@ -171,7 +178,15 @@ def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
     reader = CheckpointReader(directory)
     block = fp8_weight_block(read_config_json(directory))
     check_quantized_tensors(reader, model.config.num_hidden_layers, block)
+    _add_mtp_if_stored(model, reader)
     _load_weights(model, reader, block)
+
+
+def _add_mtp_if_stored(model: Glm5Model, reader: CheckpointReader) -> None:
+    """Build the MTP layer (mtp.py) when the checkpoint stores layer num_hidden_layers, so its
+    tensors have slots; the load then requires every one of them."""
+    if any(name.startswith("mtp.") for _, name in _text_tensors(reader, model.config.num_hidden_layers)):
+        model.mtp = Glm5Mtp(model.config, model.dtype, model.device)
 
 
 @torch.no_grad()
@@ -260,6 +275,7 @@ def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: 
     reader = CheckpointReader(directory)
     check_quantized_tensors(reader, cfg.num_hidden_layers, block)  # before the model is built
     model = Glm5Model(cfg, dtype=dtype, device=device)
+    _add_mtp_if_stored(model, reader)
     if weights == "quantized" and block is not None:
         _keep_fp8_resident(model, reader, block)
     _load_weights(model, reader, block)

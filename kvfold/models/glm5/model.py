@@ -217,6 +217,21 @@ class Glm5Model(CausalLM):
         y, sels[s] = block.self_attn(x, seg.start, ls.latent, ls.dsa, sels[s])
         return y
 
+    # ---- multi-token prediction: what the MTP drafter (decoding/drafters.py) calls --------------
+    # (supports_mtp, from CausalLM: the checkpoint shipped layer num_hidden_layers, mtp.py)
+    def new_mtp_state(self, capacity: int, max_rewind: int) -> Glm5State:
+        """A state for the MTP layer's own latent and indexer rows (needs `supports_mtp`)."""
+        return self.mtp.new_state(capacity=capacity, max_rewind=max_rewind)
+
+    def mtp_step(self, hidden: torch.Tensor, token_ids, mtp_state: Glm5State) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance `mtp_state` over T positions (needs `supports_mtp`). `hidden`: the main model's
+        final streams [T, hc, d] at those positions (`forward(..., return_hidden=True)`), reduced
+        here to the row its lm_head reads (final norm of the stream mean), or the MTP layer's own
+        previous output [T, d]; `token_ids`: the T tokens one position later. Returns (logits
+        [T, vocab] for two positions ahead, the MTP output [T, d])."""
+        h = self.model.norm(stream_mean(hidden)) if hidden.dim() == 3 else hidden
+        return self.mtp(h, self._as_ids(token_ids), mtp_state, self.model.embed_tokens, self.lm_head)
+
     # ---- accounting ---------------------------------------------------------------------------
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
         """CausalLM.state_layout from the config: fixed, per KDA layer its conv and recurrent state
