@@ -154,3 +154,18 @@ def test_incomplete_mtp_layer_is_refused(mtp_pair, tmp_path):
     save_file(t, broken / "mtp.safetensors")
     with pytest.raises(CheckpointError, match="mtp.eh_proj.weight"):
         kvfold.load_model(broken)
+
+
+def test_engine_speculates_with_the_glm_mtp_layer(mtp_pair):
+    """speculative="mtp" in the engine (which the server runs): the MTP layer drafts for
+    every GLM-5.3 sequence of a batch; outputs equal the plain engine's."""
+    from kvfold import Engine, SamplingParams
+    _, _, model, _ = mtp_pair
+    prompts = [random_ids(n, TEXT["vocab_size"], seed=n).tolist() for n in (3, 12, 140)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = Engine(model, max_seq_len=200).generate(prompts, params)
+    engine = Engine(model, max_seq_len=200, speculative="mtp", num_draft=3)
+    spec = engine.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    m = engine.metrics()
+    assert m["spec_draft_tokens"] > 0 and m["live_states"] == 0 and engine.spec.dropped == 0

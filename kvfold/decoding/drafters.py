@@ -1,10 +1,10 @@
 """Drafters: they guess the next few tokens, which the main model then verifies (speculative.py).
 
 * `NgramDrafter`: prompt lookup, model-free and deterministic.
-* `MtpDrafter`: DeepSeek-V4's own multi-token-prediction block. Its state advances only over
-  verified positions, fed with the main model's real final streams H_t and the accepted token
-  t+1; draft steps past them use the MTP block's own output streams in place of the main model's
-  (not computed yet) and are rewound at the next `update`.
+* `MtpDrafter`: the checkpoint's own multi-token-prediction block (DeepSeek-V4's, GLM-5.3's). Its
+  state advances only over verified positions, fed with the main model's real final streams H_t
+  and the accepted token t+1; draft steps past them use the MTP block's own output in place of
+  the main model's (not computed yet) and are rewound at the next `update`.
 
 Drafts only change speed: the verify pass decides every emitted token.
 """
@@ -98,7 +98,7 @@ class NgramDrafter(Drafter):
 
 class MtpDrafter(Drafter):
     """Drafts with the model's MTP block, through `model.supports_mtp`, `model.new_mtp_state` and
-    `model.mtp_step` (models/deepseek_v4/model.py)."""
+    `model.mtp_step` (models/deepseek_v4/model.py, models/glm5/model.py)."""
 
     needs_hidden = True
 
@@ -106,8 +106,9 @@ class MtpDrafter(Drafter):
                  generator: torch.Generator | None = None):
         if not model.supports_mtp:
             raise MtpUnavailableError(
-                "speculative='mtp' needs the checkpoint's multi-token-prediction weights, but this "
-                "checkpoint has no mtp.* weights; use speculative='ngram' or a checkpoint that ships them")
+                "speculative='mtp' needs the checkpoint's multi-token-prediction layer, but this checkpoint "
+                "ships none (no mtp.* weights for DeepSeek-V4, no layers.<num_hidden_layers>.* for GLM-5.3); "
+                "use speculative='ngram' or a checkpoint that ships them")
         self.model = model
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         # draft steps (k - 1 of them) are undone by moving the cursor

@@ -26,6 +26,7 @@ from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, S
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
+from .speculation import EngineSpeculation
 
 BLOCK = 128  # snapshot and prefix boundaries: no HCA partial state there, and a multiple of the k-pool
 
@@ -44,7 +45,7 @@ class Engine:
     def __init__(self, model: Any, *, max_seq_len: int = 4096, max_running: int = 16, max_queue: int = 256,
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
                  prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, speculative: str | None = None, num_draft: int = 4):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
@@ -58,7 +59,11 @@ class Engine:
         of this model object) to batch-invariant numerics, so a request's tokens never depend on
         what else is running; None (default) does so where the model supports it (fp32 on the
         CPU with the native kernels), True insists (ConfigError where it cannot hold), False
-        switches it off: torch's kernels, whose last bits may change with the batch."""
+        switches it off: torch's kernels, whose last bits may change with the batch.
+        `speculative`: None, "ngram" or "mtp" (the checkpoint's MTP layer; MtpUnavailableError
+        without one): every decoding sequence drafts up to `num_draft` tokens a step, verified in
+        the step's forward (speculation.py); greedy output is unchanged, sampling keeps each
+        request's distribution."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -72,6 +77,8 @@ class Engine:
         limit = model.config.max_position_embeddings
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
+        self.spec = EngineSpeculation(model, speculative, num_draft) if speculative is not None else None
+        self.max_rewind = self.spec.max_rewind if self.spec is not None else 0
         self.model = model
         model.set_batch_invariant(model.supports_batch_invariance if batch_invariant is None else batch_invariant)
         self.tokenizer = model.tokenizer
@@ -79,7 +86,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.vocab_size = model.config.vocab_size
         self.eos_ids = frozenset(int(i) for i in model.config.eos_ids)
-        self._fixed_bytes, self._pools = model.state_layout()
+        self._fixed_bytes, self._pools = model.state_layout(self.max_rewind)
         self.max_state_bytes = math.inf if max_state_bytes is None else max_state_bytes
         self.scheduler = Scheduler(max_running=max_running, max_queue=max_queue,
                                    max_state_bytes=self.max_state_bytes, max_batch_tokens=max_batch_tokens,
@@ -97,8 +104,10 @@ class Engine:
 
     # ---- sizes -------------------------------------------------------------------------------
     def state_bytes(self, capacity: int) -> int:
-        """Exact `nbytes` of a state created with `new_state(capacity)`, known before allocating it."""
-        return self._fixed_bytes + sum(-(-capacity // r) * row for r, row in self._pools)
+        """Exact `nbytes` of a sequence's state of `capacity` positions (and its drafter's), known
+        before allocating it."""
+        drafter = self.spec.state_bytes(capacity) if self.spec is not None else 0
+        return self._fixed_bytes + sum(-(-capacity // r) * row for r, row in self._pools) + drafter
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Seq[int] | torch.Tensor, params: SamplingParams | None = None,
@@ -247,32 +256,62 @@ class Engine:
         outputs: list[RequestOutput] = []
         for seq in self.scheduler.admit(self._group_bytes, self._pages_fit):
             self._start(seq, outputs)
-        batch = self.scheduler.plan()
+        batch = self.scheduler.plan(self.spec.decode_input if self.spec is not None else None)
         if not batch:
             return outputs
         wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
+        hidden = self.spec is not None and self.spec.needs_hidden
         try:
-            logits = self.model.forward_batch([(ids, seq.state) for seq, ids in batch],
-                                              last_only=[not w for w in wants_prompt])
+            out = self.model.forward_batch([(ids, seq.state) for seq, ids in batch],
+                                           last_only=[not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)],
+                                           **({"return_hidden": True} if hidden else {}))
         except Exception as exc:  # the whole batch is suspect: end its requests, keep serving the rest
             for seq, _ in batch:
                 self._fail(seq, f"model forward failed: {exc!r}", outputs)
             return outputs
+        logits, streams = out if hidden else (out, [None] * len(batch))
         self._count_batch(batch)
-        for (seq, ids), lg, prompt_rows in zip(batch, logits, wants_prompt):
+        for (seq, ids), lg, prompt_rows, h in zip(batch, logits, wants_prompt, streams):
+            start = seq.state.pos - len(ids)
+            if seq.drafts:
+                self._verify(seq, lg, h, start, outputs)
+                continue
             if not seq.output:  # a prefill chunk
                 if prompt_rows:
-                    seq.record_prompt_logprobs(seq.state.pos - len(ids), lg)
+                    seq.record_prompt_logprobs(start, lg)
                 self._maybe_snapshot(seq)
-                if seq.prefilling:
-                    continue  # the prompt goes on next step; these logits are not read
+                if seq.prefilling:  # the prompt goes on next step; these logits are not read
+                    self._feed(seq, h, start, seq.prompt[start + 1:start + 1 + len(ids)])
+                    continue
                 if seq.followers:
                     self._fork(seq, lg[-1], outputs)
                 if seq.ghost:
                     self._drop(seq)
                     continue
             self._choose(seq, lg[-1], outputs)
+            self._feed(seq, h, start, (seq.prompt + seq.output)[start + 1:start + 1 + len(ids)])
         return outputs
+
+    def _feed(self, seq: Sequence, hidden, start: int, next_tokens: list[int]) -> None:
+        if self.spec is not None:
+            self.spec.feed(seq, hidden, start, next_tokens)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, hidden, start: int, outputs: list[RequestOutput]) -> None:
+        """A decoding sequence's verify rows: keep the accepted drafts and the next token, rewind its
+        state past the rest (speculation.py)."""
+        try:
+            n, m = seq.choose_verified(logits, seq.drafts, seq.draft_probs)
+        except Exception as exc:  # as in _choose: this request only
+            self._fail(seq, f"could not choose a token: {exc!r}", outputs)
+            return
+        self.spec.count(len(seq.drafts), n)
+        self._c["generation_tokens"] += m
+        outputs.append(seq.take_output())
+        if seq.finish_reason is not None:
+            self._finish(seq)
+            return
+        seq.state.rewind_to(start + m)  # fed: the last token and the first m - 1 kept; the m-th is pending
+        self._feed(seq, None if hidden is None else hidden[:m], start, seq.output[-m:])
 
     def _count_batch(self, batch) -> None:
         n_tokens = sum(len(ids) for _, ids in batch)
@@ -297,10 +336,10 @@ class Engine:
         paged state gives them its whole prompt pages by reference (and the rest in a snapshot
         without those rows); each then chooses its first token from the leader's last logits."""
         followers, leader.followers = leader.followers, []
-        kw, prefix = {}, {}
+        kw, prefix = {"max_rewind": self.max_rewind}, {}
         if self.pages is not None:
             whole = len(leader.prompt) // self.pages.page_tokens * self.pages.page_tokens
-            kw, prefix = {"pages": self.pages}, {"prefix_pages": leader.state.share_prefix(whole)}
+            kw["pages"], prefix = self.pages, {"prefix_pages": leader.state.share_prefix(whole)}
         blob = leader.state.snapshot(pools=self.pages is None)
         try:
             for f in followers:
@@ -316,6 +355,7 @@ class Engine:
                 f.cached_tokens = leader.cached_tokens
                 if leader.prompt_logprobs is not None:
                     f.prompt_logprobs = list(leader.prompt_logprobs)
+                self._attach_drafter(f)
                 self._choose(f, logits_row, outputs)
         finally:
             if prefix:
@@ -346,7 +386,7 @@ class Engine:
         n, entry = 0, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a hit skips the prompt's logits
             n, _, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
-        kw = {} if self.pages is None else {"pages": self.pages}
+        kw = {"max_rewind": self.max_rewind} | ({} if self.pages is None else {"pages": self.pages})
         prefix = {"prefix_pages": list(entry.pages)} if entry is not None and entry.pages else {}
         try:
             seq.state = self.model.new_state(capacity=seq.capacity, **kw, **prefix)
@@ -369,6 +409,15 @@ class Engine:
                         seq.state = None
                         self._c["states_freed"] += 1
                         self._fail(seq, f"could not allocate the state: {exc!r}", outputs)
+                        return
+        self._attach_drafter(seq)
+
+    def _attach_drafter(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            try:
+                self.spec.attach(seq)
+            except Exception:  # drafts only change speed: decode without one
+                self.spec.drop(seq)
 
     def _maybe_snapshot(self, seq: Sequence) -> None:
         """After a prefill chunk that ended on a block boundary, cache the state there: a
@@ -443,6 +492,8 @@ class Engine:
             live_states=c["states_allocated"] - c["states_freed"],
             live_state_bytes=sum(s.state.nbytes for s in live),
             reserved_state_bytes=self.scheduler.reserved_bytes,
+            spec_draft_tokens=self.spec.drafted if self.spec is not None else 0,
+            spec_accepted_tokens=self.spec.accepted if self.spec is not None else 0,
         )
         m.update(dict.fromkeys(("pages_total", "pages_used", "pages_free", "pages_shared", "page_bytes",
                                 "page_bytes_total", "page_bytes_used"), 0))

@@ -4,8 +4,8 @@ Admission is first-come first-served: the head of the queue starts when one more
 under `max_running`, its state fits under `max_state_bytes` and its pages fit the shared page
 pool (the engine's `fits`, which may evict the prefix cache); otherwise it (and everything
 behind it) waits. Running sequences are never preempted, so nothing another request does can
-touch their state. Each step feeds every decoding sequence its last token, then prefill chunks
-in admission order while they fit the token budget.
+touch their state. Each step feeds every decoding sequence its last token (and its drafts, under
+speculative decoding), then prefill chunks in admission order while they fit the token budget.
 """
 from __future__ import annotations
 
@@ -56,10 +56,12 @@ class Scheduler:
             self.running.append(seq)
             yield seq
 
-    def plan(self) -> list[tuple[Sequence, list[int]]]:
-        """(sequence, ids) pairs for one batched forward."""
-        batch = [(s, s.next_input(self.prefill_chunk)) for s in self.running if not s.prefilling]
-        budget = self.max_batch_tokens - len(batch)
+    def plan(self, decode_input: Callable[[Sequence], list[int]] | None = None) -> list[tuple[Sequence, list[int]]]:
+        """(sequence, ids) pairs for one batched forward. `decode_input`: a decoding sequence's ids
+        (default its last token; under speculative decoding, that token and its drafts)."""
+        batch = [(s, decode_input(s) if decode_input is not None else s.next_input(self.prefill_chunk))
+                 for s in self.running if not s.prefilling]
+        budget = self.max_batch_tokens - sum(len(ids) for _, ids in batch)
         prefilled = 0
         for s in self.running:
             if not s.prefilling:

@@ -10,6 +10,7 @@ import torch
 from ..decoding.grammar import GrammarMatcher
 from ..decoding.logits import Sampler, SamplingRule, TokenLogprob, token_logprobs
 from ..decoding.sampling import SamplingArgumentError, check_sampling
+from ..decoding.speculative import verify_drafts
 from ..errors import InvalidRequestError
 
 
@@ -118,6 +119,9 @@ class Sequence:
     followers: list["Sequence"] = field(default_factory=list)
     ghost: bool = False  # a cancelled leader that still prefills for its followers (no output)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    drafter: Any = None  # its own drafter under speculative decoding (speculation.py)
+    drafts: list[int] = field(default_factory=list)  # this step's drafts after the last token
+    draft_probs: Any = None  # their probability rows (None: a deterministic drafter)
     _text: str = ""  # all text decoded so far
     _sent: int = 0  # characters of _text already returned
     _pending: list[int] = field(default_factory=list)  # ids chosen since the last output
@@ -179,6 +183,23 @@ class Sequence:
             self._pending_logprobs += token_logprobs(logits_row[None], [tok], self.params.logprobs)
         self.append_token(tok, complete=self.sampler.finished)
 
+    def choose_verified(self, logits: torch.Tensor, drafts: list[int], draft_probs) -> tuple[int, int]:
+        """Accept a prefix of `drafts` against the verify rows [len(drafts) + 1, vocab] with this
+        request's own rule (decoding/speculative.py `verify_drafts`), then record the accepted drafts
+        and the main model's next token one at a time, as `choose` would, each with its logprobs
+        from its own row, until a stop rule ends the output. Returns (drafts accepted, ids recorded)."""
+        n, nxt = verify_drafts(logits, drafts, draft_probs, self.sampler, self.output)
+        if nxt is not None:
+            self.sampler.accept(nxt)
+        new = drafts[:n] + ([] if nxt is None else [nxt])
+        for i, tok in enumerate(new):
+            if self.params.logprobs is not None:
+                self._pending_logprobs += token_logprobs(logits[i:i + 1], [tok], self.params.logprobs)
+            self.append_token(tok, complete=i == len(new) - 1 and self.sampler.finished)
+            if self.finish_reason is not None:
+                return n, i + 1
+        return n, len(new)
+
     def append_token(self, tok: int, complete: bool = False) -> None:
         """Record one chosen id and apply the stop rules (stop id, stop string, max_tokens, and
         `complete`: the grammar reached its end). As in vLLM, a stop string counts only where it
@@ -235,8 +256,15 @@ class Sequence:
         return RequestOutput(self.request_id, new, text, finished, self.finish_reason, len(self.prompt),
                              len(self.output), self.cached_tokens, self.error, logprobs, prompt_lp)
 
+    def close_drafter(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
+        self.drafts, self.draft_probs = [], None
+
     def release(self) -> None:
-        """Free the state now (finished or cancelled); idempotent."""
+        """Free the state (and the drafter's) now (finished or cancelled); idempotent."""
+        self.close_drafter()
         if self.state is not None:
             self.state.free()
             self.state = None

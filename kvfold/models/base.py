@@ -79,6 +79,10 @@ class CausalLM(nn.Module):
         """Whether an MTP block is loaded (speculative="mtp"); the family provides new_mtp_state and mtp_step."""
         return self.mtp is not None
 
+    def mtp_state_bytes(self, capacity: int, max_rewind: int) -> int:
+        """Bytes of `new_mtp_state(capacity, max_rewind)` (needs `supports_mtp`), known before allocating it."""
+        return self.mtp.state_bytes(capacity, max_rewind)
+
     # ---- batch invariance --------------------------------------------------------------------
     @property
     def supports_batch_invariance(self) -> bool:
@@ -119,17 +123,18 @@ class CausalLM(nn.Module):
         ids = self._checked(token_ids, state)
         return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
 
-    def forward_batch(self, batch: list, last_only: bool | list[bool] = True) -> list[torch.Tensor]:
+    def forward_batch(self, batch: list, last_only: bool | list[bool] = True, return_hidden: bool = False):
         """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
         would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
         ([1, vocab] with `last_only`, else [T_i, vocab]; one flag for all pairs, or one per pair:
-        a request that wants its prompt's logprobs); in batch-invariant mode they are
-        bit-identical to what the pair would get alone. Every pair is validated before any state
-        is touched."""
+        a request that wants its prompt's logprobs or verifies drafts), and with `return_hidden`
+        also each pair's final streams [T_i, hc_mult, hidden] (what an MTP drafter reads); in
+        batch-invariant mode they are bit-identical to what the pair would get alone. Every pair
+        is validated before any state is touched."""
         checked = [(self._checked(ids, st), st) for ids, st in batch]
         if len({id(st) for _, st in checked}) != len(checked):
             raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only)
+        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only, return_hidden)
 
     def _forward_chunk(self, ids: torch.Tensor, state, last_only: bool = False):
         logits, streams = self._forward_rows([(ids, state)], last_only)

@@ -25,17 +25,25 @@ def run_in_chunks(forward_chunk: Callable, ids: torch.Tensor, state, max_chunk: 
     return (out, torch.cat(hidden)) if return_hidden else out
 
 
-def run_batch_in_rounds(forward_rows: Callable, pieces: list, max_chunk: int, last_only: bool | list[bool]) -> list:
+def run_batch_in_rounds(forward_rows: Callable, pieces: list, max_chunk: int, last_only: bool | list[bool],
+                        return_hidden: bool = False):
     """forward_rows([(chunk_ids, state), ...], flags) -> (logits per piece, streams): one model
     call per round, each round at most `max_chunk` more tokens of every piece still running.
-    `last_only`: one flag for every piece, or one per piece (only its last row's logits)."""
+    `last_only`: one flag for every piece, or one per piece (only its last row's logits).
+    `return_hidden`: also each piece's final streams [T_i, ...] (pieces occupy consecutive rows)."""
     flags = [last_only] * len(pieces) if isinstance(last_only, bool) else list(last_only)
     outs: list[list[torch.Tensor]] = [[] for _ in pieces]
+    hidden: list[list[torch.Tensor]] = [[] for _ in pieces]
     with torch.inference_mode():
         for c0 in range(0, max((ids.numel() for ids, _ in pieces), default=0), max_chunk):
             live = [(i, ids[c0:c0 + max_chunk], st) for i, (ids, st) in enumerate(pieces) if c0 < ids.numel()]
             live_flags = flags[0] if isinstance(last_only, bool) else [flags[i] for i, _, _ in live]
-            logits, _ = forward_rows([(ids, st) for _, ids, st in live], live_flags)
-            for (i, _, _), lg in zip(live, logits):
+            logits, streams = forward_rows([(ids, st) for _, ids, st in live], live_flags)
+            r = 0
+            for (i, ids, _), lg in zip(live, logits):
                 outs[i].append(lg)
-    return [o[-1] if last else torch.cat(o) for o, last in zip(outs, flags)]
+                if return_hidden:
+                    hidden[i].append(streams[r:r + ids.numel()])
+                r += ids.numel()
+    out = [o[-1] if last else torch.cat(o) for o, last in zip(outs, flags)]
+    return (out, [torch.cat(h) for h in hidden]) if return_hidden else out

@@ -49,6 +49,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="torch's kernels: a request's last logit bits (and, at near-ties, its tokens) may then "
                         "depend on what else is running (default: batch-invariant wherever the model supports "
                         "it, fp32 on the CPU; see README)")
+    p.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
+                   help="speculative decoding: every sequence drafts with n-gram prompt lookup or the checkpoint's "
+                        "MTP layer and verifies in the batched step (default: none)")
+    p.add_argument("--num-draft", type=_int_at_least(1), default=4,
+                   help="most draft tokens per sequence and step with --speculative (default 4)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
     return p
@@ -70,7 +75,8 @@ def build_app(args: argparse.Namespace):
         engine = Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
                         max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
                         max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
-                        kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant)
+                        kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
+                        speculative=args.speculative, num_draft=args.num_draft)
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
     model_dir = checkpoint_dir(args.model)

@@ -46,6 +46,8 @@ _METRICS = [
     ("pages_shared", "kvfold_kv_pages_shared", "gauge", "Pages referenced more than once (shared prefixes)."),
     ("page_bytes_total", "kvfold_kv_page_bytes", "gauge", "Bytes of the page pool (preallocated)."),
     ("page_bytes_used", "kvfold_kv_page_bytes_used", "gauge", "Bytes of the pages in use."),
+    ("spec_draft_tokens", "kvfold_spec_decode_draft_tokens_total", "counter", "Draft tokens proposed and verified."),
+    ("spec_accepted_tokens", "kvfold_spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
 ]
 
 

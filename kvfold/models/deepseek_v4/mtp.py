@@ -48,6 +48,10 @@ class MtpModule(nn.Module):
         return Dsv4State([LayerState(window=ring)], window=self.cfg.sliding_window, capacity=capacity,
                          max_rewind=max_rewind, fingerprint=self.fingerprint, device=self.device, dtype=self.dtype)
 
+    def state_bytes(self, capacity: int, max_rewind: int) -> int:
+        """`new_state(capacity, max_rewind).nbytes`, from the config: one window ring."""
+        return (self.cfg.sliding_window + max_rewind) * self.cfg.head_dim * self.dtype.itemsize
+
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed: torch.Tensor,
                 lm_head: nn.Module, rope) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from torch import nn
 
 from ...errors import CapacityError
 from ...layers.basic import Linear
-from .indexer_state import Glm5NextDsaState
+from .indexer_state import Glm5NextDsaState, indexer_state_bytes
 from .mla import GlmRMSNorm, IndexedMLA
 from .state import Glm5State, MlaLayerState
 
@@ -67,6 +67,13 @@ class Glm5Mtp(nn.Module):
             dsa=Glm5NextDsaState(dsa_cap, self.index_head_dim, self.kpool, dtype=self.dtype, device=self.device))
         return Glm5State([layer], capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
                          device=self.device, dtype=self.dtype)
+
+    def state_bytes(self, capacity: int, max_rewind: int) -> int:
+        """`new_state(capacity, max_rewind).nbytes`, from the config: the latent rows and one
+        indexer state (rewinding moves cursors only, so max_rewind costs nothing)."""
+        dsa_cap = -(-capacity // self.kpool) * self.kpool
+        return capacity * self.kv_lora * self.dtype.itemsize + indexer_state_bytes(dsa_cap, self.index_head_dim,
+                                                                                   self.dtype, self.dtype)
 
     @torch.inference_mode()
     def forward(self, h: torch.Tensor, next_ids: torch.Tensor, state: Glm5State, embed: nn.Module,
