@@ -434,12 +434,13 @@ def test_config_parsing_and_validation():
 
 def test_text_only_in_memory_layout_loads_identically(pair, seq, tmp_path):
     """A text-only checkpoint (`model.*`, model_type glm5_next_text) in the in-memory layout
-    (attn_hc.fn, fused conv1d, forget_gate.*, stacked experts) plus an MTP layer to ignore."""
+    (attn_hc.fn, fused conv1d, forget_gate.*, stacked experts) plus a second MTP layer to ignore
+    (kvfold reads layer num_hidden_layers only: tests/test_glm5_mtp.py)."""
     from safetensors.torch import save_file
     hf, model, d = pair
     sd = {"model." + k: v.contiguous() for k, v in hf.model.language_model.state_dict().items()}
     sd["lm_head.weight"] = hf.lm_head.weight.detach().contiguous()
-    sd["model.layers.5.eh_proj.weight"] = torch.zeros(2, 2)  # the MTP layer past num_hidden_layers
+    sd["model.layers.6.eh_proj.weight"] = torch.zeros(2, 2)  # an MTP layer past the one read
     save_file(sd, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dict(TEXT, model_type="glm5_next_text",
                                                           architectures=["Glm5NextTextModel"])))
