@@ -1,6 +1,8 @@
 """What every per-sequence state shares: identity, ownership checks and the freed flag.
 
-Model-specific states (DeepSeek-V4, GLM-5.3) add their buffers, cursors and snapshot codec.
+Model-specific states (DeepSeek-V4, GLM-5.3) add their buffers, cursors and snapshot codec. Both
+can keep their growing pools in a shared `PagePool` (pages.py); the page table and its
+references live here.
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import itertools
 
 import torch
 
-from ..errors import FreedStateError, StateMismatchError
+from ..errors import FreedStateError, PagePoolError, SharedPageWriteError, StateMismatchError
 
 _kv_ids = itertools.count(1)  # one counter for every kind of state: an id is never reused in a process
 
@@ -19,7 +21,8 @@ def next_kv_id() -> int:
 
 class SequenceState:
     def __init__(self, layers: list, *, capacity: int, max_rewind: int, fingerprint: str,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, pages=None, page_table: list[int] | None = None,
+                 prefix_tokens: int = 0):
         self.layers: list | None = layers
         self.capacity = capacity
         self.max_rewind = max_rewind
@@ -33,14 +36,58 @@ class SequenceState:
         self.written_until = 0
         # positions below this cannot be rewound to (their rows were never held: set by restore)
         self.rewind_floor = 0
+        # paged states: the PagePool their growing pools live in, and their page table (the first
+        # prefix_tokens // page_tokens pages were taken by reference from another holder)
+        self.pages = pages
+        self._page_table: list[int] = list(page_table or [])
+        self.prefix_tokens = prefix_tokens
 
     @property
     def freed(self) -> bool:
         return self.layers is None
 
     def free(self) -> None:
-        """Release every buffer. A second call does nothing; any later use raises FreedStateError."""
+        """Release every buffer and drop this state's page references. A second call does nothing;
+        any later use raises FreedStateError."""
+        if self.layers is not None and self.pages is not None:
+            table, self._page_table = self._page_table, []
+            self.pages.decref(table)
         self.layers = None
+
+    # ---- pages -------------------------------------------------------------------------------
+    @property
+    def paged(self) -> bool:
+        return self.pages is not None
+
+    @property
+    def page_table(self) -> list[int]:
+        """The pool pages holding this state's paged rows (page j: positions [j * page_tokens,
+        (j + 1) * page_tokens)); empty for a private or freed state."""
+        return list(self._page_table)
+
+    def share_prefix(self, n_tokens: int) -> list[int]:
+        """Take a reference to the pages of positions [0, n_tokens) for another holder (the
+        prefix cache), and never write them again: rewinding below n_tokens is refused from now
+        on. `n_tokens` must be a whole number of pages, at most `pos`. Returns the page ids;
+        the caller owns one reference to each (`pages.decref` them when done)."""
+        self._check_alive()
+        if self.pages is None:
+            raise PagePoolError("share_prefix needs a paged state: new_state(..., pages=pool)")
+        pt = self.pages.page_tokens
+        if n_tokens < 0 or n_tokens % pt or n_tokens > self.pos:
+            raise PagePoolError(f"share_prefix({n_tokens}): must be a multiple of the page size {pt} and at most "
+                                f"pos {self.pos}")
+        shared = self._page_table[:n_tokens // pt]
+        self.pages.incref(shared)
+        self.rewind_floor = max(self.rewind_floor, n_tokens)
+        return list(shared)
+
+    def _next_page_shared(self) -> int | None:
+        """The page the next forward writes first, if another holder references it."""
+        if self.pages is None or self.pos >= self.capacity:
+            return None
+        page = self._page_table[self.pos // self.pages.page_tokens]
+        return page if self.pages.refcount(page) > 1 else None
 
     def _check_alive(self) -> None:
         if self.layers is None:
@@ -56,11 +103,20 @@ class SequenceState:
             raise StateMismatchError(
                 f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
                 f"{device}/{dtype}; create the state with this model's new_state()")
+        page = self._next_page_shared()
+        if page is not None:  # refused before the forward writes anything
+            raise SharedPageWriteError(
+                f"state kv_id={self.kv_id} at pos {self.pos} would write page {page}, which other holders "
+                f"reference; a state created with prefix pages must first restore the snapshot taken at their "
+                f"end (pos {self.prefix_tokens})")
 
-    def snapshot(self) -> bytes:
-        """The rows still in use at `pos`, in kvfold's versioned format (docs/state-format.md)."""
+    def snapshot(self, pools: bool = True) -> bytes:
+        """The rows still in use at `pos`, in kvfold's versioned format (docs/state-format.md).
+        `pools=False` leaves out the paged pools' rows of the whole pages before pos (flag 0x100):
+        the prefix cache keeps those as pages and restores such a blob only into a state holding
+        them by reference."""
         self._check_alive()
-        return self._encode()
+        return self._encode(pools)
 
     def restore(self, blob: bytes) -> None:
         """Continue exactly where the snapshotted state was. Every check runs before any write;
@@ -68,7 +124,7 @@ class SequenceState:
         self._check_alive()
         self._decode_and_apply(blob)
 
-    def _encode(self) -> bytes:  # the model-specific snapshot codec
+    def _encode(self, pools: bool = True) -> bytes:  # the model-specific snapshot codec
         raise NotImplementedError
 
     def _decode_and_apply(self, blob: bytes) -> None:

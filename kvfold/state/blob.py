@@ -28,6 +28,9 @@ SECTION = struct.Struct("<IIQQII")  # 32 bytes
 DIGEST = 32
 
 FLAG_FP8_KV = 1  # header flag bit 0, in every format: the state stores its KV rows in FP8 (kv_dtype="fp8")
+# a layout flag (bits 8-15), in every format with paged pools: the pool sections leave out the rows of
+# the whole pages before pos, which live in pages shared by reference (snapshot(pools=False))
+FLAG_NO_POOLS = 0x100
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4, torch.uint8: 6}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 

@@ -6,7 +6,8 @@ the page. So one page table serves every layer of a sequence: page j of the tabl
 positions [j * page_tokens, (j + 1) * page_tokens). Pools are prefix-shaped and append-only
 (entry w = p // r is written once, when its window completes), so the entries of a page are
 final once the sequence has passed the page's end. Window rings and compressor windows stay
-per sequence (`Dsv4State`).
+per sequence (`Dsv4State`). GLM-5.3 keeps its MLA latent rows in pages the same way (ratio 1;
+its DSA indexer rows stay flat per sequence, in `Glm5NextDsaState`).
 
 `PagePool` owns the storage (one `KvRows` per layer pool, FP8 mode included), one free list
 and one refcount per page. `PagedRows` is a sequence's view of one layer pool through its page
@@ -22,17 +23,19 @@ import torch
 from ..errors import PagePoolError, PagesExhaustedError, SharedPageWriteError
 from .kv_rows import KvRows
 
-COMPRESSOR, INDEXER = "compressor", "indexer"
+COMPRESSOR, INDEXER, LATENT = "compressor", "indexer", "latent"
 
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """One layer pool held in pages: which layer and compressor, its ratio and row geometry."""
+    """One layer pool held in pages: which layer and pool, its ratio and row geometry. `dtype`:
+    the rows' storage dtype where it is not the pool's (GLM-5.3's FP8 latent rows)."""
     layer: int
-    kind: str  # COMPRESSOR | INDEXER
+    kind: str  # COMPRESSOR | INDEXER (DeepSeek-V4) | LATENT (GLM-5.3's MLA latent rows)
     ratio: int
     width: int
     fp8_nope: int | None = None
+    dtype: torch.dtype | None = None
 
 
 class PagePool:
@@ -57,7 +60,8 @@ class PagePool:
         self.fingerprint = fingerprint
         self.kv_fp8 = kv_fp8
         self.storages: dict[tuple[int, str], KvRows] = {
-            (s.layer, s.kind): KvRows(num_pages * (page_tokens // s.ratio), s.width, dtype, device, s.fp8_nope)
+            (s.layer, s.kind): KvRows(num_pages * (page_tokens // s.ratio), s.width, s.dtype or dtype, device,
+                                      s.fp8_nope)
             for s in specs}
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
@@ -124,6 +128,30 @@ class PagePool:
                 self._shared -= 1
             elif self._refs[p] == 0:
                 self._free.append(p)
+
+    def take_table(self, capacity: int, prefix_pages, *, fingerprint: str, dtype: torch.dtype,
+                   device: torch.device, kv_fp8: bool) -> list[int]:
+        """The page table of a new state of `capacity` tokens: `prefix_pages` (taken by reference,
+        one more reference each) then pages of its own. Refused, taking nothing, for a pool of
+        another model, dtype, device or KV storage, more prefix pages than the capacity holds, or
+        too few free pages (PagesExhaustedError)."""
+        from ..errors import CapacityError, StateMismatchError
+        prefix = list(prefix_pages or [])
+        if self.fingerprint != fingerprint or self.dtype != dtype or self.device != torch.device(device):
+            raise StateMismatchError(f"page pool belongs to {self.fingerprint}/{self.dtype}/{self.device}, "
+                                     f"not this model; create it with this model's new_page_pool()")
+        if self.kv_fp8 != kv_fp8:
+            raise StateMismatchError(f"page pool KV storage is {'fp8' if self.kv_fp8 else 'plain'}; create the "
+                                     f"state with the pool's kv_dtype")
+        n_pages = self.pages_for(capacity)
+        if len(prefix) > n_pages:
+            raise CapacityError(f"{len(prefix)} prefix pages pass capacity {capacity} ({n_pages} pages)")
+        self.incref(prefix)  # checks they are live pages of this pool
+        try:
+            return prefix + self.allocate(n_pages - len(prefix))
+        except Exception:
+            self.decref(prefix)
+            raise
 
     # ---- counters ----------------------------------------------------------------------------
     @property
@@ -281,3 +309,37 @@ class PagedRows:
         s = self.storage
         parts = [s.data] if s.fp8_nope is None else [s.nope, s.rope]
         return [t[self.phys].clone() for t in parts]
+
+
+# ---- snapshots of paged states (both families' codecs) ------------------------------------------
+def shared_tokens(state, pos: int) -> int:
+    """The positions whose pool rows a snapshot without pools (blob.FLAG_NO_POOLS) at `pos` leaves
+    out: its whole pages (all of them for a state without pages, which such a blob never restores
+    into)."""
+    pages = state.pages
+    return pos if pages is None else pos // pages.page_tokens * pages.page_tokens
+
+
+def check_restore_pages(state, pos: int, no_pools: bool) -> None:
+    """Refusal 10 (docs/state-format.md): a blob without its whole pages' pool rows restores only
+    into a state holding exactly those pages by reference; a full blob never rewrites a shared
+    page, and the page the next forward writes must be this state's alone."""
+    from ..errors import SnapshotPagesError
+    pages = state.pages
+    if no_pools:
+        shared = shared_tokens(state, pos)
+        if pages is None or state.prefix_tokens != shared:
+            held = "no pages" if pages is None else "no prefix pages" if state.prefix_tokens == 0 else \
+                f"prefix pages for positions [0, {state.prefix_tokens})"
+            raise SnapshotPagesError(
+                f"snapshot at pos {pos} leaves out the pool rows of its whole pages (a prefix-cache or fork "
+                f"snapshot); it restores only into a state created with new_state(..., pages=pool, prefix_pages="
+                f"<the pages of positions [0, {shared})>), and this state holds {held}")
+        return
+    if pages is None:
+        return
+    for page in state.page_table[:pos // pages.page_tokens + 1]:
+        if pages.refcount(page) != 1:
+            raise SnapshotPagesError(
+                f"restoring pos {pos} would write page {page}, which {pages.refcount(page)} holders reference; "
+                f"restore into a state whose pages are its own")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import CSA, SLIDING, Dsv4Config
-from ...errors import CapacityError, ConfigError, StateMismatchError
+from ...errors import CapacityError, ConfigError
 from .attention import Attention
 from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperConnection, HyperHead
@@ -151,25 +151,11 @@ class Dsv4Model(CausalLM):
         nope = self._kv_nope(kv_dtype)
         cfg = self.config
         table: list[int] = []
-        prefix = list(prefix_pages or [])
-        if pages is None and prefix:
+        if pages is None and prefix_pages:
             raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
         if pages is not None:
-            if pages.fingerprint != self.fingerprint or pages.dtype != self.dtype or pages.device != self.device:
-                raise StateMismatchError(f"page pool belongs to {pages.fingerprint}/{pages.dtype}/{pages.device}, "
-                                         f"not this model; create it with this model's new_page_pool()")
-            if pages.kv_fp8 != (nope is not None):
-                raise StateMismatchError(f"page pool KV storage is {'fp8' if pages.kv_fp8 else 'plain'}; create the "
-                                         f"state with the pool's kv_dtype")
-            n_pages = pages.pages_for(capacity)
-            if len(prefix) > n_pages:
-                raise CapacityError(f"{len(prefix)} prefix pages pass capacity {capacity} ({n_pages} pages)")
-            pages.incref(prefix)  # checks they are live pages of this pool
-            try:
-                table = prefix + pages.allocate(n_pages - len(prefix))
-            except Exception:
-                pages.decref(prefix)
-                raise
+            table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=self.dtype,
+                                     device=self.device, kv_fp8=nope is not None)
         layers, memo = [], {}
         for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
             window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device,
@@ -188,7 +174,7 @@ class Dsv4Model(CausalLM):
         return Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind,
                          fingerprint=self.fingerprint, device=self.device, dtype=self.dtype, kv_fp8=nope is not None,
                          pages=pages, page_table=table,
-                         prefix_tokens=len(prefix) * pages.page_tokens if pages is not None else 0)
+                         prefix_tokens=len(prefix_pages or []) * pages.page_tokens if pages is not None else 0)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import SnapshotPagesError
 from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
+from ...state.pages import check_restore_pages, shared_tokens
 from ...state.rings import PositionRing
 
 FLAG_FP8_KV = blob.FLAG_FP8_KV  # window rows and compressed entries are stored in FP8 (the blob holds them decoded)
-# (layout flags use bits 8-15) pool sections leave out the rows of the whole pages before pos:
-# those live in pages shared by reference; only the last, partial page's rows are in the blob
-FLAG_NO_POOLS = 0x100
+FLAG_NO_POOLS = blob.FLAG_NO_POOLS  # pool sections without the rows of the whole pages before pos
 
 # section kinds
 WINDOW, COMP_KV, COMP_SCORE, COMP_POOL, IX_KV, IX_SCORE, IX_POOL = range(7)
@@ -36,13 +34,6 @@ def _buffers(ls, kind):
     if ls.indexer is not None:
         out.update({IX_KV: ls.indexer.kv, IX_SCORE: ls.indexer.score, IX_POOL: ls.indexer.pool})
     return out.get(kind)
-
-
-def shared_tokens(state, pos: int) -> int:
-    """The positions whose pool rows a FLAG_NO_POOLS snapshot at `pos` leaves out: its whole
-    pages (all of them for a state without pages, which such a blob never restores into)."""
-    pages = getattr(state, "pages", None)
-    return pos if pages is None else pos // pages.page_tokens * pages.page_tokens
 
 
 def expected_sections(state, pos: int, layout: int = 0) -> list[Section]:
@@ -80,36 +71,11 @@ def encode(state, pools: bool = True) -> bytes:
                        lambda s: _rows_of(state, s))
 
 
-def _check_pages(state, pos: int, no_pools: bool) -> None:
-    """Refusal 10 (docs/state-format.md): a blob without its whole pages' pool rows restores only
-    into a state holding exactly those pages by reference; a full blob never rewrites a shared
-    page, and the page the next forward writes must be this state's alone."""
-    pages = getattr(state, "pages", None)
-    if no_pools:
-        shared = shared_tokens(state, pos)
-        if pages is None or state.prefix_tokens != shared:
-            held = "no pages" if pages is None else "no prefix pages" if state.prefix_tokens == 0 else \
-                f"prefix pages for positions [0, {state.prefix_tokens})"
-            raise SnapshotPagesError(
-                f"snapshot at pos {pos} leaves out the pool rows of its whole pages (a prefix-cache or fork "
-                f"snapshot); it restores only into a state created with new_state(..., pages=pool, prefix_pages="
-                f"<the pages of positions [0, {shared})>), and this state holds {held}")
-        return
-    if pages is None:
-        return
-    table = state.page_table
-    for page in table[:pos // pages.page_tokens + 1]:
-        if pages.refcount(page) != 1:
-            raise SnapshotPagesError(
-                f"restoring pos {pos} would write page {page}, which {pages.refcount(page)} holders reference; "
-                f"restore into a state whose pages are its own")
-
-
 def decode_and_apply(state, data: bytes) -> None:
     pos, sections = blob.decode(FORMAT, state, data, flags_of_state=_flags(state),
                                 expected_sections=lambda p, layout: expected_sections(state, p, layout))
     flags = blob.HEADER.unpack_from(data, 0)[2]
-    _check_pages(state, pos, bool(flags & FLAG_NO_POOLS))
+    check_restore_pages(state, pos, bool(flags & FLAG_NO_POOLS))
     # every check passed: write (rows are placed by position)
     for s, rows in sections:
         buf = _buffers(state.layers[s.layer], s.kind)

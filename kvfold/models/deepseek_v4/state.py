@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import PagePoolError, RewindError, SharedPageWriteError
+from ...errors import RewindError
 from ...state.base import SequenceState
 from ...state.kv_rows import KvRows
 from ...state.pages import PagedRows, PagePool
@@ -69,73 +69,9 @@ class Dsv4State(SequenceState):
                  fingerprint: str, device: torch.device, dtype: torch.dtype, kv_fp8: bool = False,
                  pages: PagePool | None = None, page_table: list[int] | None = None, prefix_tokens: int = 0):
         super().__init__(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=fingerprint,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, pages=pages, page_table=page_table, prefix_tokens=prefix_tokens)
         self.window = window
         self.kv_fp8 = kv_fp8  # window rows and compressed entries stored as FP8 (non-rope dims)
-        # paged states: the pool their compressed entries live in, and their page table (the
-        # first prefix_tokens // page_tokens pages were taken by reference from another holder)
-        self.pages = pages
-        self._page_table: list[int] = list(page_table or [])
-        self.prefix_tokens = prefix_tokens
-
-    # ---- pages -------------------------------------------------------------------------------
-    @property
-    def paged(self) -> bool:
-        return self.pages is not None
-
-    @property
-    def page_table(self) -> list[int]:
-        """The pool pages holding this state's compressed entries (page j: positions
-        [j * page_tokens, (j + 1) * page_tokens)); empty for a private or freed state."""
-        return list(self._page_table)
-
-    def share_prefix(self, n_tokens: int) -> list[int]:
-        """Take a reference to the pages of positions [0, n_tokens) for another holder (the
-        prefix cache), and never write them again: rewinding below n_tokens is refused from now
-        on. `n_tokens` must be a whole number of pages, at most `pos`. Returns the page ids;
-        the caller owns one reference to each (`pages.decref` them when done)."""
-        self._check_alive()
-        if self.pages is None:
-            raise PagePoolError("share_prefix needs a paged state: new_state(..., pages=pool)")
-        pt = self.pages.page_tokens
-        if n_tokens < 0 or n_tokens % pt or n_tokens > self.pos:
-            raise PagePoolError(f"share_prefix({n_tokens}): must be a multiple of the page size {pt} and at most "
-                                f"pos {self.pos}")
-        shared = self._page_table[:n_tokens // pt]
-        self.pages.incref(shared)
-        self.rewind_floor = max(self.rewind_floor, n_tokens)
-        return list(shared)
-
-    def _next_page_shared(self) -> int | None:
-        """The page the next forward writes first, if another holder references it."""
-        if self.pages is None or self.pos >= self.capacity:
-            return None
-        page = self._page_table[self.pos // self.pages.page_tokens]
-        return page if self.pages.refcount(page) > 1 else None
-
-    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype) -> None:
-        super().check_usable(fingerprint, device, dtype)
-        page = self._next_page_shared()
-        if page is not None:  # refused before the forward writes anything
-            raise SharedPageWriteError(
-                f"state kv_id={self.kv_id} at pos {self.pos} would write page {page}, which other holders "
-                f"reference; a state created with prefix pages must first restore the snapshot taken at their "
-                f"end (pos {self.prefix_tokens})")
-
-    def free(self) -> None:
-        """Release every buffer and drop this state's page references. Idempotent."""
-        if self.layers is not None and self.pages is not None:
-            table, self._page_table = self._page_table, []
-            self.pages.decref(table)
-        super().free()
-
-    def snapshot(self, pools: bool = True) -> bytes:
-        """The rows still in use at `pos` (docs/state-format.md). `pools=False` leaves out the
-        compressed and indexer pools' rows (flag 0x100): the prefix cache keeps those as pages
-        and restores such a blob only into a state holding them by reference."""
-        self._check_alive()
-        from .snapshot import encode
-        return encode(self, pools=pools)
 
     # ---- cursors ----------------------------------------------------------------------------
     def rewind_to(self, n: int) -> None:
@@ -176,9 +112,9 @@ class Dsv4State(SequenceState):
             self.rewind_to(seq_len)
         self.pos = seq_len + k
 
-    def _encode(self) -> bytes:
+    def _encode(self, pools: bool = True) -> bytes:
         from .snapshot import encode
-        return encode(self)
+        return encode(self, pools=pools)
 
     def _decode_and_apply(self, blob: bytes) -> None:
         from .snapshot import decode_and_apply

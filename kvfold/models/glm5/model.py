@@ -22,6 +22,7 @@ from ...layers.rows import RowBatch
 from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
+from ...state.pages import LATENT, PagePool, PoolSpec
 from ..base import Capabilities, CausalLM, Embedding
 
 
@@ -128,7 +129,10 @@ def kv_storage(kv_dtype: str | None) -> torch.dtype | None:
 class Glm5Model(CausalLM):
     """Weights named as the text part of a transformers `Glm5NextForConditionalGeneration`."""
 
-    capabilities = Capabilities(fp8_kv=True)
+    capabilities = Capabilities(fp8_kv=True, pages=True)
+    # tokens per page of a PagePool: the engine's 128-token prefix blocks, a whole number of k-pools
+    # for every index_kpool that divides 128 (the indexer rows stay flat, so nothing else constrains it)
+    page_tokens = 128
 
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__(cfg, dtype, device)
@@ -140,18 +144,38 @@ class Glm5Model(CausalLM):
             raise ConfigError(f"glm5_next supports numerics 'hf' only, got {mode!r}")
 
     # ---- state --------------------------------------------------------------------------------
-    def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None) -> Glm5State:
+    def new_page_pool(self, num_pages: int, kv_dtype: str | None = None) -> PagePool:
+        """Preallocate `num_pages` shared pages for the MLA latent rows of this model's states (one
+        page: `page_tokens` positions of every DSA layer's latent; float8_e4m3fn with kv_dtype="fp8")."""
+        fp8, cfg = kv_storage(kv_dtype), self.config
+        specs = [PoolSpec(i, LATENT, 1, cfg.kv_lora_rank, dtype=fp8) for i in cfg.dsa_layers]
+        return PagePool(specs, num_pages, self.page_tokens, self.dtype, self.device, fingerprint=self.fingerprint,
+                        kv_fp8=fp8 is not None)
+
+    def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, *,
+                  pages: PagePool | None = None, prefix_pages: list[int] | None = None) -> Glm5State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later);
         the KDA layers keep one state plus the inputs of the tokens a rewind of up to `max_rewind`
         tokens replays (see state.py).
 
         `kv_dtype="fp8"` stores the MLA latent rows and the full DSA layers' indexer keys as
         float8_e4m3fn at unit scale (all their dims: GLM-5.3's MLA has no rope dims); the KDA
-        states, the indexer gates and validity stay as they are."""
+        states, the indexer gates and validity stay as they are.
+
+        `pages`: keep the MLA latent rows in that shared `PagePool` (from `new_page_pool`, with the
+        same kv_dtype), ceil(capacity / page_tokens) pages taken up front and returned on `free()`;
+        `prefix_pages`: the first pages taken by reference from another holder, after which the
+        state must restore the snapshot taken at their end (`snapshot(pools=False)`) before it runs.
+        The indexer rows stay flat per sequence (`Glm5NextDsaState`). Refusals allocate nothing."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
         fp8 = kv_storage(kv_dtype)
         cfg, dev, dt = self.config, self.device, self.dtype
+        if pages is None and prefix_pages:
+            raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
+        table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=dt, device=dev,
+                                 kv_fp8=fp8 is not None) if pages is not None else []
+        memo: dict = {}
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kp = max(cfg.index_kpool, 1)
         dsa_cap = -(-capacity // kp) * kp  # whole pools, at least capacity rows
@@ -171,10 +195,12 @@ class Glm5Model(CausalLM):
             else:
                 dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8) \
                     if cfg.indexer_types[i] == "full" else None
-                layers.append(MlaLayerState(latent=torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev),
-                                            dsa=dsa))
+                latent = pages.view(i, LATENT, table, capacity, memo) if pages is not None else \
+                    torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev)
+                layers.append(MlaLayerState(latent=latent, dsa=dsa))
         return Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
-                         device=dev, dtype=dt, kv_fp8=fp8 is not None)
+                         device=dev, dtype=dt, kv_fp8=fp8 is not None, pages=pages, page_table=table,
+                         prefix_tokens=len(prefix_pages or []) * self.page_tokens if pages is not None else 0)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -70,6 +70,7 @@ import torch
 from ...errors import RewindError
 from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
+from ...state.pages import check_restore_pages, shared_tokens
 from ...state.base import SequenceState
 from .indexer_state import Glm5NextDsaState, dsa_blob_bytes
 from .kda import kda_chunk_starts, kda_chunked
@@ -92,7 +93,7 @@ class KdaLayerState:
 
 @dataclass
 class MlaLayerState:
-    latent: torch.Tensor  # [capacity, kv_lora], model dtype
+    latent: torch.Tensor  # [capacity, kv_lora], model dtype or FP8; a PagedRows view in a paged state
     dsa: Glm5NextDsaState | None  # full layers only
 
     @property
@@ -209,13 +210,14 @@ class Glm5State(SequenceState):
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def free(self) -> None:
-        """Release every buffer. A second call does nothing; later use raises FreedStateError."""
+        """Release every buffer and page reference. A second call does nothing; later use raises
+        FreedStateError."""
         if self.layers is None:
             return
         for ls in self.layers:
             if isinstance(ls, MlaLayerState) and ls.dsa is not None:
                 ls.dsa.free()
-        self.layers = None
+        super().free()
 
     # ---- cursors ------------------------------------------------------------------------------
     def _sync_dsa(self) -> None:
@@ -270,8 +272,8 @@ class Glm5State(SequenceState):
         self.pos = end
         self._sync_dsa()
 
-    def _encode(self) -> bytes:
-        return encode(self)
+    def _encode(self, pools: bool = True) -> bytes:
+        return encode(self, pools)
 
     def _decode_and_apply(self, blob: bytes) -> None:
         decode_and_apply(self, blob)
@@ -286,9 +288,12 @@ KIND_NAMES = ["KDA conv", "KDA recurrent", "MLA latent", "DSA indexer blob"]
 # FP8 KV state: latent rows and indexer keys are float8_e4m3fn (the blob holds their raw bytes).
 # A flag, not a new version: blobs of plain states are unchanged.
 FLAG_FP8_KV = blob.FLAG_FP8_KV
+# a paged state's prefix-cache and fork snapshots: latent sections start after the whole pages before
+# pos (those rows live in pages shared by reference); everything else is in the blob as always
+FLAG_NO_POOLS = blob.FLAG_NO_POOLS
 # version 2: each DSA layer's indexer cache is one section holding its Glm5NextDsaState blob
 FORMAT = blob.Format(magic=b"KVFGLM5S", what="kvfold GLM-5 state", kind_names=KIND_NAMES, version=2,
-                     known_flags=FLAG_FP8_KV)
+                     known_flags=FLAG_FP8_KV | FLAG_NO_POOLS, layout_flags=FLAG_NO_POOLS)
 MAGIC = FORMAT.magic
 
 
@@ -296,7 +301,8 @@ def _flags(state: Glm5State) -> int:
     return FLAG_FP8_KV if state.kv_fp8 else 0
 
 
-def expected_sections(state: Glm5State, pos: int) -> list[Section]:
+def expected_sections(state: Glm5State, pos: int, layout: int = 0) -> list[Section]:
+    skip = shared_tokens(state, pos) if layout & FLAG_NO_POOLS else 0
     sd, f32, u8 = DTYPE_CODES[state.dtype], DTYPE_CODES[torch.float32], DTYPE_CODES[torch.uint8]
     secs = []
     for i, ls in enumerate(state.layers):
@@ -306,7 +312,7 @@ def expected_sections(state: Glm5State, pos: int) -> list[Section]:
             secs.append(Section(i, KDA_CONV, 0, km1, w, sd))
             secs.append(Section(i, KDA_REC, 0, h * dk, dv, f32))
         else:
-            secs.append(Section(i, MLA_LATENT, 0, pos, ls.latent.shape[1], DTYPE_CODES[ls.latent.dtype]))
+            secs.append(Section(i, MLA_LATENT, skip, pos - skip, ls.latent.shape[1], DTYPE_CODES[ls.latent.dtype]))
             if ls.dsa is not None:  # rows = bytes of the layer's blob at len pos
                 dsa = ls.dsa
                 secs.append(Section(i, DSA_BLOB, 0, dsa_blob_bytes(pos, dsa.index_head_dim, dsa.dtype, dsa.key_dtype),
@@ -322,19 +328,21 @@ def _rows_of(state: Glm5State, s: Section, at: dict) -> torch.Tensor:
         conv, rec = at[s.layer]
         return conv if s.kind == KDA_CONV else rec.reshape(-1, rec.shape[-1])
     if s.kind == MLA_LATENT:
-        return ls.latent[:s.rows]
+        return ls.latent[s.first:s.first + s.rows]
     return torch.frombuffer(bytearray(ls.dsa.snapshot_blob()), dtype=torch.uint8).view(-1, 1)
 
 
-def encode(state: Glm5State) -> bytes:
+def encode(state: Glm5State, pools: bool = True) -> bytes:
     at: dict = {}
-    return blob.encode(FORMAT, state, _flags(state), expected_sections(state, state.pos),
+    layout = 0 if pools else FLAG_NO_POOLS
+    return blob.encode(FORMAT, state, _flags(state) | layout, expected_sections(state, state.pos, layout),
                        lambda s: _rows_of(state, s, at))
 
 
 def decode_and_apply(state: Glm5State, data: bytes) -> None:
     pos, sections = blob.decode(FORMAT, state, data, flags_of_state=_flags(state),
-                                expected_sections=lambda p: expected_sections(state, p))
+                                expected_sections=lambda p, layout: expected_sections(state, p, layout))
+    check_restore_pages(state, pos, bool(blob.HEADER.unpack_from(data, 0)[2] & FLAG_NO_POOLS))
     # then every DSA layer's blob through the indexer state's own checks, all before any write.
     # The table fixed each blob's byte count from pos and this state's width and dtype, so a blob
     # that passes has len pos; one whose header was altered (and re-signed) is refused here.
@@ -352,7 +360,7 @@ def decode_and_apply(state: Glm5State, data: bytes) -> None:
         elif s.kind == KDA_REC:
             ls.rec.copy_(r.view(ls.rec.shape))
         elif s.kind == MLA_LATENT:
-            ls.latent[:pos] = r
+            ls.latent[s.first:s.first + s.rows] = r
     for i, raw in dsa_blobs:
         state.layers[i].dsa.restore_blob(raw)
     state.pos = state.written_until = state.rewind_floor = pos
