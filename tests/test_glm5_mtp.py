@@ -163,9 +163,21 @@ def test_engine_speculates_with_the_glm_mtp_layer(mtp_pair):
     _, _, model, _ = mtp_pair
     prompts = [random_ids(n, TEXT["vocab_size"], seed=n).tolist() for n in (3, 12, 140)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    plain = Engine(model, max_seq_len=200).generate(prompts, params)
+    plain_engine = Engine(model, max_seq_len=200)
     engine = Engine(model, max_seq_len=200, speculative="mtp", num_draft=3)
-    spec = engine.generate(prompts, params)
-    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    for batch in (prompts, [prompts[2][:130] + [1, 2]]):  # the second hits the prefix cache at 128
+        plain = plain_engine.generate(batch, params)
+        spec = engine.generate(batch, params)
+        assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert engine.metrics()["prefix_cache_hits"] == 1
+    outs = []
+    for e in (plain_engine, engine):  # n = 2: the second choice's drafter joins at its first decode
+        rids = e.add_choices(prompts[1], [params] * 2)
+        got = {r: [] for r in rids}
+        while e.has_unfinished():
+            for o in e.step():
+                got[o.request_id] += o.new_token_ids
+        outs.append(list(got.values()))
+    assert outs[0] == outs[1]
     m = engine.metrics()
     assert m["spec_draft_tokens"] > 0 and m["live_states"] == 0 and engine.spec.dropped == 0

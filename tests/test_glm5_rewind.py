@@ -313,3 +313,51 @@ def test_memory_is_one_kda_state_plus_per_token_inputs(model):
         assert got[r] == 34 * (state + r * per_token + (r + 3) * row)
     assert [round(got[r] / mib, 1) for r in (0, 4, 8)] == [140.8, 162.6, 179.6]
     assert [round(34 * (r + 1) * state / mib, 1) for r in (0, 4, 8)] == [140.8, 703.9, 1267.0]  # before
+
+
+def test_one_cursor_model_every_indexer_state_len_is_pos(model, seq):  # noqa: F811
+    """The state is built on the Glm5NextDsaState contract: each full DSA layer's indexer state is
+    one (the seed class), and its len equals pos after every cursor operation, refused ones
+    included (which change neither), through random forwards, rewinds, advances, sync_tos,
+    snapshots and restores."""
+    from kvfold.models.glm5.indexer_state import Glm5NextDsaState
+    gen = torch.Generator().manual_seed(7)
+    st = model.new_state(capacity=120, max_rewind=4)
+    dsas = st._dsa_states()
+    assert dsas and all(type(d) is Glm5NextDsaState for d in dsas)
+
+    def check():
+        assert all(d.len == st.pos for d in dsas), ([d.len for d in dsas], st.pos)
+
+    p = 0
+    for _ in range(60):
+        op = int(torch.randint(0, 5, (1,), generator=gen))
+        n = int(torch.randint(0, 6, (1,), generator=gen))
+        before = (st.pos, [d.len for d in dsas])
+        try:
+            if op == 0 and st.pos + n + 1 <= 110:
+                model.forward(seq[st.pos:st.pos + n + 1], st)
+            elif op == 1:
+                st.rewind_to(st.pos - n)
+            elif op == 2:
+                st.advance(n)
+            elif op == 3:
+                st.sync_to(st.pos - n, int(torch.randint(0, 6, (1,), generator=gen)))
+            else:
+                blob = st.snapshot()
+                other = model.new_state(capacity=120, max_rewind=4)
+                other.restore(blob)
+                assert all(d.len == other.pos for d in other._dsa_states())
+                other.free()
+        except kvfold.RewindError:
+            assert (st.pos, [d.len for d in dsas]) == before  # a refusal changes nothing
+        check()
+        p = max(p, st.pos)
+    assert p > 20
+    late = model.new_state(capacity=50)
+    late.start_at(30)  # a drafter's state joining late: the indexer rows below stay zero, never valid
+    assert all(d.len == 30 for d in late._dsa_states()) and late.pos == 30
+    with pytest.raises(kvfold.StateError):
+        late.start_at(31)
+    model.forward(seq[30:33], late)
+    assert all(d.len == 33 for d in late._dsa_states())

@@ -126,7 +126,7 @@ class MtpDrafter(Drafter):
         if self.verified is None and start_pos > 0:
             # a restored session: the MTP window starts here (earlier rows were never fed);
             # drafts are a little worse for the first W tokens, outputs are unaffected
-            self.state.pos = self.state.written_until = self.state.rewind_floor = start_pos
+            self.state.start_at(start_pos)
         elif start_pos != (self.verified or 0):
             raise ValueError(f"MTP drafter expected position {self.verified}, got {start_pos}")
         self.state.rewind_to(start_pos)  # drop the previous round's draft steps

@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from ..errors import FreedStateError, PagePoolError, SharedPageWriteError, StateMismatchError
+from ..errors import FreedStateError, PagePoolError, SharedPageWriteError, StateError, StateMismatchError
 
 _kv_ids = itertools.count(1)  # one counter for every kind of state: an id is never reused in a process
 
@@ -53,6 +53,16 @@ class SequenceState:
             table, self._page_table = self._page_table, []
             self.pages.decref(table)
         self.layers = None
+
+    def start_at(self, n: int) -> None:
+        """Begin a fresh state at position n, as if positions [0, n) had been fed but left nothing
+        (zero rows, never rewound to): a drafter that joins a sequence late. Refused unless the
+        state is fresh (pos 0) and n fits its capacity."""
+        self._check_alive()
+        if self.pos != 0 or self.written_until != 0 or not 0 <= n <= self.capacity:
+            raise StateError(f"start_at({n}) needs a fresh state (pos {self.pos}) and 0 <= n <= capacity "
+                             f"{self.capacity}")
+        self.pos = self.written_until = self.rewind_floor = n
 
     # ---- pages -------------------------------------------------------------------------------
     @property

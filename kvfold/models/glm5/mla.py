@@ -119,6 +119,8 @@ class IndexedMLA(nn.Module):
         Every query reads the latent rows (its chunk's own included) back from `latent`, so with
         FP8 storage a row attends as it will in any later call: the chunking changes nothing."""
         t = x.shape[0]
+        if dsa is not None:
+            dsa.ensure_room(t)  # the seed's writer rule: before anything is computed or written
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, self.nh, self.dn)
         c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))

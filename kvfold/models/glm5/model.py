@@ -205,7 +205,7 @@ class Glm5Model(CausalLM):
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         for seg in batch.segments:
-            seg.state._sync_dsa()
+            seg.state._dsa_sync(seg.start, 0)  # reconcile as eager decode does (seed): rewind if ahead
             seg.state._kda_begin(seg.start, seg.length)
         streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
         streams = streams.contiguous()

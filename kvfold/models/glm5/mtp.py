@@ -86,7 +86,7 @@ class Glm5Mtp(nn.Module):
         t, start = next_ids.numel(), state.pos
         if start + t > state.capacity:
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {start} + {t}")
-        state._sync_dsa()
+        state._dsa_sync(start, 0)
         ls = state.layers[0]
         x = self.eh_proj(torch.cat([self.enorm(embed(next_ids)), self.hnorm(h.to(self.dtype))], dim=-1))
         a = x + self.self_attn(self.input_layernorm(x), start, ls.latent, ls.dsa, None)[0]

@@ -220,13 +220,31 @@ class Glm5State(SequenceState):
         super().free()
 
     # ---- cursors ------------------------------------------------------------------------------
-    def _sync_dsa(self) -> None:
-        for ls in self.layers:
-            if isinstance(ls, MlaLayerState) and ls.dsa is not None and ls.dsa.len != self.pos:
-                if ls.dsa.len > self.pos:
-                    ls.dsa.rewind_to(self.pos)
-                else:
-                    ls.dsa.advance(self.pos - ls.dsa.len)
+    # One cursor model: `pos` is the sequence's, and every full DSA layer's Glm5NextDsaState keeps
+    # `len == pos`, moved only through that contract's own methods (seed: rewind_to only shrinks;
+    # sync_to rewinds if ahead, refuses if behind, then advances, after its room check). This
+    # state's checks (the KDA inputs held, max_rewind, the rewind floor) run first, so a refusal
+    # changes neither pos nor any len.
+    def _dsa_states(self) -> list[Glm5NextDsaState]:
+        return [ls.dsa for ls in self.layers if isinstance(ls, MlaLayerState) and ls.dsa is not None]
+
+    def _dsa_sync(self, seq_len: int, k: int) -> None:
+        """Every indexer state's `sync_to(seq_len, k)`, once all have room for seq_len + k."""
+        dsas = self._dsa_states()
+        for dsa in dsas:
+            dsa.ensure_room_through(seq_len + k)
+        for dsa in dsas:
+            dsa.sync_to(seq_len, k)
+
+    def start_at(self, n: int) -> None:
+        """SequenceState.start_at; the indexer states advance over n rows that stay zero (valid 0:
+        padding, which no selection reads) and the KDA base is n."""
+        self._check_alive()
+        if self.pos != 0 or self.written_until != 0 or not 0 <= n <= self.capacity:
+            super().start_at(n)  # raises
+        self._dsa_sync(0, n)
+        super().start_at(n)
+        self.kda_base, self.kda_cuts, self.kda_mix_low = n, [], n
 
     def rewind_to(self, n: int) -> None:
         """Undo the tokens after position n (a rejected draft): only shrinks, by at most max_rewind."""
@@ -245,8 +263,8 @@ class Glm5State(SequenceState):
         if not self._kda_servable(n):
             raise RewindError(f"rewind_to({n}): the KDA inputs of positions below {self.kda_base} are no longer "
                               f"held (an earlier rewind was followed by a forward); restore a snapshot instead")
+        self._dsa_sync(n, 0)
         self.pos = n
-        self._sync_dsa()
 
     def advance(self, k: int) -> None:
         """Re-expose k positions already written past pos (by a verify pass that was rewound)."""
@@ -254,8 +272,8 @@ class Glm5State(SequenceState):
         if k < 0 or self.pos + k > self.written_until or not self._kda_servable(self.pos + k):
             raise RewindError(f"advance({k}) from pos {self.pos} passes the rows written so far "
                               f"(up to {self.written_until}) or their kept KDA states; run forward() instead")
+        self._dsa_sync(self.pos, k)
         self.pos += k
-        self._sync_dsa()
 
     def sync_to(self, seq_len: int, k: int) -> None:
         """Rewind to seq_len if ahead, refuse if behind, then advance by k. Refusals change nothing."""
@@ -269,8 +287,8 @@ class Glm5State(SequenceState):
             raise RewindError(f"sync_to({seq_len}, {k}) needs the state at {end} but only positions "
                               f"[{max(self.written_until - self.max_rewind, self.rewind_floor)}, "
                               f"{self.written_until}] are held")
+        self._dsa_sync(seq_len, k)
         self.pos = end
-        self._sync_dsa()
 
     def _encode(self, pools: bool = True) -> bytes:
         return encode(self, pools)
