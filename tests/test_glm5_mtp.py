@@ -181,3 +181,22 @@ def test_engine_speculates_with_the_glm_mtp_layer(mtp_pair):
     assert outs[0] == outs[1]
     m = engine.metrics()
     assert m["spec_draft_tokens"] > 0 and m["live_states"] == 0 and engine.spec.dropped == 0
+
+
+def test_server_with_mtp_speculation_answers_as_generate(mtp_pair):
+    """`kvfold serve --speculative mtp` on a GLM-5.3 checkpoint with its MTP layer: a token-id
+    completion over HTTP (the real openai client) equals plain kvfold.generate."""
+    import openai
+    from kvfold import Engine
+    from kvfold.server.app import create_app
+    from helpers import serving
+    _, _, model, _ = mtp_pair
+    prompt = random_ids(30, TEXT["vocab_size"], seed=30).tolist()
+    want = kvfold.generate(model, prompt, 10, stop_ids=[]).tokens
+    engine = Engine(model, max_seq_len=128, max_running=4, speculative="mtp", num_draft=2)
+    with serving(create_app(engine, model_name="glm5", api_key="k")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+        r = c.completions.create(model="glm5", prompt=prompt, max_tokens=10, temperature=0,
+                                 extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == want
+    assert engine.metrics()["spec_draft_tokens"] > 0 and engine.metrics()["live_states"] == 0
