@@ -309,9 +309,22 @@ class _Run:
 
     def _choose(self, logits_row: torch.Tensor) -> int:
         """The next id after what is out so far, recorded with the sampler (its grammar)."""
-        tok = self.sampler.choose(logits_row, self.out.tokens)
+        tok = self._agree([self.sampler.choose(logits_row, self.out.tokens)])[0]
         self.sampler.accept(tok)
         return tok
+
+    def _agree(self, ids: list[int]) -> list[int]:
+        """Under tensor parallelism, rank 0's choice on every rank. Every rank computed the same
+        logits bits (kvfold/parallel: the all-reduce is the same sum everywhere) and samples with
+        the same seed, so a rank that chose otherwise is a bug, refused rather than followed."""
+        tp = getattr(self.model, "tp", None)
+        if tp is None:
+            return ids
+        got = tp.broadcast_ids(ids)
+        if got != list(ids):
+            from ..parallel.group import TensorParallelError
+            raise TensorParallelError(f"rank {tp.rank} chose {list(ids)} where rank 0 chose {got}")
+        return got
 
     def _propose(self) -> tuple[list[int], torch.Tensor | None]:
         """This step's drafts and their probability rows (None: none, or a deterministic drafter)."""
@@ -322,7 +335,7 @@ class _Run:
         if k <= 0:
             return [], None
         proposed, q = self.drafter.propose(list(self.out.context), k)
-        drafts = [int(d) for d in proposed[:k]]
+        drafts = self._agree([int(d) for d in proposed[:k]])
         return drafts, (q[:len(drafts)] if (q is not None and drafts) else None)
 
     def step(self) -> bool:
@@ -332,6 +345,8 @@ class _Run:
         logits, hidden = self._forward([y] + drafts)
         if drafts:
             n, nxt = verify_drafts(logits, drafts, q, self.sampler, self.out.tokens)
+            n, code = self._agree([n, -1 if nxt is None else nxt])
+            nxt = None if code < 0 else code
             if nxt is not None:
                 self.sampler.accept(nxt)
         else:

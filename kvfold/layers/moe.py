@@ -20,9 +20,13 @@ class Experts(nn.Module):
     act_quant = False  # reference numerics: FP8 activations into the FP4 expert GEMMs
     quantizable = ("gate_up_proj", "down_proj")
 
-    def __init__(self, n_experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype, device=None):
+    def __init__(self, n_experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype, device=None,
+                 first: int = 0, total: int | None = None):
+        """`first`, `total`: these are experts [first, first + n_experts) of `total` (a tensor-parallel
+        rank's share); a row routed to another rank's expert gets nothing from this one."""
         super().__init__()
         e, i, h = n_experts, inter, hidden
+        self.first, self.partial = first, total is not None and (first != 0 or n_experts != total)
         self.limit = limit
         self.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
         self.down_proj = _param(e, h, i, dtype=dtype, device=device)
@@ -33,7 +37,8 @@ class Experts(nn.Module):
             return self._forward_release(x, weights, ids)
         invariant = rows_invariant()
         # batch-invariant: each (row, slot) output kept apart, then combined in slot order (ascending ids)
-        per_slot = torch.empty(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
+        alloc = torch.zeros if self.partial else torch.empty  # another rank's slots stay 0
+        per_slot = alloc(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
         out = None if invariant else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e, slots, rows in self._groups(ids):
             ye = self._expert(e, x[rows])
@@ -46,10 +51,13 @@ class Experts(nn.Module):
     def _groups(self, ids: torch.Tensor):
         """(expert e, its (row, slot) indices into ids.reshape(-1), their rows) for each expert
         that has rows, in ascending id."""
-        k = ids.shape[1]
+        k, n_local = ids.shape[1], self.gate_up_proj.shape[0]
         flat_ids = ids.reshape(-1)
+        if self.partial:  # this rank's experts as 0..n_local-1, every other one as n_local (never run)
+            flat_ids = flat_ids - self.first
+            flat_ids = torch.where((flat_ids >= 0) & (flat_ids < n_local), flat_ids, n_local)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=n_local).tolist()[:n_local]
         offset = 0
         for e, n in enumerate(counts):
             if n:

@@ -70,6 +70,7 @@ class CausalLM(nn.Module):
         self.device = torch.device(device)
         self.tokenizer = None
         self.mtp = None  # an MTP block, where the family has one and the checkpoint holds it
+        self.tp = None  # a kvfold.parallel.TensorParallel when this rank holds a shard of the model
         self.fingerprint = config.fingerprint()
         # on by default wherever it can hold: it costs little (bench/RESULTS.md)
         self.batch_invariant = self.supports_batch_invariance

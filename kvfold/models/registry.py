@@ -57,11 +57,13 @@ def checkpoint_dir(name: str | Path) -> Path | None:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         numerics: str = "hf", weights: str = "dequant"):
+         numerics: str = "hf", weights: str = "dequant", tp: int = 1):
     """`weights`: "dequant" decodes FP8 / FP4 checkpoint weights into `dtype` at load; "quantized" keeps
     them in memory as stored (float8_e4m3fn / packed FP4 bytes + e8m0 scales) and decodes each one for
     the matmul that reads it (routed experts: only the experts a batch uses). Logits are bit-identical
-    either way. Float checkpoint tensors (and "tiny") load as floats either way: nothing is quantized."""
+    either way. Float checkpoint tensors (and "tiny") load as floats either way: nothing is quantized.
+    `tp` > 1: this process's shard of a DeepSeek-V4 checkpoint over the current torch.distributed
+    group of `tp` ranks (kvfold/parallel)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if numerics not in ("hf", "reference"):
@@ -69,6 +71,10 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     directory = checkpoint_dir(path)
+    if tp != 1 and (directory is None or family_of(directory).name != "deepseek_v4"):
+        raise ConfigError(f"tp={tp}: tensor parallelism shards DeepSeek-V4 checkpoint directories (the built-in "
+                          f"'tiny' included); {path} is not one")
     if directory is None:
         return load_tiny(device=device, dtype=dtype, numerics=numerics)
-    return family_of(directory).load(directory, device=device, dtype=dtype, numerics=numerics, weights=weights)
+    kw = {"tp": tp} if tp != 1 else {}
+    return family_of(directory).load(directory, device=device, dtype=dtype, numerics=numerics, weights=weights, **kw)

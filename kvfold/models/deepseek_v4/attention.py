@@ -69,14 +69,19 @@ class Attention(nn.Module):
     # sparse attention kernel's blocked softmax with bf16 probabilities).
     simulate_kv = False
 
-    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None, tp=None):
+        """`tp` (a kvfold.parallel.TensorParallel): hold this rank's share of the query heads (wq_b,
+        sinks) and of the output groups (wo_a, wo_b's input columns); the layer's output is then
+        the sum over ranks. K = V, the compressors and the indexer stay whole on every rank."""
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        parts = tp.size if self.tp is not None else 1
         self.act_dtype = dtype
         self.layer_idx = layer_idx  # which of a state's LayerStates this layer reads
         self.rope_dim = cfg.qk_rope_head_dim
         self.kind = cfg.layer_types[layer_idx]
         self.ratio = cfg.compress_ratios[layer_idx]
-        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads // parts, cfg.head_dim, cfg.sliding_window
         self.eps = cfg.rms_norm_eps
         hid = cfg.hidden_size
         self.q_a_proj = Linear(hid, cfg.q_lora_rank, dtype, device)
@@ -84,10 +89,10 @@ class Attention(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device)
         self.kv_proj = Linear(hid, self.head_dim, dtype, device)
         self.kv_norm = Norm(self.head_dim, cfg.rms_norm_eps, device)
-        self.o_groups = cfg.o_groups
-        self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
-                                      cfg.o_groups, dtype, device)
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, hid, dtype, device)
+        self.o_groups = cfg.o_groups // parts
+        self.o_a_proj = GroupedLinear(self.n_heads * self.head_dim // self.o_groups, self.o_groups * cfg.o_lora_rank,
+                                      self.o_groups, dtype, device)
+        self.o_b_proj = Linear(self.o_groups * cfg.o_lora_rank, hid, dtype, device)
         self.sinks = _param(self.n_heads, dtype=torch.float32, device=device)
         self.compressor: Compressor | None = None
         if self.kind == CSA:
@@ -114,7 +119,8 @@ class Attention(nn.Module):
                 out[seg.rows] = o
         out = apply_rope(out if out.dtype == x.dtype else out.to(x.dtype), cos, sin, inverse=True)
         grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
-        return self.o_b_proj(grouped)
+        y = self.o_b_proj(grouped)
+        return y if self.tp is None else self.tp.all_reduce_sum(y)  # this rank's heads: one part of the sum
 
     def _project(self, x: torch.Tensor, batch: RowBatch, cos: torch.Tensor, sin: torch.Tensor) -> dict:
         """Token-parallel: every projection of every row at once."""

@@ -16,6 +16,7 @@ in memory twice. Every missing, unexpected or mis-shaped tensor is collected and
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import sys
@@ -27,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
+from .sharding import tp_local_expert, tp_skips, tp_slice
 from ...errors import CheckpointError
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
 from .quant_formats import (FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
@@ -229,7 +231,10 @@ def _prepare_slots(model: torch.nn.Module, reader: CheckpointReader, settings: Q
     if getattr(model, "mtp", None) is None and any(is_mtp_key(k) and mtp_target(k) is not None
                                                     for k in reader.weight_keys):
         from .mtp import MtpModule
-        model.mtp = MtpModule(model.config, model.dtype, model.device)
+        model.mtp = MtpModule(model.config, model.dtype, model.device, model.tp)
+    if weights == "quantized" and model.tp is not None:
+        raise CheckpointError("weights='quantized' is not sharded for tensor parallelism yet; load with "
+                              "weights='dequant' (the default) under tp > 1")
     if weights == "quantized":
         _keep_quantized_(model, reader, settings)
     elif any(isinstance(m, QuantizedWeight) for m in model.modules()):
@@ -257,6 +262,15 @@ class _WeightLoader:
         target = _resolve(key)
         if target is None:  # not loaded (see mtp_target)
             return True
+        tp, cfg = self.model.tp, self.model.config
+        if tp_skips(target.name, tp):
+            return True  # another rank's tensor (sharding.py)
+        if target.expert is not None:
+            local = tp_local_expert(target.expert, cfg, tp)
+            if local is None:
+                return True
+            target = dataclasses.replace(target, expert=local)
+        cut = tp_slice(target.name, cfg, tp) if target.expert is None else None
         if target.name not in self.params:
             self.unexpected.append(key)
             return False
@@ -266,6 +280,8 @@ class _WeightLoader:
         if want is None:
             self.unexpected.append(key)
             return False
+        if cut is not None:  # the file holds the whole tensor; this rank keeps want[cut dim] of it
+            want = want[:cut[0]] + (want[cut[0]] * tp.size,) + want[cut[0] + 1:]
         scale_key = self.reader.scales.get(key)
         fmt = self._stored_format(key, scale_key, slot)
         problem = self._shape_problem(key, scale_key, fmt, want)
@@ -273,7 +289,7 @@ class _WeightLoader:
             self.misshaped.append(problem)
             self.seen.add(target.name)  # reported as mis-shaped, not also as missing
             return False
-        self._write(slot, target, rows, fmt, scale_key is not None, read, read_scale)
+        self._write(slot, target, rows, fmt, scale_key is not None, read, read_scale, cut, want)
         if target.expert is None:
             self.seen.add(target.name)
         else:
@@ -305,14 +321,21 @@ class _WeightLoader:
         return None
 
     def _write(self, slot, target: Target, rows: slice | None, fmt: str | None, has_scale: bool,
-               read, read_scale) -> None:
+               read, read_scale, cut=None, whole=None) -> None:
         if isinstance(slot, QuantizedWeight):  # the stored bytes and scale, as they are
             slot.load_(read(), read_scale(), _stored_block(fmt, self.settings), target.expert, rows)
             return
         dest = slot.data
         if target.expert is not None:
             dest = dest[target.expert] if rows is None else dest[target.expert][rows]
-        if has_scale:
+        if cut is not None:  # one whole tensor decoded, this rank's slice kept
+            full = torch.empty(whole, dtype=dest.dtype, device=dest.device)
+            if has_scale:
+                dequant_into(full, read(), read_scale(), self.settings)
+            else:
+                full.copy_(read())
+            dest.copy_(full.narrow(cut[0], cut[1], cut[2] - cut[1]))
+        elif has_scale:
             dequant_into(dest, read(), read_scale(), self.settings)  # decoded straight into the parameter
         else:
             dest.copy_(read())  # one tensor at a time, converted into place

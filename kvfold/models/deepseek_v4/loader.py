@@ -13,6 +13,8 @@ from .config import load_config
 from .model import Dsv4Model
 from .mtp import MtpModule
 from .tiny import init_random_, tiny_config
+from .sharding import tp_counts
+from ...parallel import TensorParallel, check_divides
 
 TINY_SEED = 1234
 
@@ -34,12 +36,18 @@ def load_tiny(device: str | torch.device = "cpu", dtype: torch.dtype = torch.flo
 
 
 def load_dsv4(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-              numerics: str = "hf", weights: str = "dequant") -> Dsv4Model:
+              numerics: str = "hf", weights: str = "dequant", tp: int = 1) -> Dsv4Model:
+    """`tp` > 1: this rank's shard of the model (sharding.py), in the current process group; the
+    config is checked for divisibility before the group or any weight is touched."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"{directory} is not a directory; pass a checkpoint directory or 'tiny'")
     cfg = load_config(directory)
-    model = Dsv4Model(cfg, dtype=dtype, device=device)
+    group = None
+    if tp != 1:
+        check_divides(tp_counts(cfg), tp)
+        group = TensorParallel.current(tp)
+    model = Dsv4Model(cfg, dtype=dtype, device=device, tp=group)
     load_weights(model, directory, weights=weights)
     try:
         model.tokenizer = _tokenizer_for(directory, cfg)

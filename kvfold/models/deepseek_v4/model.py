@@ -23,18 +23,20 @@ from ...state.kv_rows import kv_row_bytes
 from ...state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
 from ...state.rings import PositionRing
 from ..base import Capabilities, CausalLM, Embedding
+from ...parallel import check_divides
+from .sharding import tp_counts
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Dsv4Config, i: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Dsv4Config, i: int, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
         hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(*hc, device=device)
         self.ffn_hc = HyperConnection(*hc, device=device)
         self.input_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.post_attention_layernorm = Norm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.self_attn = Attention(cfg, i, dtype, device)
-        self.mlp = MoE(cfg, i, dtype, device)
+        self.self_attn = Attention(cfg, i, dtype, device, tp)
+        self.mlp = MoE(cfg, i, dtype, device, tp)
 
     def forward(self, streams: torch.Tensor, batch: RowBatch) -> torch.Tensor:
         """streams [R, hc, hidden] of the batch's rows -> the same after this layer."""
@@ -47,10 +49,10 @@ class Block(nn.Module):
 
 
 class Dsv4Body(nn.Module):
-    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, device, tp) for i in range(cfg.num_hidden_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps, device)
 
@@ -60,9 +62,15 @@ class Dsv4Model(CausalLM):
 
     capabilities = Capabilities(fp8_kv=True, pages=True, numerics=("hf", "reference"))
 
-    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp=None):
+        """`tp`: a kvfold.parallel.TensorParallel of more than one rank shards every layer's query
+        heads, output groups and routed experts (sharding.py); None runs the whole model here."""
         super().__init__(cfg, dtype, device)
-        self.model = Dsv4Body(cfg, dtype, self.device)
+        if tp is not None and tp.size > 1:
+            check_divides(tp_counts(cfg), tp.size)
+            self.tp = tp
+        self.model = Dsv4Body(cfg, dtype, self.device, self.tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
         rd = cfg.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)

@@ -60,17 +60,23 @@ def SharedExpert(cfg: Dsv4Config, dtype: torch.dtype, device=None) -> SwiGluMLP:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Dsv4Config, layer_idx: int, dtype: torch.dtype, device=None, tp=None):
+        """`tp` (kvfold.parallel.TensorParallel): hold this rank's contiguous range of routed experts
+        (the router and hash table whole), the shared expert on rank 0 only; the output is the sum
+        over ranks of each rank's routed part (plus rank 0's shared expert)."""
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        e0, e1 = self.tp.span(cfg.n_routed_experts) if self.tp is not None else (0, cfg.n_routed_experts)
         self.gate = Router(cfg, cfg.mlp_layer_types[layer_idx] == "hash_moe", device)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                               dtype, device)
-        self.shared_experts = SharedExpert(cfg, dtype, device) if cfg.n_shared_experts else None
+        self.experts = Experts(e1 - e0, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                               dtype, device, first=e0, total=cfg.n_routed_experts)
+        keep_shared = cfg.n_shared_experts and (self.tp is None or self.tp.rank == 0)
+        self.shared_experts = SharedExpert(cfg, dtype, device) if keep_shared else None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]. A lone fp32 row runs as one native call, whose bits equal the
         batch-invariant path's (native.c's kv_moe_one)."""
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and self.tp is None:
             y = self._native_one(x, token_ids)
             if y is not None:
                 return y
@@ -79,6 +85,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = self._shared_release(x) if self.experts.act_quant else self.shared_experts(x)
             y = y + (shared if shared.dtype == torch.float32 else shared.float())
+        if self.tp is not None:
+            y = self.tp.all_reduce_sum(y)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _shared_release(self, x: torch.Tensor) -> torch.Tensor:

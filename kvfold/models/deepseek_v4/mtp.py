@@ -28,9 +28,9 @@ def mtp_block_config(cfg: Dsv4Config) -> Dsv4Config:
 
 
 class MtpModule(nn.Module):
-    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: Dsv4Config, dtype: torch.dtype, device: torch.device, tp=None):
         super().__init__()
-        from .model import Block  # the same block code as the main model
+        from .model import Block  # the same block code as the main model (sharded the same way under tp)
         self.cfg = mtp_block_config(cfg)
         self.dtype, self.device = dtype, device
         h = cfg.hidden_size
@@ -40,7 +40,7 @@ class MtpModule(nn.Module):
         self.hnorm = Norm(h, cfg.rms_norm_eps, device)
         self.norm = Norm(h, cfg.rms_norm_eps, device)
         self.hc_head = HyperHead(cfg.hc_mult, h, cfg.hc_eps, cfg.rms_norm_eps, device)
-        self.block = Block(self.cfg, 0, dtype, device)
+        self.block = Block(self.cfg, 0, dtype, device, tp)
         self.fingerprint = "mtp-" + self.cfg.fingerprint()[:12]
 
     def new_state(self, capacity: int, max_rewind: int) -> Dsv4State:

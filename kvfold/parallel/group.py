@@ -1,0 +1,104 @@
+"""One process's place in a tensor-parallel group, on torch.distributed.
+
+A model loaded with `tp=N` holds 1/N of the attention heads (and output groups) and of the routed
+experts of every layer; each rank computes its part of a layer's output and `all_reduce_sum` adds
+the N parts. Everything else (embedding, mHC streams, norms, compressors, indexers, KV state,
+lm_head) is replicated.
+
+Why the sum is an all-gather followed by a local sum in rank order, not `dist.all_reduce`: every
+rank then adds the same N tensors in the same order with the same elementwise IEEE additions, so
+every rank holds the same bits by construction (replicated state stays bit-identical across
+ranks), and the order does not depend on which algorithm the backend picks for a collective. It
+moves N times the bytes of a ring all-reduce, which at the sizes of one decode step is latency,
+not bandwidth.
+
+A peer that dies or hangs makes the next collective fail after the group's timeout
+(`init_process_group(timeout=...)`); `all_reduce_sum` and `broadcast_ids` turn that into a
+`TensorParallelError` naming the rank and the timeout, so no rank waits forever.
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from ..errors import ConfigError, KvfoldError
+
+
+class TensorParallelError(KvfoldError):
+    """A collective of the tensor-parallel group failed: a peer died, hung past the timeout or left."""
+
+
+def check_divides(what: dict[str, int], size: int) -> None:
+    """ConfigError, before anything is loaded, unless `size` divides every count in `what`; the
+    message lists the sizes that would."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"tp must be an int >= 1, got {size!r}")
+    bad = {k: v for k, v in what.items() if v % size}
+    if bad:
+        common = [d for d in range(1, max(what.values()) + 1) if all(v % d == 0 for v in what.values())]
+        raise ConfigError(f"tp={size} does not divide " + ", ".join(f"{k} ({v})" for k, v in bad.items())
+                          + f"; tensor parallelism over this config needs tp in {common}")
+
+
+class TensorParallel:
+    """rank, size and the collectives the sharded layers use (module docstring)."""
+
+    def __init__(self, rank: int, size: int, group=None, timeout_s: float | None = None):
+        self.rank, self.size, self.group = rank, size, group
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def current(cls, size: int) -> "TensorParallel":
+        """This process's place in the default process group, which must have `size` ranks."""
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError(f"tp={size} needs a torch.distributed process group: start the ranks with torchrun "
+                              f"(torchrun --nproc-per-node {size} -m kvfold ...) or call "
+                              f"torch.distributed.init_process_group first")
+        if dist.get_world_size() != size:
+            raise ConfigError(f"tp={size} but the process group has {dist.get_world_size()} ranks; start "
+                              f"{size} ranks or pass tp={dist.get_world_size()}")
+        return cls(dist.get_rank(), size)
+
+    def span(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous share [lo, hi) of n items (n divisible by size)."""
+        per = n // self.size
+        return self.rank * per, (self.rank + 1) * per
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, the same bits on every rank (module docstring)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        try:
+            dist.all_gather(parts, x, group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("all-gather", exc) from None
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def broadcast_ids(self, ids: list[int]) -> list[int]:
+        """Rank 0's `ids` on every rank (the tokens rank 0 chose)."""
+        if self.size == 1:
+            return list(ids)
+        import torch.distributed as dist
+        box = [list(ids) if self.rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("broadcast", exc) from None
+        return list(box[0])
+
+    def _failed(self, what: str, exc: Exception) -> TensorParallelError:
+        return TensorParallelError(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} (a peer died, "
+                                   f"hung past the process group's timeout or left): {exc}")
+
+
+def default_timeout() -> datetime.timedelta:
+    """The process-group timeout kvfold's launchers use: a dead peer ends the group within it."""
+    return datetime.timedelta(seconds=120)

@@ -1,0 +1,149 @@
+"""Tensor and expert parallelism on torch.distributed (gloo, CPU; kvfold/parallel): DeepSeek-V4
+sharded over 2 and 4 ranks gives the logits of one process within 1e-5 (prefill, chunked prefill,
+decode), the same greedy tokens, replicated state bit-identical on every rank, and snapshots that
+restore across layouts. Ranks are spawned processes (not forked), each test with its own group
+and a timeout, so a hang fails the test instead of stalling CI."""
+import json
+import multiprocessing
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kvfold
+from kvfold.models.deepseek_v4.checkpoint import save_checkpoint
+from kvfold.models.deepseek_v4.model import Dsv4Model
+from kvfold.models.deepseek_v4.mtp import MtpModule
+from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
+from helpers import random_ids
+
+TIMEOUT_S = 240  # a whole spawned group, startup included; the group's own collective timeout is 60 s
+PROMPT = 40
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The tiny DeepSeek-V4 with 4 output groups (so 1, 2 and 4 ranks divide heads, groups and experts)."""
+    cfg = tiny_config(o_groups=4)
+    model = Dsv4Model(cfg)
+    model.mtp = MtpModule(cfg, model.dtype, model.device)
+    init_random_(model, 7)
+    return save_checkpoint(model, tmp_path_factory.mktemp("tp_ckpt"))
+
+
+def scenario(model, ids):
+    """What every layout runs: prefill, chunked prefill, decode, greedy generation."""
+    st = model.new_state(capacity=80, max_rewind=4)
+    full = model.forward(ids[:PROMPT], st)
+    chunked_st = model.new_state(capacity=80)
+    chunked = torch.cat([model.forward(ids[:17], chunked_st), model.forward(ids[17:PROMPT], chunked_st)])
+    decode = torch.cat([model.forward(ids[PROMPT + i:PROMPT + i + 1], st) for i in range(5)])
+    tokens = kvfold.generate(model, ids[:PROMPT].tolist(), 12, stop_ids=[]).tokens
+    spec = kvfold.generate(model, ids[:PROMPT].tolist(), 12, stop_ids=[], speculative="mtp", num_draft=2).tokens
+    return dict(full=full, chunked=chunked, decode=decode), tokens, spec, st
+
+
+def _worker(rank: int, size: int, ckpt: str, out: str, mode: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+    try:
+        if mode == "die" and rank == 1:
+            os._exit(3)  # a rank that dies before the first collective
+        model = kvfold.load_model(ckpt, tp=size)
+        ids = random_ids(60, model.config.vocab_size, seed=3)
+        if mode == "die":
+            try:
+                model.forward(ids[:5], model.new_state(capacity=8))
+                result = "no error"
+            except kvfold.KvfoldError as exc:
+                result = f"{type(exc).__name__}: {exc}"
+            Path(out, "die.json").write_text(json.dumps(result))
+            return
+        attn, moe = model.model.layers[2].self_attn, model.model.layers[2].mlp
+        Path(out, f"shard{rank}.json").write_text(json.dumps(dict(
+            params=sum(p.numel() for p in model.parameters()), heads=attn.n_heads, q_b=attn.q_b_proj.weight.shape[0],
+            experts=moe.experts.gate_up_proj.shape[0], first=moe.experts.first, shared=moe.shared_experts is not None)))
+        logits, tokens, spec, st = scenario(model, ids)
+        save_file(logits, f"{out}/logits{rank}.safetensors")
+        Path(out, f"state{rank}.bin").write_bytes(st.snapshot())
+        Path(out, f"tokens{rank}.json").write_text(json.dumps([tokens, spec]))
+        blob = Path(out, "tp1.bin").read_bytes()  # a TP = 1 snapshot, continued here
+        other = model.new_state(capacity=80, max_rewind=4)
+        other.restore(blob)
+        save_file({"cont": model.forward(ids[PROMPT + 5:PROMPT + 8], other)}, f"{out}/cont{rank}.safetensors")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(size: int, ckpt: Path, out: Path, mode: str = "run") -> list[int]:
+    """Spawn `size` ranks; their exit codes (the test fails if the group outlives TIMEOUT_S)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, size, str(ckpt), str(out), mode)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} ranks still running after {TIMEOUT_S} s"
+    return [p.exitcode for p in procs]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    model = kvfold.load_model(ckpt)
+    ids = random_ids(60, model.config.vocab_size, seed=3)
+    logits, tokens, spec, st = scenario(model, ids)
+    assert tokens == spec  # MTP drafts change nothing (tests/test_speculative.py)
+    return model, ids, logits, tokens, st.snapshot()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_logits_tokens_state_and_snapshots_match_one_process(ckpt, reference, tmp_path, size):
+    model, ids, want, tokens, blob = reference
+    (tmp_path / "tp1.bin").write_bytes(blob)
+    assert run_group(size, ckpt, tmp_path) == [0] * size
+    cfg, full = model.config, sum(p.numel() for p in model.parameters())
+    for r in range(size):  # each rank holds its heads and experts only, the shared expert on rank 0
+        shard = json.loads((tmp_path / f"shard{r}.json").read_text())
+        assert shard["heads"] == cfg.num_attention_heads // size and shard["q_b"] == shard["heads"] * cfg.head_dim
+        assert shard["experts"] == cfg.n_routed_experts // size and shard["first"] == r * shard["experts"]
+        assert shard["shared"] == (r == 0) and shard["params"] < full
+    for r in range(size):
+        got = load_file(str(tmp_path / f"logits{r}.safetensors"))
+        for k, w in want.items():
+            assert (got[k] - w).abs().max().item() < 1e-5, (r, k)
+        assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, tokens]
+    # the replicated state (all of V4's: K = V, compressors, indexers) holds the same bits on every rank
+    states = [(tmp_path / f"state{r}.bin").read_bytes() for r in range(size)]
+    assert all(s == states[0] for s in states)
+    # and the blob is layout-free: TP = size's restores at TP = 1 and continues as TP = 1 does
+    here = model.new_state(capacity=80, max_rewind=4)
+    here.restore(states[0])
+    mine = model.new_state(capacity=80, max_rewind=4)
+    mine.restore(blob)
+    cont_here = model.forward(ids[PROMPT + 5:PROMPT + 8], here)
+    assert (cont_here - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < 1e-5
+    for r in range(size):  # TP = 1's restores at TP = size
+        got = load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"]
+        assert (got - cont_here).abs().max().item() < 1e-5
+
+
+def test_a_dead_rank_ends_the_group_with_a_clear_error(ckpt, tmp_path):
+    codes = run_group(2, ckpt, tmp_path, mode="die")
+    assert codes[1] == 3
+    msg = json.loads((tmp_path / "die.json").read_text())
+    assert msg.startswith("TensorParallelError") and "rank 0 of 2" in msg
+
+
+def test_a_config_that_does_not_divide_is_refused_before_loading(ckpt):
+    with pytest.raises(kvfold.ConfigError, match=r"tp=3 does not divide .*needs tp in \[1, 2, 4\]"):
+        kvfold.load_model(ckpt, tp=3)
+    with pytest.raises(kvfold.ConfigError, match="process group"):  # divides, but no group was started
+        kvfold.load_model(ckpt, tp=2)
