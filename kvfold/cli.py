@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from typing import Any, Sequence
 
@@ -30,6 +31,13 @@ def _load_model(path: str, device: str, dtype: torch.dtype, numerics: str = "hf"
 
 
 def _load_for(args: argparse.Namespace) -> Any:
+    tp = getattr(args, "tp", 1)
+    if tp > 1:  # this process is one rank of a torchrun launch
+        import kvfold
+        from .parallel.group import join_group
+        join_group(tp, args.device)
+        return kvfold.load_model(args.model, device=args.device, dtype=_DTYPES[args.dtype], numerics=args.numerics,
+                                 weights=args.weights, tp=tp)
     if args.numerics == "hf" and args.weights == "dequant":  # (tests patch a 3-argument _load_model)
         return _load_model(args.model, args.device, _DTYPES[args.dtype])
     return _load_model(args.model, args.device, _DTYPES[args.dtype], args.numerics, args.weights)
@@ -65,6 +73,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="write the state and token history to FILE when done (atomically)")
     g.add_argument("--load-session", metavar="FILE", default=None,
                    help="continue the conversation saved in FILE; --prompt is appended to it")
+    g.add_argument("--tp", type=_pos_int, default=1,
+                   help="shard the model over N ranks (DeepSeek-V4): run as torchrun --nproc-per-node N -m kvfold "
+                        "generate ... --tp N; rank 0 prints")
     _add_model_args(g)
 
     i = sub.add_parser("inspect", help="print the layer schedule and state sizes of a model")
@@ -113,7 +124,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             ids, state, history = _fresh_prompt(args, model)
         decoder = model.tokenizer.stream_decoder()
-        out = sys.stdout
+        tp = getattr(model, "tp", None)
+        lead = tp is None or tp.rank == 0  # under --tp every rank runs the loop; rank 0 writes
+        out = sys.stdout if lead else io.StringIO()
         result = generate(
             model,
             ids,
@@ -131,7 +144,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         out.write(decoder.flush() + "\n")
         out.write(_generate_summary(args, model, result) + "\n")
         out.flush()
-        if args.save_session:
+        if args.save_session and lead:  # the state is replicated: rank 0's blob is every rank's
             consumed, pending = sess.split_history(list(history) + ids, result.tokens)
             sess.save_session(args.save_session, state, consumed, pending)
             print(f"[kvfold] session saved to {args.save_session} ({len(consumed)} tokens)", file=sys.stderr)

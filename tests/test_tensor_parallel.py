@@ -147,3 +147,22 @@ def test_a_config_that_does_not_divide_is_refused_before_loading(ckpt):
         kvfold.load_model(ckpt, tp=3)
     with pytest.raises(kvfold.ConfigError, match="process group"):  # divides, but no group was started
         kvfold.load_model(ckpt, tp=2)
+
+
+def test_torchrun_generate_with_tp_prints_what_one_process_prints(tmp_path):
+    """`torchrun --nproc-per-node 2 -m kvfold generate --model tiny --tp 2`: the trained built-in
+    model sharded over two ranks; rank 0 prints the text one process prints."""
+    import shutil
+    import subprocess
+    import sys
+    args = ["generate", "--model", "tiny", "--prompt", "The with statement is used to", "--max-new-tokens", "16"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one = subprocess.run([sys.executable, "-m", "kvfold", *args], capture_output=True, text=True, env=env,
+                         timeout=TIMEOUT_S)
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    two = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "kvfold", *args, "--tp", "2"],
+                         capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    text = lambda out: out.split("[kvfold] prompt")[0]  # noqa: E731  (the summary line's speeds differ)
+    assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) > 20
+    assert two.stdout.count("[kvfold] prompt") == 1  # one rank wrote

@@ -102,3 +102,22 @@ class TensorParallel:
 def default_timeout() -> datetime.timedelta:
     """The process-group timeout kvfold's launchers use: a dead peer ends the group within it."""
     return datetime.timedelta(seconds=120)
+
+
+def join_group(size: int, device: str) -> None:
+    """Join the process group of a `torchrun --nproc-per-node N -m kvfold ... --tp N` launch (its
+    env:// rendezvous, multi-node included), unless the process already belongs to one: gloo on the
+    CPU, NCCL on CUDA, with `default_timeout()`."""
+    import os
+
+    import torch.distributed as dist
+    if size == 1 or (dist.is_available() and dist.is_initialized()):
+        return
+    if "WORLD_SIZE" not in os.environ:
+        raise ConfigError(f"--tp {size} runs one process per rank: start it as torchrun --nproc-per-node {size} "
+                          f"-m kvfold ... --tp {size} (add torchrun's --nnodes/--node-rank/--rdzv-endpoint "
+                          f"arguments for several machines)")
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=default_timeout())
