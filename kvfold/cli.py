@@ -91,6 +91,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from .server import add_serve_parser
     add_serve_parser(sub)
+    from .plan import add_plan_parser
+    add_plan_parser(sub)
     from .bench import add_bench_parser
     add_bench_parser(sub)
 
@@ -293,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from .bench import run_bench
             return run_bench(args)
+        if args.command == "plan":
+            from .plan import run_plan
+            return run_plan(args)
         if args.command == "serve":
             from .server import run_serve
             return run_serve(args)
