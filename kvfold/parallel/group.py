@@ -47,6 +47,7 @@ class TensorParallel:
     def __init__(self, rank: int, size: int, group=None, timeout_s: float | None = None):
         self.rank, self.size, self.group = rank, size, group
         self.timeout_s = timeout_s
+        self.reduced_bytes = 0  # bytes of the tensors summed so far (each rank's payload)
 
     @classmethod
     def current(cls, size: int) -> "TensorParallel":
@@ -72,6 +73,7 @@ class TensorParallel:
             return x
         import torch.distributed as dist
         x = x.contiguous()
+        self.reduced_bytes += x.nbytes
         parts = [torch.empty_like(x) for _ in range(self.size)]
         try:
             dist.all_gather(parts, x, group=self.group)
