@@ -166,3 +166,74 @@ def test_torchrun_generate_with_tp_prints_what_one_process_prints(tmp_path):
     text = lambda out: out.split("[kvfold] prompt")[0]  # noqa: E731  (the summary line's speeds differ)
     assert text(two.stdout) == text(one.stdout) and len(text(one.stdout)) > 20
     assert two.stdout.count("[kvfold] prompt") == 1  # one rank wrote
+
+
+LONG = " ".join(f"Entry {i}: a context manager defines __enter__ and __exit__." for i in range(24))
+QUERIES = [dict(prompt="The with statement is used to", max_tokens=12, temperature=0),
+           dict(prompt=LONG, max_tokens=6, temperature=0),
+           dict(prompt=LONG + " The", max_tokens=6, temperature=0),  # a prefix-cache hit
+           dict(prompt="Return the", max_tokens=8, n=2, temperature=0.9, seed=5),
+           dict(prompt="x", max_tokens=8, temperature=0.8)]  # no seed: rank 0 draws it for every rank
+
+
+def ask(url):
+    import openai
+    c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=120)
+    out = []
+    for q in QUERIES:
+        r = c.completions.create(model="tiny", **q)
+        out.append([[ch.text for ch in r.choices], r.usage.completion_tokens,
+                    r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0])
+    try:
+        c.completions.create(model="tiny", prompt="x", max_tokens=10 ** 6)
+        out.append("no error")
+    except openai.BadRequestError as exc:
+        out.append([exc.status_code, exc.body["type"]])
+    return out
+
+
+def _serve_worker(rank: int, size: int, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+    from kvfold import Engine
+    from kvfold.server.app import create_app
+    from helpers import serving
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+    try:
+        engine = Engine(kvfold.load_model(ckpt, tp=size), max_seq_len=512, max_running=4)
+        if rank != 0:
+            engine.follow()  # until rank 0's app shuts down
+            Path(out, f"followed{rank}.json").write_text(json.dumps(engine.metrics()["generation_tokens"]))
+            return
+        with serving(create_app(engine, model_name="tiny", api_key="k")) as url:
+            Path(out, "answers.json").write_text(json.dumps(ask(url)))
+        Path(out, "served.json").write_text(json.dumps(engine.metrics()["generation_tokens"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kvfold_serve_under_tp_answers_the_openai_client_as_one_process(tmp_path):
+    """Rank 0 serves HTTP and schedules, rank 1 follows: greedy, sampled (seeded and not), n = 2 and
+    prefix-cache answers equal a one-process server's; a bad request keeps OpenAI's error shape; at
+    shutdown the follower stops with the same token count."""
+    from kvfold import Engine
+    from kvfold.server.app import create_app
+    from helpers import serving
+    from kvfold.models.registry import TINY_DIR as ckpt
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_serve_worker, args=(r, 2, str(ckpt), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    assert not any(p.is_alive() for p in procs) and [p.exitcode for p in procs] == [0, 0]
+    got = json.loads((tmp_path / "answers.json").read_text())
+    with serving(create_app(Engine(kvfold.load_model(ckpt), max_seq_len=512, max_running=4), model_name="tiny",
+                            api_key="k")) as url:
+        want = ask(url)
+    # every answer but the unseeded one (its seed is drawn per server) is the one-process answer
+    assert got[:4] == want[:4] and got[5] == want[5] == [400, "invalid_request_error"]
+    assert got[2][2] > 0  # the prefix-cache hit under tp
+    assert got[4][1] == 8 and len(got[3][0]) == 2
+    assert json.loads((tmp_path / "served.json").read_text()) == json.loads((tmp_path / "followed1.json").read_text())

@@ -126,16 +126,18 @@ class AsyncEngine:
     def _run(self) -> None:
         published = time.monotonic()
         while True:
+            beat = getattr(self.engine, "heartbeat_s", None)  # tensor parallel: step at least this often
             with self._cv:
                 while not self._stop and not self._inbox and not self.engine.has_unfinished():
-                    self._cv.wait()
+                    if not self._cv.wait(timeout=beat) and beat is not None:
+                        break  # an empty step, so the follower ranks hear from rank 0 (engine/replicas.py)
                 if self._stop:
                     break
                 ops, self._inbox = self._inbox, []
             for op in ops:
                 op()
             try:
-                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                outputs = self.engine.step() if self.engine.has_unfinished() or beat is not None else []
             except Exception as exc:  # a bug, not a request's fault: end every request, keep serving
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine step failed: {exc!r}")
@@ -151,6 +153,9 @@ class AsyncEngine:
         for op in ops:
             op()
         outputs = self._fail_all("the server is shutting down")
+        stop = getattr(self.engine, "stop_followers", None)
+        if stop is not None:
+            stop()
         self._metrics = self.engine.metrics()
         self._dispatch(outputs)
 

@@ -26,6 +26,7 @@ from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, S
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
+from .replicas import HEARTBEAT_S, EngineReplicas
 from .speculation import EngineSpeculation
 
 BLOCK = 128  # snapshot and prefix boundaries: no HCA partial state there, and a multiple of the k-pool
@@ -78,6 +79,9 @@ class Engine:
         if limit is not None and max_seq_len > limit:
             raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
         self.spec = EngineSpeculation(model, speculative, num_draft) if speculative is not None else None
+        # under tensor parallelism rank 0 schedules and the other ranks follow (replicas.py)
+        self._replicas = EngineReplicas(self, model.tp) if getattr(model, "tp", None) is not None else None
+        self.heartbeat_s = HEARTBEAT_S if self._replicas is not None else None
         self.max_rewind = self.spec.max_rewind if self.spec is not None else 0
         self.model = model
         model.set_batch_invariant(model.supports_batch_invariance if batch_invariant is None else batch_invariant)
@@ -126,6 +130,9 @@ class Engine:
         Cancelling the first choice before its prefill ends stops its output only: its prefill
         still runs for the others."""
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
+        if self._replicas is not None and self._replicas.leader:
+            params = self._replicas.prepare(list(params))
+            prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
         named = [i for i in ids if i is not None]
         if not params or len(ids) != len(params) or len(set(named)) < len(named):
             raise InvalidRequestError("add_choices needs one or more params and, if given, as many distinct ids")
@@ -144,7 +151,10 @@ class Engine:
             self._seqs[seq.request_id] = seq
         self._c["requests_added"] += len(seqs)
         self._c["prompt_tokens"] += len(leader.prompt)
-        return [seq.request_id for seq in seqs]
+        rids = [seq.request_id for seq in seqs]
+        if self._replicas is not None:
+            self._replicas.record("add", list(leader.prompt), list(params), rids)
+        return rids
 
     def _make_sequence(self, prompt_ids, params, request_id) -> Sequence:
         params = SamplingParams() if params is None else params
@@ -220,6 +230,8 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        if self._replicas is not None:
+            self._replicas.record("cancel", request_id)
         self._c["requests_cancelled"] += 1
         leader = seq.leader
         if leader is not None and seq in leader.followers:  # not started yet: give back its reservation
@@ -245,6 +257,8 @@ class Engine:
         """Drop every prefix-cache entry; pages only the cache held go back to the pool."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self._replicas is not None:
+            self._replicas.record("clear")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -252,7 +266,26 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit what fits, run one batched forward, choose tokens. Returns one output per
-        request that produced a token, finished, or failed this step."""
+        request that produced a token, finished, or failed this step. Under tensor parallelism
+        every rank steps together: rank 0's changes since the last step first, its tokens after."""
+        if self._replicas is None:
+            return self._step()
+        if not self._replicas.sync_ops():
+            return []
+        outputs = self._step()
+        self._replicas.agree(outputs)
+        return outputs
+
+    def follow(self) -> None:
+        """A follower rank (tp rank > 0): step as rank 0 says until it stops (`stop_followers`)."""
+        self._replicas.follow()
+
+    def stop_followers(self) -> None:
+        """Rank 0 under tensor parallelism: end the followers' loops (at shutdown); else nothing."""
+        if self._replicas is not None:
+            self._replicas.stop()
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for seq in self.scheduler.admit(self._group_bytes, self._pages_fit):
             self._start(seq, outputs)

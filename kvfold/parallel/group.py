@@ -96,6 +96,19 @@ class TensorParallel:
             raise self._failed("broadcast", exc) from None
         return list(box[0])
 
+    def broadcast_objects(self, obj):
+        """Rank 0's `obj` (picklable: the engine's step log) on every rank. Pickled between the
+        ranks of this one program's process group, never from outside it."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+        box = [obj if self.rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        except RuntimeError as exc:
+            raise self._failed("broadcast", exc) from None
+        return box[0]
+
     def _failed(self, what: str, exc: Exception) -> TensorParallelError:
         return TensorParallelError(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} (a peer died, "
                                    f"hung past the process group's timeout or left): {exc}")

@@ -54,31 +54,45 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "MTP layer and verifies in the batched step (default: none)")
     p.add_argument("--num-draft", type=_int_at_least(1), default=4,
                    help="most draft tokens per sequence and step with --speculative (default 4)")
+    p.add_argument("--tp", type=_int_at_least(1), default=1,
+                   help="shard the model over N ranks (DeepSeek-V4): torchrun --nproc-per-node N -m kvfold serve "
+                        "... --tp N; rank 0 serves HTTP and schedules, the others follow")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
     return p
 
 
-def build_app(args: argparse.Namespace):
-    """Load the model and build the app `kvfold serve` runs (separate from run_serve for tests)."""
+def build_engine(args: argparse.Namespace):
+    """The engine `kvfold serve` runs: on every rank under --tp (a torchrun launch)."""
     import torch
 
     import kvfold
     from ..engine import Engine
     from ..errors import KvfoldError
+    tp = getattr(args, "tp", 1)
+    if tp > 1:
+        from ..parallel.group import join_group
+        join_group(tp, args.device)
+    model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                              **({"tp": tp} if tp > 1 else {}))
+    try:
+        return Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
+                      max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
+                      max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
+                      kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
+                      speculative=args.speculative, num_draft=args.num_draft)
+    except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
+        raise KvfoldError(f"serve: {exc}") from None
+
+
+def build_app(args: argparse.Namespace):
+    """Load the model and build the app `kvfold serve` runs (separate from run_serve for tests)."""
     from .app import create_app
     from ..models.registry import BUILT_IN, checkpoint_dir, family_of
     from ..chat.template import ChatTemplate
 
-    model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
-    try:
-        engine = Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
-                        max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
-                        max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
-                        kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
-                        speculative=args.speculative, num_draft=args.num_draft)
-    except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
-        raise KvfoldError(f"serve: {exc}") from None
+    engine = build_engine(args)
+    model = engine.model
     model_dir = checkpoint_dir(args.model)
     name = args.served_model_name or (args.model if args.model in BUILT_IN
                                       else os.path.basename(os.path.normpath(args.model)))
@@ -92,6 +106,14 @@ def run_serve(args: argparse.Namespace) -> int:
     """`kvfold serve`: run until interrupted. Returns the exit status."""
     import uvicorn
 
+    if getattr(args, "tp", 1) > 1:
+        import torch.distributed as dist
+        from ..parallel.group import join_group
+        join_group(args.tp, args.device)
+        if dist.get_rank() != 0:  # a follower: no HTTP, the same engine steps as rank 0's
+            build_engine(args).follow()
+            dist.destroy_process_group()
+            return 0
     app = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
