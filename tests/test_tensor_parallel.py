@@ -19,6 +19,7 @@ from kvfold.models.deepseek_v4.model import Dsv4Model
 from kvfold.models.deepseek_v4.mtp import MtpModule
 from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
 from helpers import random_ids
+from test_glm5_mtp import mtp_pair  # noqa: F401  (a GLM-5.3 checkpoint with its MTP layer)
 
 TIMEOUT_S = 240  # a whole spawned group, startup included; the group's own collective timeout is 60 s
 PROMPT = 40
@@ -65,9 +66,18 @@ def _worker(rank: int, size: int, ckpt: str, out: str, mode: str) -> None:
             Path(out, "die.json").write_text(json.dumps(result))
             return
         attn, moe = model.model.layers[2].self_attn, model.model.layers[2].mlp
-        Path(out, f"shard{rank}.json").write_text(json.dumps(dict(
-            params=sum(p.numel() for p in model.parameters()), heads=attn.n_heads, q_b=attn.q_b_proj.weight.shape[0],
-            experts=moe.experts.gate_up_proj.shape[0], first=moe.experts.first, shared=moe.shared_experts is not None)))
+        if mode == "glm":
+            st0 = model.new_state(capacity=8)
+            Path(out, f"shard{rank}.json").write_text(json.dumps(dict(
+                kda=model.kda_heads, rec=list(st0.layers[0].rec.shape), mla=model.model.layers[1].self_attn.nh,
+                experts=model.model.layers[1].mlp.experts.gate_up_proj.shape[0])))
+            st0.free()
+        if mode == "run":  # (DeepSeek-V4's attribute names)
+            Path(out, f"shard{rank}.json").write_text(json.dumps(dict(
+                params=sum(p.numel() for p in model.parameters()), heads=attn.n_heads,
+                q_b=attn.q_b_proj.weight.shape[0],
+                experts=moe.experts.gate_up_proj.shape[0], first=moe.experts.first,
+                shared=moe.shared_experts is not None)))
         logits, tokens, spec, st = scenario(model, ids)
         save_file(logits, f"{out}/logits{rank}.safetensors")
         Path(out, f"state{rank}.bin").write_bytes(st.snapshot())
@@ -237,3 +247,36 @@ def test_kvfold_serve_under_tp_answers_the_openai_client_as_one_process(tmp_path
     assert got[2][2] > 0  # the prefix-cache hit under tp
     assert got[4][1] == 8 and len(got[3][0]) == 2
     assert json.loads((tmp_path / "served.json").read_text()) == json.loads((tmp_path / "followed1.json").read_text())
+
+
+
+def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(mtp_pair, tmp_path):
+    """GLM-5.3 at TP = 2: KDA and MLA heads and routed experts split, the KDA state with its heads;
+    logits within 1e-5 of one process, the same greedy tokens with and without MTP drafting, and a
+    snapshot gathered into the whole layer's layout: equal on both ranks, restorable at TP = 1, and
+    a TP = 1 snapshot restores at TP = 2."""
+    _, _, model, d = mtp_pair
+    ids = random_ids(60, model.config.vocab_size, seed=3)
+    want, tokens, spec, st = scenario(model, ids)
+    assert tokens == spec
+    (tmp_path / "tp1.bin").write_bytes(st.snapshot())
+    assert run_group(2, d, tmp_path, mode="glm") == [0, 0]
+    for r in range(2):
+        got = load_file(str(tmp_path / f"logits{r}.safetensors"))
+        for k, w in want.items():
+            assert (got[k] - w).abs().max().item() < 1e-5, (r, k)
+        assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, tokens]
+    cfg = model.config
+    for r in range(2):  # each rank holds half the heads (and their KDA state) and half the experts
+        shard = json.loads((tmp_path / f"shard{r}.json").read_text())
+        assert shard["kda"] == cfg.linear_num_heads // 2 and shard["rec"][0] == shard["kda"]
+        assert shard["mla"] == cfg.num_attention_heads // 2 and shard["experts"] == cfg.n_routed_experts // 2
+    states = [(tmp_path / f"state{r}.bin").read_bytes() for r in range(2)]
+    assert states[0] == states[1]
+    here, mine = model.new_state(capacity=80, max_rewind=4), model.new_state(capacity=80, max_rewind=4)
+    here.restore(states[0])
+    mine.restore((tmp_path / "tp1.bin").read_bytes())
+    cont = model.forward(ids[PROMPT + 5:PROMPT + 8], here)
+    assert (cont - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < 1e-5
+    for r in range(2):
+        assert (load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"] - cont).abs().max().item() < 1e-5

@@ -62,8 +62,8 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     them in memory as stored (float8_e4m3fn / packed FP4 bytes + e8m0 scales) and decodes each one for
     the matmul that reads it (routed experts: only the experts a batch uses). Logits are bit-identical
     either way. Float checkpoint tensors (and "tiny") load as floats either way: nothing is quantized.
-    `tp` > 1: this process's shard of a DeepSeek-V4 checkpoint over the current torch.distributed
-    group of `tp` ranks (kvfold/parallel)."""
+    `tp` > 1: this process's shard of the checkpoint over the current torch.distributed group of
+    `tp` ranks (kvfold/parallel; what each rank holds: each family's sharding.py)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if numerics not in ("hf", "reference"):
@@ -71,9 +71,9 @@ def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtyp
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     directory = checkpoint_dir(path)
-    if tp != 1 and (directory is None or family_of(directory).name != "deepseek_v4"):
-        raise ConfigError(f"tp={tp}: tensor parallelism shards DeepSeek-V4 checkpoint directories (the built-in "
-                          f"'tiny' included); {path} is not one")
+    if tp != 1 and directory is None:
+        raise ConfigError(f"tp={tp}: tensor parallelism shards checkpoint directories (the built-in 'tiny' "
+                          f"included); {path} is not one")
     if directory is None:
         return load_tiny(device=device, dtype=dtype, numerics=numerics)
     kw = {"tp": tp} if tp != 1 else {}

@@ -71,18 +71,25 @@ class TensorParallel:
         """The sum of every rank's `x`, the same bits on every rank (module docstring)."""
         if self.size == 1:
             return x
+        self.reduced_bytes += x.nbytes
+        parts = self.gather(x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out += p
+        return out
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (equal shapes), in rank order, on every rank."""
+        if self.size == 1:
+            return [x]
         import torch.distributed as dist
         x = x.contiguous()
-        self.reduced_bytes += x.nbytes
         parts = [torch.empty_like(x) for _ in range(self.size)]
         try:
             dist.all_gather(parts, x, group=self.group)
         except RuntimeError as exc:
             raise self._failed("all-gather", exc) from None
-        out = parts[0].clone()
-        for p in parts[1:]:
-            out += p
-        return out
+        return parts
 
     def broadcast_ids(self, ids: list[int]) -> list[int]:
         """Rank 0's `ids` on every rank (the tokens rank 0 chose)."""

@@ -30,6 +30,8 @@ from ..deepseek_v4.quant_formats import FP8, QuantSettings, dequant_into, expect
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
 from .mtp import Glm5Mtp
+from .sharding import tp_counts, tp_local_expert, tp_skips, tp_slice
+from ...parallel import TensorParallel, check_divides
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.")
 _VISION_MARKERS = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.")
@@ -171,6 +173,19 @@ def _keep_fp8_resident(model: Glm5Model, reader: CheckpointReader, block: tuple[
         hold_quantized(model, name, FP8, stored, [sd for _, _, sd in parts])
 
 
+def _sliced(read, read_scale, whole: tuple, cut: tuple[int, int, int], settings, dtype, device):
+    """A reader of this rank's slice of a whole tensor: decoded whole (FP8 with its scale, or as
+    stored), one tensor at a time, then narrowed."""
+    def one() -> torch.Tensor:
+        full = torch.empty(whole, dtype=dtype, device=device)
+        if read_scale is not None:
+            dequant_into(full, read(), read_scale(), settings)
+        else:
+            full.copy_(read())
+        return full.narrow(cut[0], cut[1], cut[2] - cut[1])
+    return one
+
+
 def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
     """Fill `model` from a checkpoint directory (its FP8 weights decoded into the model's float slots,
     or copied into the `QuantizedWeight`s that replaced them)."""
@@ -186,7 +201,7 @@ def _add_mtp_if_stored(model: Glm5Model, reader: CheckpointReader) -> None:
     """Build the MTP layer (mtp.py) when the checkpoint stores layer num_hidden_layers, so its
     tensors have slots; the load then requires every one of them."""
     if any(name.startswith("mtp.") for _, name in _text_tensors(reader, model.config.num_hidden_layers)):
-        model.mtp = Glm5Mtp(model.config, model.dtype, model.device)
+        model.mtp = Glm5Mtp(model.config, model.dtype, model.device, model.tp)
 
 
 @torch.no_grad()
@@ -201,6 +216,14 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
     n_vision = 0
 
     def put(key: str, slot: _Slot, read, read_scale) -> None:
+        if tp_skips(slot.name, model.tp):
+            return  # another rank's tensor (sharding.py)
+        if slot.expert is not None:
+            local = tp_local_expert(slot.expert, cfg, model.tp)
+            if local is None:
+                return
+            slot = slot._replace(expert=local)
+        cut = tp_slice(slot.name, cfg, model.tp) if slot.expert is None else None
         target = slots.get(slot.name)
         if target is None:
             raise CheckpointError(f"checkpoint tensor {key} ({slot.name}) has no place in the glm5_next model")
@@ -210,6 +233,11 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
                 raise CheckpointError(f"checkpoint expert tensor {key} has no place in the glm5_next model "
                                       f"({want[0] if want else 0} experts)")
             want = (cfg.moe_intermediate_size,) + want[2:] if rows is not None else want[1:]
+        if cut is not None:  # the file holds the whole tensor; this rank keeps its slice
+            want = want[:cut[0]] + (want[cut[0]] * model.tp.size,) + want[cut[0] + 1:]
+            read = _sliced(read, read_scale if key in reader.scales else None, want, cut, settings,
+                           target.dtype, target.device)
+            read_scale = None
         stored = tuple(reader.entries[key].shape)
         if stored != want:
             raise CheckpointError(f"{key}: checkpoint shape {stored}, model expects {want}")
@@ -218,7 +246,7 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
         else:
             dest = target.data if slot.expert is None else target.data[slot.expert]
             dest = dest if rows is None else dest[rows]
-            if key in reader.scales:
+            if key in reader.scales and read_scale is not None:
                 dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
             else:
                 dest.copy_(read())  # converted into place
@@ -237,6 +265,9 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
         if name.endswith(_FUSED_CONV):
             pre = name[:-len("conv1d.weight")]
             for sub, piece in zip(("q", "k", "v"), read().chunk(3, dim=0)):
+                cut = tp_slice(f"{pre}{sub}_conv1d", cfg, model.tp)
+                if cut is not None:
+                    piece = piece.narrow(cut[0], cut[1], cut[2] - cut[1])
                 target = slots.get(f"{pre}{sub}_conv1d")
                 if target is None or tuple(target.shape) != tuple(piece.shape):
                     raise CheckpointError(f"{key}: its {sub} third {tuple(piece.shape)} has no place in the "
@@ -261,7 +292,7 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
 
 
 def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-              numerics: str = "hf", weights: str = "dequant") -> Glm5Model:
+              numerics: str = "hf", weights: str = "dequant", tp: int = 1) -> Glm5Model:
     """A GLM-5.3 model from a checkpoint directory. `weights`: "dequant" decodes block-FP8 weights into
     `dtype` at load; "quantized" keeps them as stored (float8_e4m3fn + scales, decoded per matmul,
     routed experts only when routed to). Float tensors load as floats."""
@@ -271,10 +302,17 @@ def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: 
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     cfg = load_glm5_config(directory)
+    group = None
+    if tp != 1:  # checked before the process group or any weight is touched
+        check_divides(tp_counts(cfg), tp)
+        if weights == "quantized":
+            raise ConfigError("weights='quantized' is not sharded for tensor parallelism yet; load with "
+                              "weights='dequant' (the default) under tp > 1")
+        group = TensorParallel.current(tp)
     block = fp8_weight_block(read_config_json(directory))
     reader = CheckpointReader(directory)
     check_quantized_tensors(reader, cfg.num_hidden_layers, block)  # before the model is built
-    model = Glm5Model(cfg, dtype=dtype, device=device)
+    model = Glm5Model(cfg, dtype=dtype, device=device, tp=group)
     _add_mtp_if_stored(model, reader)
     if weights == "quantized" and block is not None:
         _keep_fp8_resident(model, reader, block)

@@ -148,9 +148,11 @@ class GatedRMSNorm(nn.Module):
 class KdaAttention(nn.Module):
     """Weights named as in the checkpoint `save_pretrained` writes (`q_conv1d`, `A_log`, `f_a_proj` ...)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, device=None):
+    def __init__(self, cfg, dtype: torch.dtype, device=None, tp=None):
+        """`tp`: hold this rank's heads (sharding.py); the output is then the sum over ranks."""
         super().__init__()
-        h, nh, dk = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        h, nh, dk = cfg.hidden_size, cfg.linear_num_heads // (tp.size if self.tp else 1), cfg.linear_head_dim
         c, kw = nh * dk, cfg.linear_conv_kernel_dim
         self.nh, self.dk, self.c, self.kw = nh, dk, c, kw
         self.lower_bound = cfg.linear_lower_bound
@@ -205,4 +207,5 @@ class KdaAttention(nn.Module):
 
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.nh, self.dk)
         y = self.o_norm(o.to(x.dtype), gate).reshape(t, self.c)
-        return self.o_proj(y), KdaStep(k, v, g, beta, full, starts, s, kept)
+        out = self.o_proj(y)
+        return out if self.tp is None else self.tp.all_reduce_sum(out), KdaStep(k, v, g, beta, full, starts, s, kept)

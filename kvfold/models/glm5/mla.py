@@ -96,9 +96,12 @@ class DsaIndexer(nn.Module):
 
 
 class IndexedMLA(nn.Module):
-    def __init__(self, cfg, full: bool, dtype: torch.dtype, device=None):
+    def __init__(self, cfg, full: bool, dtype: torch.dtype, device=None, tp=None):
+        """`tp`: hold this rank's heads (q_b, kv_b rows, o_proj columns; sharding.py); the latent,
+        the indexer and its selection are whole on every rank, the output the sum over ranks."""
         super().__init__()
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        h, nh = cfg.hidden_size, cfg.num_attention_heads // (tp.size if self.tp else 1)
         self.nh, self.dn, self.dv, self.lat = nh, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.scale = cfg.qk_head_dim ** -0.5
         self.q_a_proj = Linear(h, cfg.q_lora_rank, dtype, device)
@@ -148,4 +151,5 @@ class IndexedMLA(nn.Module):
             p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             pooled[b0:b1] = torch.bmm(p, keys.to(p.dtype))  # [b, H, lat]
         o = torch.einsum("thl,hvl->thv", pooled, w_uv.to(pooled.dtype))
-        return self.o_proj(o.reshape(t, self.nh * self.dv)), sel
+        y = self.o_proj(o.reshape(t, self.nh * self.dv))
+        return (y if self.tp is None else self.tp.all_reduce_sum(y)), sel

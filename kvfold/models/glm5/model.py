@@ -24,6 +24,8 @@ from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
 from ...state.pages import LATENT, PagePool, PoolSpec
 from ..base import Capabilities, CausalLM, Embedding
+from ...parallel import check_divides
+from .sharding import tp_counts
 
 
 def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
@@ -77,24 +79,30 @@ class Glm5Router(nn.Module):
 
 
 class Glm5MoE(nn.Module):
-    def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None, tp=None):
+        """`tp`: this rank's routed experts, the shared expert on rank 0; the output is the sum over ranks."""
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        e0, e1 = self.tp.span(cfg.n_routed_experts) if self.tp is not None else (0, cfg.n_routed_experts)
         self.gate = Glm5Router(cfg, device)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                               dtype, device)
+        self.experts = Experts(e1 - e0, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                               dtype, device, first=e0, total=cfg.n_routed_experts)
+        keep_shared = cfg.n_shared_experts and (self.tp is None or self.tp.rank == 0)
         self.shared_experts = SwiGluMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                        cfg.swiglu_limit, dtype, device) if cfg.n_shared_experts else None
+                                        cfg.swiglu_limit, dtype, device) if keep_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         y = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
+        if self.tp is not None:
+            y = self.tp.all_reduce_sum(y)
         return y.to(x.dtype)
 
 
 class Glm5Block(nn.Module):
-    def __init__(self, cfg: Glm5Config, i: int, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Glm5Config, i: int, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
         self.kind = cfg.layer_types[i]
         hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -103,18 +111,18 @@ class Glm5Block(nn.Module):
         self.input_layernorm = GlmRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = GlmRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         if self.kind == KDA:
-            self.self_attn = KdaAttention(cfg, dtype, device)
+            self.self_attn = KdaAttention(cfg, dtype, device, tp)
         else:
-            self.self_attn = IndexedMLA(cfg, cfg.indexer_types[i] == "full", dtype, device)
-        self.mlp = Glm5MoE(cfg, dtype, device) if cfg.mlp_layer_types[i] == "sparse" \
+            self.self_attn = IndexedMLA(cfg, cfg.indexer_types[i] == "full", dtype, device, tp)
+        self.mlp = Glm5MoE(cfg, dtype, device, tp) if cfg.mlp_layer_types[i] == "sparse" \
             else SwiGluMLP(cfg.hidden_size, cfg.intermediate_size, cfg.swiglu_limit, dtype, device)
 
 
 class Glm5Body(nn.Module):
-    def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
+    def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(Glm5Block(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Glm5Block(cfg, i, dtype, device, tp) for i in range(cfg.num_hidden_layers))
         self.norm = GlmRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
 
@@ -134,10 +142,22 @@ class Glm5Model(CausalLM):
     # for every index_kpool that divides 128 (the indexer rows stay flat, so nothing else constrains it)
     page_tokens = 128
 
-    def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: Glm5Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 tp=None):
+        """`tp`: a kvfold.parallel.TensorParallel of more than one rank shards the KDA and MLA heads
+        and the routed experts (sharding.py), the KDA state with them."""
         super().__init__(cfg, dtype, device)
-        self.model = Glm5Body(cfg, dtype, self.device)
+        if tp is not None and tp.size > 1:
+            check_divides(tp_counts(cfg), tp.size)
+            self.tp = tp
+        self.model = Glm5Body(cfg, dtype, self.device, self.tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
+
+    @property
+    def kda_heads(self) -> int:
+        """The KDA heads this rank holds (all of them without tensor parallelism)."""
+        tp = getattr(self, "tp", None)
+        return self.config.linear_num_heads // (tp.size if tp is not None else 1)
 
     def set_numerics(self, mode: str) -> None:
         if mode != "hf":
@@ -182,7 +202,7 @@ class Glm5Model(CausalLM):
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             if kind == KDA:
-                nh, dk = cfg.linear_num_heads, cfg.linear_head_dim
+                nh, dk = self.kda_heads, cfg.linear_head_dim
                 c3 = 3 * nh * dk
                 layers.append(KdaLayerState(
                     conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, c3, dtype=dt, device=dev),
@@ -199,7 +219,7 @@ class Glm5Model(CausalLM):
                     torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev)
                 layers.append(MlaLayerState(latent=latent, dsa=dsa))
         return Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
-                         device=dev, dtype=dt, kv_fp8=fp8 is not None, pages=pages, page_table=table,
+                         device=dev, dtype=dt, kv_fp8=fp8 is not None, tp=self.tp, pages=pages, page_table=table,
                          prefix_tokens=len(prefix_pages or []) * self.page_tokens if pages is not None else 0)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
@@ -268,10 +288,10 @@ class Glm5Model(CausalLM):
         fp8 = kv_storage(kv_dtype)
         cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
         kv_esz = 1 if fp8 is not None else esz
-        c = cfg.linear_num_heads * cfg.linear_head_dim
+        c = self.kda_heads * cfg.linear_head_dim  # this rank's heads under tensor parallelism
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kda = (c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1 + n_mix) * 3 * c * esz
-               + n_in * (2 * c * 4 + c * esz + cfg.linear_num_heads * esz))
+               + n_in * (2 * c * 4 + c * esz + self.kda_heads * esz))
         kp = max(cfg.index_kpool, 1)
         pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * kv_esz)]
         if cfg.full_dsa_layers:

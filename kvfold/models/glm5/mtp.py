@@ -40,9 +40,9 @@ class SharedHead(nn.Module):
 class Glm5Mtp(nn.Module):
     """Weights named as under the checkpoint's `layers.<num_hidden_layers>.` (module docstring)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, device=None):
+    def __init__(self, cfg, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
-        from .model import Glm5MoE
+        from .model import Glm5MoE  # sharded like the main DSA layers under tp (sharding.py)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.dtype, self.device = dtype, torch.device(device) if device is not None else torch.device("cpu")
         self.enorm = GlmRMSNorm(h, eps, dtype, device)
@@ -50,8 +50,8 @@ class Glm5Mtp(nn.Module):
         self.eh_proj = Linear(2 * h, h, dtype, device)
         self.input_layernorm = GlmRMSNorm(h, eps, dtype, device)
         self.post_attention_layernorm = GlmRMSNorm(h, eps, dtype, device)
-        self.self_attn = IndexedMLA(cfg, True, dtype, device)
-        self.mlp = Glm5MoE(cfg, dtype, device)
+        self.self_attn = IndexedMLA(cfg, True, dtype, device, tp)
+        self.mlp = Glm5MoE(cfg, dtype, device, tp)
         self.shared_head = SharedHead(h, eps, dtype, device)
         self.kv_lora, self.index_head_dim, self.kpool = cfg.kv_lora_rank, cfg.index_head_dim, max(cfg.index_kpool, 1)
         self.fingerprint = "mtp-" + cfg.fingerprint()[:12]

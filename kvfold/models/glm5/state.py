@@ -107,9 +107,10 @@ class Glm5State(SequenceState):
     written_until) (module docstring); `kda_cuts` lists the chunk starts in that range (the base
     first), `kda_mix_low` the first position whose pre-conv row is still in the `mixed` ring."""
 
-    def __init__(self, layers: list, *, kv_fp8: bool = False, **kw):
+    def __init__(self, layers: list, *, kv_fp8: bool = False, tp=None, **kw):
         super().__init__(layers, **kw)
         self.kv_fp8 = kv_fp8  # MLA latent rows and indexer keys stored as float8_e4m3fn
+        self.tp = tp  # under tensor parallelism the KDA state holds this rank's heads (sharding.py)
         kda = [ls for ls in layers if isinstance(ls, KdaLayerState)]
         self.n_in = kda[0].k.shape[0] if kda else 0
         self.n_mix = kda[0].mixed.shape[0] if kda else 0
@@ -324,9 +325,11 @@ def expected_sections(state: Glm5State, pos: int, layout: int = 0) -> list[Secti
     sd, f32, u8 = DTYPE_CODES[state.dtype], DTYPE_CODES[torch.float32], DTYPE_CODES[torch.uint8]
     secs = []
     for i, ls in enumerate(state.layers):
-        if isinstance(ls, KdaLayerState):
+        if isinstance(ls, KdaLayerState):  # the whole layer's, every rank's heads (layout-free)
+            parts = state.tp.size if state.tp is not None else 1
             km1, w = ls.conv.shape
             h, dk, dv = ls.rec.shape
+            w, h = w * parts, h * parts
             secs.append(Section(i, KDA_CONV, 0, km1, w, sd))
             secs.append(Section(i, KDA_REC, 0, h * dk, dv, f32))
         else:
@@ -342,12 +345,36 @@ def _rows_of(state: Glm5State, s: Section, at: dict) -> torch.Tensor:
     ls = state.layers[s.layer]
     if s.kind in (KDA_CONV, KDA_REC):  # the KDA state at pos, replayed once per layer
         if s.layer not in at:
-            at[s.layer] = state._kda_at(ls, state.pos)[:2]
+            at[s.layer] = _whole_kda(state, *state._kda_at(ls, state.pos)[:2])
         conv, rec = at[s.layer]
         return conv if s.kind == KDA_CONV else rec.reshape(-1, rec.shape[-1])
     if s.kind == MLA_LATENT:
         return ls.latent[s.first:s.first + s.rows]
     return torch.frombuffer(bytearray(ls.dsa.snapshot_blob()), dtype=torch.uint8).view(-1, 1)
+
+
+def _whole_kda(state: Glm5State, conv: torch.Tensor, rec: torch.Tensor):
+    """Under tensor parallelism, every rank's KDA heads in the whole layer's layout: conv rows are
+    q | k | v, each its heads' channels in head order; rec [H, dk, dv] in head order. (Every rank
+    snapshots at the same step, so the gather is one collective.)"""
+    tp = state.tp
+    if tp is None or tp.size == 1:
+        return conv, rec
+    convs, recs = tp.gather(conv), tp.gather(rec)
+    c = conv.shape[1] // 3
+    whole = torch.cat([part[:, j * c:(j + 1) * c] for j in range(3) for part in convs], dim=1)
+    return whole, torch.cat(recs, dim=0)
+
+
+def _own_kda(state: Glm5State, conv: torch.Tensor, rec: torch.Tensor):
+    """This rank's heads of a whole layer's KDA state (the inverse of `_whole_kda`)."""
+    tp = state.tp
+    if tp is None or tp.size == 1:
+        return conv, rec
+    c, h = conv.shape[1] // 3 // tp.size, rec.shape[0] // tp.size
+    r = tp.rank
+    own = torch.cat([conv[:, j * c * tp.size + r * c: j * c * tp.size + (r + 1) * c] for j in range(3)], dim=1)
+    return own, rec[r * h:(r + 1) * h]
 
 
 def encode(state: Glm5State, pools: bool = True) -> bytes:
@@ -371,12 +398,18 @@ def decode_and_apply(state: Glm5State, data: bytes) -> None:
             state.layers[s.layer].dsa.check_blob(raw)
             dsa_blobs.append((s.layer, raw))
     # all checks passed: write
+    whole: dict = {}
+    for s, r in sections:
+        if s.kind in (KDA_CONV, KDA_REC):
+            whole.setdefault(s.layer, {})[s.kind] = r
     for s, r in sections:
         ls = state.layers[s.layer]
         if s.kind == KDA_CONV:
-            ls.conv.copy_(r)
-        elif s.kind == KDA_REC:
-            ls.rec.copy_(r.view(ls.rec.shape))
+            h, dk, dv = ls.rec.shape
+            parts = state.tp.size if state.tp is not None else 1
+            conv, rec = _own_kda(state, r, whole[s.layer][KDA_REC].reshape(h * parts, dk, dv))
+            ls.conv.copy_(conv)
+            ls.rec.copy_(rec)
         elif s.kind == MLA_LATENT:
             ls.latent[s.first:s.first + s.rows] = r
     for i, raw in dsa_blobs:
