@@ -1,9 +1,8 @@
 """`kvfold plan`: size a model on paper, per tensor-parallel rank, from its config.json alone.
 
 The model is built on the meta device (shapes, no memory). Per rank:
-* resident weight bytes: every tensor at its share under TP (kvfold/parallel; DeepSeek-V4's
-  sharding is kvfold/models/deepseek_v4/sharding.py, GLM-5.3's the same pattern: attention and KDA
-  heads and routed experts split, the shared expert on rank 0), in the chosen weight format;
+* resident weight bytes: every tensor at its share under TP (each family's sharding.py, the rules
+  `load_model(..., tp=N)` loads by), in the chosen weight format;
 * state bytes per sequence of `max_seq_len` tokens (the model's own `state_layout`, the engine's
   admission formula; replicated under TP, except GLM-5.3's KDA state, split with its heads);
 * how many such sequences fit in the device memory left after the weights.
@@ -60,13 +59,10 @@ def _meta_model(config: dict):
 
 
 def _glm_share(name: str, cfg, r: _Rank) -> float:
-    """GLM-5.3's share of tensor `name` on rank r (0, 1/size or 1)."""
-    if ".mlp.shared_experts." in name:
-        return 1.0 if r.rank == 0 else 0.0
-    split = (".mlp.experts.", ".self_attn.q_b_proj.", ".self_attn.kv_b_proj.", ".self_attn.o_proj.",
-             ".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", "_conv1d", ".self_attn.f_b_proj.",
-             ".self_attn.g_b_proj.", ".self_attn.b_proj.", ".self_attn.dt_bias", ".self_attn.A_log")
-    return 1.0 / r.size if any(s in name for s in split) else 1.0
+    from .models.glm5.sharding import tp_skips, tp_slice
+    if tp_skips(name, r):
+        return 0.0
+    return 1.0 / r.size if tp_slice(name, cfg, r) is not None else 1.0
 
 
 def _v4_share(name: str, cfg, r: _Rank) -> float:
@@ -99,9 +95,8 @@ def plan(config: dict, tp: int = 1, weights: str = "bf16", kv_dtype: str | None 
         from .models.deepseek_v4.sharding import tp_counts
         counts, share = tp_counts(cfg), _v4_share
     else:
-        counts = {"num_attention_heads": cfg.num_attention_heads, "linear_num_heads": cfg.linear_num_heads,
-                  "n_routed_experts": cfg.n_routed_experts}
-        share = _glm_share
+        from .models.glm5.sharding import tp_counts
+        counts, share = tp_counts(cfg), _glm_share
     check_divides(counts, tp)
     quantizable = {f"{mod_name}.{attr}" if mod_name else attr for mod_name, mod in model.named_modules()
                    for attr in getattr(mod, "quantizable", ())}
