@@ -19,9 +19,9 @@ from kvfold.models.deepseek_v4.model import Dsv4Model
 from kvfold.models.deepseek_v4.mtp import MtpModule
 from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
 from helpers import random_ids
-from test_glm5_mtp import mtp_pair  # noqa: F401  (a GLM-5.3 checkpoint with its MTP layer)
 
 TIMEOUT_S = 240  # a whole spawned group, startup included; the group's own collective timeout is 60 s
+HANG_TIMEOUT_S = 5  # the collective timeout of the hang test
 PROMPT = 40
 
 
@@ -43,7 +43,8 @@ def scenario(model, ids):
     chunked = torch.cat([model.forward(ids[:17], chunked_st), model.forward(ids[17:PROMPT], chunked_st)])
     decode = torch.cat([model.forward(ids[PROMPT + i:PROMPT + i + 1], st) for i in range(5)])
     tokens = kvfold.generate(model, ids[:PROMPT].tolist(), 12, stop_ids=[]).tokens
-    spec = kvfold.generate(model, ids[:PROMPT].tolist(), 12, stop_ids=[], speculative="mtp", num_draft=2).tokens
+    spec = [kvfold.generate(model, ids[:PROMPT].tolist(), 12, stop_ids=[], speculative=kind, num_draft=2).tokens
+            for kind in ("mtp", "ngram")]
     return dict(full=full, chunked=chunked, decode=decode), tokens, spec, st
 
 
@@ -51,19 +52,25 @@ def _worker(rank: int, size: int, ckpt: str, out: str, mode: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=HANG_TIMEOUT_S if mode == "hang" else 60))
     try:
         if mode == "die" and rank == 1:
             os._exit(3)  # a rank that dies before the first collective
+        if mode == "hang" and rank == 1:
+            import time
+            time.sleep(TIMEOUT_S)  # a rank that hangs: alive, never joining the collective
+            return
         model = kvfold.load_model(ckpt, tp=size)
         ids = random_ids(60, model.config.vocab_size, seed=3)
-        if mode == "die":
+        if mode in ("die", "hang"):
+            import time
+            t0 = time.monotonic()
             try:
                 model.forward(ids[:5], model.new_state(capacity=8))
                 result = "no error"
             except kvfold.KvfoldError as exc:
                 result = f"{type(exc).__name__}: {exc}"
-            Path(out, "die.json").write_text(json.dumps(result))
+            Path(out, f"{mode}.json").write_text(json.dumps([result, time.monotonic() - t0]))
             return
         attn, moe = model.model.layers[2].self_attn, model.model.layers[2].mlp
         if mode == "glm":
@@ -110,7 +117,7 @@ def reference(ckpt):
     model = kvfold.load_model(ckpt)
     ids = random_ids(60, model.config.vocab_size, seed=3)
     logits, tokens, spec, st = scenario(model, ids)
-    assert tokens == spec  # MTP drafts change nothing (tests/test_speculative.py)
+    assert spec == [tokens, tokens]  # drafts change nothing (tests/test_speculative.py)
     return model, ids, logits, tokens, st.snapshot()
 
 
@@ -129,7 +136,7 @@ def test_sharded_logits_tokens_state_and_snapshots_match_one_process(ckpt, refer
         got = load_file(str(tmp_path / f"logits{r}.safetensors"))
         for k, w in want.items():
             assert (got[k] - w).abs().max().item() < 1e-5, (r, k)
-        assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, tokens]
+        assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, [tokens, tokens]]
     # the replicated state (all of V4's: K = V, compressors, indexers) holds the same bits on every rank
     states = [(tmp_path / f"state{r}.bin").read_bytes() for r in range(size)]
     assert all(s == states[0] for s in states)
@@ -148,8 +155,23 @@ def test_sharded_logits_tokens_state_and_snapshots_match_one_process(ckpt, refer
 def test_a_dead_rank_ends_the_group_with_a_clear_error(ckpt, tmp_path):
     codes = run_group(2, ckpt, tmp_path, mode="die")
     assert codes[1] == 3
-    msg = json.loads((tmp_path / "die.json").read_text())
+    msg, _ = json.loads((tmp_path / "die.json").read_text())
     assert msg.startswith("TensorParallelError") and "rank 0 of 2" in msg
+
+
+def test_a_hung_rank_ends_the_group_within_the_timeout(ckpt, tmp_path):
+    """A peer that stays alive but never joins: rank 0's first collective fails after the group's
+    timeout (HANG_TIMEOUT_S here) with a TensorParallelError, instead of waiting forever."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, 2, str(ckpt), str(tmp_path), "hang")) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(TIMEOUT_S)
+    for p in procs[1:]:
+        p.kill()
+    assert procs[0].exitcode == 0
+    msg, seconds = json.loads((tmp_path / "hang.json").read_text())
+    assert msg.startswith("TensorParallelError") and seconds < 4 * HANG_TIMEOUT_S
 
 
 def test_a_config_that_does_not_divide_is_refused_before_loading(ckpt):
@@ -250,33 +272,55 @@ def test_kvfold_serve_under_tp_answers_the_openai_client_as_one_process(tmp_path
 
 
 
-def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(mtp_pair, tmp_path):
-    """GLM-5.3 at TP = 2: KDA and MLA heads and routed experts split, the KDA state with its heads;
-    logits within 1e-5 of one process, the same greedy tokens with and without MTP drafting, and a
-    snapshot gathered into the whole layer's layout: equal on both ranks, restorable at TP = 1, and
-    a TP = 1 snapshot restores at TP = 2."""
-    _, _, model, d = mtp_pair
+@pytest.fixture(scope="module")
+def glm_ckpt(tmp_path_factory):
+    """A tiny GLM-5.3 with 4 KDA heads, 4 MLA heads and 4 experts (so 2 and 4 ranks divide), and
+    its MTP layer."""
+    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextConfig
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
+    from test_glm5_mtp import PREFIX, hf_mtp_layer
+    from test_glm5_next import TEXT, VISION, _randomize
+    torch.manual_seed(0)
+    text = dict(TEXT, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4)
+    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=VISION))
+    _randomize(hf)
+    d = tmp_path_factory.mktemp("tp_glm")
+    hf.save_pretrained(d)
+    layer = hf_mtp_layer(hf.config.text_config)
+    _randomize(layer, seed=1)
+    save_file({PREFIX + k: v.detach().clone().contiguous() for k, v in layer.state_dict().items()},
+              d / "mtp.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(glm_ckpt, tmp_path, size):
+    """GLM-5.3 at TP = 2 and 4: KDA and MLA heads and routed experts split, the KDA state with its
+    heads; logits within 1e-5 of one process, the same greedy tokens with and without drafting, and
+    a snapshot gathered into the whole layer's layout: equal on every rank, restorable at TP = 1,
+    and a TP = 1 snapshot restores under TP."""
+    d, model = glm_ckpt, kvfold.load_model(glm_ckpt)
     ids = random_ids(60, model.config.vocab_size, seed=3)
     want, tokens, spec, st = scenario(model, ids)
-    assert tokens == spec
+    assert spec == [tokens, tokens]
     (tmp_path / "tp1.bin").write_bytes(st.snapshot())
-    assert run_group(2, d, tmp_path, mode="glm") == [0, 0]
-    for r in range(2):
+    assert run_group(size, d, tmp_path, mode="glm") == [0] * size
+    for r in range(size):
         got = load_file(str(tmp_path / f"logits{r}.safetensors"))
         for k, w in want.items():
             assert (got[k] - w).abs().max().item() < 1e-5, (r, k)
-        assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, tokens]
+        assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, [tokens, tokens]]
     cfg = model.config
-    for r in range(2):  # each rank holds half the heads (and their KDA state) and half the experts
+    for r in range(size):  # each rank holds its share of the heads (and their KDA state) and experts
         shard = json.loads((tmp_path / f"shard{r}.json").read_text())
-        assert shard["kda"] == cfg.linear_num_heads // 2 and shard["rec"][0] == shard["kda"]
-        assert shard["mla"] == cfg.num_attention_heads // 2 and shard["experts"] == cfg.n_routed_experts // 2
-    states = [(tmp_path / f"state{r}.bin").read_bytes() for r in range(2)]
-    assert states[0] == states[1]
+        assert shard["kda"] == cfg.linear_num_heads // size and shard["rec"][0] == shard["kda"]
+        assert shard["mla"] == cfg.num_attention_heads // size and shard["experts"] == cfg.n_routed_experts // size
+    states = [(tmp_path / f"state{r}.bin").read_bytes() for r in range(size)]
+    assert all(x == states[0] for x in states)
     here, mine = model.new_state(capacity=80, max_rewind=4), model.new_state(capacity=80, max_rewind=4)
     here.restore(states[0])
     mine.restore((tmp_path / "tp1.bin").read_bytes())
     cont = model.forward(ids[PROMPT + 5:PROMPT + 8], here)
     assert (cont - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < 1e-5
-    for r in range(2):
+    for r in range(size):
         assert (load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"] - cont).abs().max().item() < 1e-5
