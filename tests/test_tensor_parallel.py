@@ -324,3 +324,48 @@ def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(glm_ckpt, 
     assert (cont - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < 1e-5
     for r in range(size):
         assert (load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"] - cont).abs().max().item() < 1e-5
+
+
+def _engine_worker(rank: int, size: int, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+    from kvfold import Engine, SamplingParams
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+    try:
+        engine = Engine(kvfold.load_model(ckpt, tp=size), max_seq_len=300, speculative="mtp", num_draft=2)
+        if rank != 0:
+            engine.follow()
+            return
+        got = []
+        for batch in ENGINE_PROMPTS:  # the second batch hits the prefix cache
+            got += [c.token_ids for c in engine.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True))]
+        m = engine.metrics()
+        Path(out, "engine.json").write_text(json.dumps([got, m["prefix_cache_hits"], m["spec_draft_tokens"]]))
+        engine.stop_followers()
+    finally:
+        dist.destroy_process_group()
+
+
+_P = random_ids(150, 96, seed=8).tolist()
+ENGINE_PROMPTS = [[_P[:140], _P[:9]], [_P[:135] + [1, 2]]]
+
+
+def test_glm5_engine_under_tp_follows_rank_0(glm_ckpt, tmp_path):
+    """The engine over a GLM-5.3 shard at TP = 2 (rank 0 schedules, rank 1 follows), with MTP
+    speculation and a prefix-cache hit (latent pages by reference, the gathered KDA state and
+    indexer rows from the snapshot): the tokens of a one-process engine."""
+    from kvfold import Engine, SamplingParams
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_engine_worker, args=(r, 2, str(glm_ckpt), str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    assert not any(p.is_alive() for p in procs) and [p.exitcode for p in procs] == [0, 0]
+    got, hits, drafted = json.loads((tmp_path / "engine.json").read_text())
+    engine = Engine(kvfold.load_model(glm_ckpt), max_seq_len=300, speculative="mtp", num_draft=2)
+    want = []
+    for batch in ENGINE_PROMPTS:
+        want += [c.token_ids for c in engine.generate(batch, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert got == want and hits == engine.metrics()["prefix_cache_hits"] == 1 and drafted > 0
