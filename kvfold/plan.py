@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError
+from .parallel import skips_shared_expert
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
 _FP8 = 1 + 4 / (128 * 128)  # a byte per value and a 4-byte scale per block (DeepSeek-V4's ue8m0: 1 byte)
@@ -59,15 +60,15 @@ def _meta_model(config: dict):
 
 
 def _glm_share(name: str, cfg, r: _Rank) -> float:
-    from .models.glm5.sharding import tp_skips, tp_slice
-    if tp_skips(name, r):
+    from .models.glm5.sharding import tp_slice
+    if skips_shared_expert(name, r):
         return 0.0
     return 1.0 / r.size if tp_slice(name, cfg, r) is not None else 1.0
 
 
 def _v4_share(name: str, cfg, r: _Rank) -> float:
-    from .models.deepseek_v4.sharding import tp_skips, tp_slice
-    if tp_skips(name, r):
+    from .models.deepseek_v4.sharding import tp_slice
+    if skips_shared_expert(name, r):
         return 0.0
     return 1.0 / r.size if tp_slice(name, cfg, r) is not None else 1.0
 

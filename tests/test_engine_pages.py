@@ -249,21 +249,15 @@ def expected_refcounts(engine):
     return want
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_keeps_refcounts_exact(tiny, seed):
-    """Random arrivals and cancellations over a small pool: at every step each page's refcount is
-    exactly its holders (states and cache entries), and what finishes equals a cold run."""
-    import random
-    rng = random.Random(seed)
-    base = long_ids(tiny, 270, f"Z{seed}")
-    page_bytes = tiny.new_page_pool(0).page_bytes
-    engine = Engine(tiny, max_seq_len=512, max_running=3, max_batch_tokens=260, kv_page_bytes=8 * page_bytes,
-                    prefix_cache_bytes=200_000)
+def random_workload(engine, model, base: list[int], rng, vocab: int, steps: int, adds_until: int, lengths) -> None:
+    """Random arrivals (prefixes of `base` plus a few random ids, `lengths` new tokens) and
+    cancellations: at every step each page's refcount is exactly its holders (states and cache
+    entries); what finishes equals a cold run of the plain model API."""
     prompts, finished, cancelled = {}, {}, set()
-    for i in range(40):
-        if i < 24 and rng.random() < 0.5:
-            p = base[:rng.choice([130, 200, 260, 270])] + [rng.randrange(256) for _ in range(rng.randrange(1, 5))]
-            n = rng.choice([2, 5, 60])
+    for i in range(steps):
+        if i < adds_until and rng.random() < 0.5:
+            p = base[:rng.choice([130, 200, 260, 270])] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
+            n = rng.choice(lengths)
             rid = engine.add_request(p, SamplingParams(max_tokens=n, **SP))
             prompts[rid] = (p, n)
         for o in engine.step():
@@ -280,5 +274,15 @@ def test_random_workload_keeps_refcounts_exact(tiny, seed):
     assert done and engine.metrics()["prefix_cache_hits"] > 0
     for r in done:
         p, n = prompts[r]
-        assert finished[r] == chunked_reference(tiny, p, n, stop_ids=[]), r
+        assert finished[r] == chunked_reference(model, p, n, stop_ids=[]), r
     assert_no_pages_but_the_caches(engine)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workload_keeps_refcounts_exact(tiny, seed):
+    """Random arrivals and cancellations over a small pool (`random_workload`)."""
+    import random
+    page_bytes = tiny.new_page_pool(0).page_bytes
+    engine = Engine(tiny, max_seq_len=512, max_running=3, max_batch_tokens=260, kv_page_bytes=8 * page_bytes,
+                    prefix_cache_bytes=200_000)
+    random_workload(engine, tiny, long_ids(tiny, 270, f"Z{seed}"), random.Random(seed), 256, 40, 24, [2, 5, 60])

@@ -11,26 +11,11 @@ import torch
 from kvfold import Engine, SamplingParams, errors
 from kvfold.models.glm5 import state as g5s
 from helpers import chunked_reference, random_ids
-from test_engine_pages import assert_no_pages_but_the_caches, expected_refcounts, run_all
+from test_engine_pages import assert_no_pages_but_the_caches, random_workload, run_all
+from test_pages import fragmented_pool, run
 from test_glm5_next import TEXT, pair, seq  # noqa: F401  (the tiny GLM-5.3 and its sequence)
 
 V = TEXT["vocab_size"]
-
-
-def run(model, state, ids, start, chunks):
-    outs, p = [], start
-    for c in chunks:
-        outs.append(model.forward(ids[p:p + c], state))
-        p += c
-    return torch.cat(outs)
-
-
-def fragmented_pool(model, n, kv_dtype=None):
-    pool = model.new_page_pool(n, kv_dtype=kv_dtype)
-    held = pool.allocate(n)
-    pool.decref(held[1::2])
-    pool.decref(held[0::2])
-    return pool
 
 
 def buffers(st):
@@ -163,33 +148,9 @@ def test_engine_shares_pages_for_prefix_hits_and_choices(model, ids):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_workload_keeps_refcounts_exact(model, ids, seed):
-    """Random arrivals and cancellations over a small pool (tests/test_engine_pages.py, for
-    DeepSeek-V4): each page's refcount is exactly its holders at every step, and what finishes
-    equals a cold run of the plain model API."""
-    rng = random.Random(seed)
-    base = ids[:270]
+    """Random arrivals and cancellations over a small pool (tests/test_engine_pages.py's workload,
+    run there for DeepSeek-V4): refcounts exact at every step, finished requests equal cold runs."""
     page_bytes = model.new_page_pool(0).page_bytes
     engine = Engine(model, max_seq_len=400, max_running=3, max_batch_tokens=260, kv_page_bytes=8 * page_bytes,
                     prefix_cache_bytes=2_000_000)
-    prompts, finished, cancelled = {}, {}, set()
-    for i in range(30):
-        if i < 18 and rng.random() < 0.5:
-            p = base[:rng.choice([130, 200, 260, 270])] + [rng.randrange(V) for _ in range(rng.randrange(1, 5))]
-            n = rng.choice([2, 5, 20])
-            rid = engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
-            prompts[rid] = (p, n)
-        for o in engine.step():
-            finished.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if engine._seqs and rng.random() < 0.15:
-            rid = rng.choice(sorted(engine._seqs))
-            assert engine.cancel(rid)
-            cancelled.add(rid)
-        assert [engine.pages.refcount(p) for p in range(engine.pages.num_pages)] == expected_refcounts(engine)
-    cancelled |= set(engine._seqs)
-    engine.cancel_all()
-    done = [r for r in prompts if r not in cancelled]
-    assert done and engine.metrics()["prefix_cache_hits"] > 0
-    for r in done:
-        p, n = prompts[r]
-        assert finished[r] == chunked_reference(model, p, n, stop_ids=[]), r
-    assert_no_pages_but_the_caches(engine)
+    random_workload(engine, model, ids[:270], random.Random(seed), V, 30, 18, [2, 5, 20])

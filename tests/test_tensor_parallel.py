@@ -97,10 +97,12 @@ def _worker(rank: int, size: int, ckpt: str, out: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
-def run_group(size: int, ckpt: Path, out: Path, mode: str = "run") -> list[int]:
-    """Spawn `size` ranks; their exit codes (the test fails if the group outlives TIMEOUT_S)."""
+def run_group(size: int, ckpt: Path, out: Path, mode: str = "run", target=None) -> list[int]:
+    """Spawn `size` ranks of `target` (default `_worker` in `mode`); their exit codes (the test fails
+    if the group outlives TIMEOUT_S)."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, size, str(ckpt), str(out), mode)) for r in range(size)]
+    extra = (mode,) if target is None else ()
+    procs = [ctx.Process(target=target or _worker, args=(r, size, str(ckpt), str(out), *extra)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -253,13 +255,7 @@ def test_kvfold_serve_under_tp_answers_the_openai_client_as_one_process(tmp_path
     from kvfold.server.app import create_app
     from helpers import serving
     from kvfold.models.registry import TINY_DIR as ckpt
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_serve_worker, args=(r, 2, str(ckpt), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    assert not any(p.is_alive() for p in procs) and [p.exitcode for p in procs] == [0, 0]
+    assert run_group(2, ckpt, tmp_path, target=_serve_worker) == [0, 0]
     got = json.loads((tmp_path / "answers.json").read_text())
     with serving(create_app(Engine(kvfold.load_model(ckpt), max_seq_len=512, max_running=4), model_name="tiny",
                             api_key="k")) as url:
@@ -356,13 +352,7 @@ def test_glm5_engine_under_tp_follows_rank_0(glm_ckpt, tmp_path):
     speculation and a prefix-cache hit (latent pages by reference, the gathered KDA state and
     indexer rows from the snapshot): the tokens of a one-process engine."""
     from kvfold import Engine, SamplingParams
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_engine_worker, args=(r, 2, str(glm_ckpt), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-    assert not any(p.is_alive() for p in procs) and [p.exitcode for p in procs] == [0, 0]
+    assert run_group(2, glm_ckpt, tmp_path, target=_engine_worker) == [0, 0]
     got, hits, drafted = json.loads((tmp_path / "engine.json").read_text())
     engine = Engine(kvfold.load_model(glm_ckpt), max_seq_len=300, speculative="mtp", num_draft=2)
     want = []

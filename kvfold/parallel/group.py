@@ -41,6 +41,20 @@ def check_divides(what: dict[str, int], size: int) -> None:
                           + f"; tensor parallelism over this config needs tp in {common}")
 
 
+def local_expert(expert: int, n_experts: int, tp) -> int | None:
+    """This rank's index of routed expert `expert` of `n_experts` (contiguous ranges per rank),
+    None when another rank holds it; the expert itself without tensor parallelism."""
+    if tp is None:
+        return expert
+    lo, hi = tp.span(n_experts)
+    return expert - lo if lo <= expert < hi else None
+
+
+def skips_shared_expert(name: str, tp) -> bool:
+    """Whether this rank leaves out tensor `name` because it is the shared expert's, held by rank 0."""
+    return tp is not None and tp.rank != 0 and ".mlp.shared_experts." in name
+
+
 class TensorParallel:
     """rank, size and the collectives the sharded layers use (module docstring)."""
 

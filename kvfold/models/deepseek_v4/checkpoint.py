@@ -28,7 +28,8 @@ import torch
 from safetensors import safe_open
 
 from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
-from .sharding import tp_local_expert, tp_skips, tp_slice
+from .sharding import tp_slice
+from ...parallel import local_expert, skips_shared_expert
 from ...errors import CheckpointError
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
 from .quant_formats import (FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
@@ -263,10 +264,10 @@ class _WeightLoader:
         if target is None:  # not loaded (see mtp_target)
             return True
         tp, cfg = self.model.tp, self.model.config
-        if tp_skips(target.name, tp):
+        if skips_shared_expert(target.name, tp):
             return True  # another rank's tensor (sharding.py)
         if target.expert is not None:
-            local = tp_local_expert(target.expert, cfg, tp)
+            local = local_expert(target.expert, cfg.n_routed_experts, tp)
             if local is None:
                 return True
             target = dataclasses.replace(target, expert=local)

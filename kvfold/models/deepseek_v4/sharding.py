@@ -42,16 +42,3 @@ def tp_slice(name: str, cfg: Dsv4Config, tp) -> tuple[int, int, int] | None:
     if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
         return (0, *tp.span(cfg.n_routed_experts))
     return None
-
-
-def tp_local_expert(expert: int, cfg: Dsv4Config, tp) -> int | None:
-    """This rank's index of routed expert `expert`, None when another rank holds it."""
-    if tp is None:
-        return expert
-    lo, hi = tp.span(cfg.n_routed_experts)
-    return expert - lo if lo <= expert < hi else None
-
-
-def tp_skips(name: str, tp) -> bool:
-    """Whether this rank does not hold tensor `name` at all (the shared expert off rank 0)."""
-    return tp is not None and tp.rank != 0 and ".mlp.shared_experts." in name

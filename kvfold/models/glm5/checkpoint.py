@@ -30,8 +30,8 @@ from ..deepseek_v4.quant_formats import FP8, QuantSettings, dequant_into, expect
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
 from .mtp import Glm5Mtp
-from .sharding import tp_counts, tp_local_expert, tp_skips, tp_slice
-from ...parallel import TensorParallel, check_divides
+from .sharding import tp_counts, tp_slice
+from ...parallel import TensorParallel, check_divides, local_expert, skips_shared_expert
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "model.")
 _VISION_MARKERS = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.")
@@ -216,10 +216,10 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
     n_vision = 0
 
     def put(key: str, slot: _Slot, read, read_scale) -> None:
-        if tp_skips(slot.name, model.tp):
+        if skips_shared_expert(slot.name, model.tp):
             return  # another rank's tensor (sharding.py)
         if slot.expert is not None:
-            local = tp_local_expert(slot.expert, cfg, model.tp)
+            local = local_expert(slot.expert, cfg.n_routed_experts, model.tp)
             if local is None:
                 return
             slot = slot._replace(expert=local)

@@ -58,14 +58,3 @@ def tp_slice(name: str, cfg, tp) -> tuple[int, int, int] | None:
     if leaf == "o_proj.weight":
         return 1, m0 * dv, m1 * dv
     return None
-
-
-def tp_local_expert(expert: int, cfg, tp) -> int | None:
-    if tp is None:
-        return expert
-    lo, hi = tp.span(cfg.n_routed_experts)
-    return expert - lo if lo <= expert < hi else None
-
-
-def tp_skips(name: str, tp) -> bool:
-    return tp is not None and tp.rank != 0 and ".mlp.shared_experts." in name
