@@ -43,6 +43,11 @@ def test_end_to_end_both_engines(e2e):
             assert c[k] > 0, (k, c)
         assert c["prefill_peak_rss_bytes"] >= c["rss_before_prefill_bytes"] > 0
         assert c["decode_tokens"] == 4 and len(c["tokens"]) == 5
+        # the spread of the steps: 10th and 90th percentile around the median
+        assert c["decode_step_p10_s"] <= c["decode_step_median_s"] <= c["decode_step_p90_s"]
+    spread = f"{1 / cells[0]['decode_step_p90_s']:.1f}-{1 / cells[0]['decode_step_p10_s']:.1f}"
+    assert "decode p90-p10 tok/s" in report.format_noise_table(res) and spread in report.format_noise_table(res)
+    assert R.build_parser().parse_args([]).decode_tokens == 128  # kvfold's decode: the median of 128 steps
     by = {(c["context"], c["engine"]): c for c in cells}
     for row in res["rows"]:
         kv, hf = by[(row["context"], "kvfold")], by[(row["context"], "transformers")]

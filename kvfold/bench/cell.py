@@ -225,9 +225,12 @@ def run_cell(args) -> None:
     decode_s = time.perf_counter() - t3
     steps_sorted = sorted(steps)
     median = steps_sorted[len(steps) // 2] if steps else None
+    # the spread of the steps: the 10th and 90th percentile step times
+    p10, p90 = (steps_sorted[len(steps) // 10], steps_sorted[(9 * len(steps)) // 10]) if steps else (None, None)
     emit("done", decode_tokens=args.decode_tokens, decode_s=decode_s,
          decode_tok_s=(args.decode_tokens / decode_s) if steps else None,
          decode_step_median_s=median, decode_step_min_s=steps_sorted[0] if steps else None,
+         decode_step_p10_s=p10, decode_step_p90_s=p90,
          decode_tok_s_median=(1.0 / median) if median else None,
          decode_peak_rss=max_rss(), state_bytes_after_decode=eng.state_bytes(),
          tokens=tokens, ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KIB)

@@ -173,14 +173,16 @@ def format_table(result: dict[str, Any]) -> str:
 def format_noise_table(result: dict[str, Any]) -> str:
     """Per cell: how contended the CPUs were, and decode speed from the median / fastest step."""
     head = ["context", "engine", "status", "cpu pressure", "load s", "prefill s", "decode median tok/s",
-            "decode best-step tok/s", "cell wall s"]
+            "decode best-step tok/s", "decode p90-p10 tok/s", "cell wall s"]
     rows = []
     for c in result["cells"]:
         med, best = c.get("decode_step_median_s"), c.get("decode_step_min_s")
+        slow, fast = c.get("decode_step_p90_s"), c.get("decode_step_p10_s")
+        spread = f"{1 / slow:.1f}-{1 / fast:.1f}" if slow and fast else "-"
         rows.append([str(c["context"]), c["engine"], _short_status(c["status"]) if c["status"] != "ok" else "ok",
                      _f(c.get("cpu_pressure_some") * 100, "{:.0f}%") if c.get("cpu_pressure_some") is not None else "-",
                      _f(c.get("load_s")), _f(c.get("prefill_s"), "{:.2f}"), _f(1 / med if med else None),
-                     _f(1 / best if best else None), _f(c.get("wall_s"))])
+                     _f(1 / best if best else None), spread, _f(c.get("wall_s"))])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
     out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]

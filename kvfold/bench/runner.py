@@ -79,8 +79,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--llama-bench-args", default="", metavar="ARGS",
                    help="extra llama-bench arguments for every llama.cpp cell, one string, e.g. "
                         "\"--poll 0\" or \"-r 3\" (then the median repetition is reported)")
-    p.add_argument("--decode-tokens", type=_nonneg_int, default=64,
-                   help="greedy decode steps after each context (default 64)")
+    p.add_argument("--decode-tokens", type=_nonneg_int, default=128,
+                   help="greedy decode steps after each context; kvfold's decode speed is the median step "
+                        "(default 128)")
     p.add_argument("--time-limit", type=_pos_float, default=300.0,
                    help="seconds per cell (load + prefill + decode) before it is killed (default 300)")
     p.add_argument("--mem-limit-gib", type=_pos_float, default=20.0,
@@ -280,7 +281,7 @@ def _cell_record(engine: str, context: int, raw: dict[str, Any]) -> dict[str, An
     if done:
         rec["decode_status"] = "ok"
         for k in ("decode_tokens", "decode_s", "decode_tok_s", "decode_step_median_s", "decode_step_min_s",
-                  "decode_tok_s_median", "state_bytes_after_decode"):
+                  "decode_step_p10_s", "decode_step_p90_s", "decode_tok_s_median", "state_bytes_after_decode"):
             rec[k] = done.get(k)
         rec["decode_peak_rss_bytes"] = done.get("decode_peak_rss")
         rec["ru_maxrss_bytes"] = done.get("ru_maxrss")
