@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError
-from .parallel import skips_shared_expert
+from .parallel import TensorParallel, skips_shared_expert
 
 WEIGHT_FORMATS = ("bf16", "fp8", "fp4")
 _FP8 = 1 + 4 / (128 * 128)  # a byte per value and a 4-byte scale per block (DeepSeek-V4's ue8m0: 1 byte)
@@ -37,17 +37,6 @@ class RankPlan:
     fits: int  # sequences of max_seq_len that fit beside the weights
 
 
-class _Rank:
-    """What kvfold.parallel.TensorParallel tells the sharding rules: a rank and the group size."""
-
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
-
-    def span(self, n: int) -> tuple[int, int]:
-        per = n // self.size
-        return self.rank * per, (self.rank + 1) * per
-
-
 def _meta_model(config: dict):
     from .models.glm5.config import is_glm5_config
     if is_glm5_config(config):
@@ -59,14 +48,14 @@ def _meta_model(config: dict):
     return "deepseek_v4", Dsv4Model(config_from_dict(config), dtype=torch.bfloat16, device="meta")
 
 
-def _glm_share(name: str, cfg, r: _Rank) -> float:
+def _glm_share(name: str, cfg, r: TensorParallel) -> float:
     from .models.glm5.sharding import tp_slice
     if skips_shared_expert(name, r):
         return 0.0
     return 1.0 / r.size if tp_slice(name, cfg, r) is not None else 1.0
 
 
-def _v4_share(name: str, cfg, r: _Rank) -> float:
+def _v4_share(name: str, cfg, r: TensorParallel) -> float:
     from .models.deepseek_v4.sharding import tp_slice
     if skips_shared_expert(name, r):
         return 0.0
@@ -106,7 +95,7 @@ def plan(config: dict, tp: int = 1, weights: str = "bf16", kv_dtype: str | None 
     per_seq_pools = sum(-(-max_seq_len // r) * row for r, row in pools)
     out = []
     for rank in sorted({0, min(1, tp - 1)}):
-        r = _Rank(rank, tp)
+        r = TensorParallel(rank, tp)  # its shares only: no process group is needed
         w = sum(p.numel() * share(n, cfg, r) * _bytes_per_value(family, n, p, quantizable, weights) for n, p in params)
         state_fixed = fixed // tp if family == "glm5_next" else fixed  # GLM-5.3's fixed state is its KDA state
         state = state_fixed + per_seq_pools

@@ -320,7 +320,7 @@ class _Run:
         tp = getattr(self.model, "tp", None)
         if tp is None:
             return ids
-        got = tp.broadcast_ids(ids)
+        got = list(tp.broadcast_objects(list(ids)))
         if got != list(ids):
             from ..parallel.group import TensorParallelError
             raise TensorParallelError(f"rank {tp.rank} chose {list(ids)} where rank 0 chose {got}")

@@ -314,7 +314,7 @@ class Engine:
                     seq.record_prompt_logprobs(start, lg)
                 self._maybe_snapshot(seq)
                 if seq.prefilling:  # the prompt goes on next step; these logits are not read
-                    self._feed(seq, h, start, seq.prompt[start + 1:start + 1 + len(ids)])
+                    self._feed(seq, h, start, len(ids))
                     continue
                 if seq.followers:
                     self._fork(seq, lg[-1], outputs)
@@ -322,12 +322,15 @@ class Engine:
                     self._drop(seq)
                     continue
             self._choose(seq, lg[-1], outputs)
-            self._feed(seq, h, start, (seq.prompt + seq.output)[start + 1:start + 1 + len(ids)])
+            self._feed(seq, h, start, len(ids))
         return outputs
 
-    def _feed(self, seq: Sequence, hidden, start: int, next_tokens: list[int]) -> None:
+    def _feed(self, seq: Sequence, hidden, start: int, n: int) -> None:
+        """Tell the drafter (if any) that positions start .. start + n - 1 are verified: the tokens
+        one position later are the prompt's, then the ones chosen (the last just now)."""
         if self.spec is not None:
-            self.spec.feed(seq, hidden, start, next_tokens)
+            a, b, p = start + 1, start + 1 + n, len(seq.prompt)
+            self.spec.feed(seq, hidden, start, seq.prompt[a:b] + seq.output[max(0, a - p):max(0, b - p)])
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, hidden, start: int, outputs: list[RequestOutput]) -> None:
         """A decoding sequence's verify rows: keep the accepted drafts and the next token, rewind its
@@ -344,7 +347,7 @@ class Engine:
             self._finish(seq)
             return
         seq.state.rewind_to(start + m)  # fed: the last token and the first m - 1 kept; the m-th is pending
-        self._feed(seq, None if hidden is None else hidden[:m], start, seq.output[-m:])
+        self._feed(seq, None if hidden is None else hidden[:m], start, m)
 
     def _count_batch(self, batch) -> None:
         n_tokens = sum(len(ids) for _, ids in batch)

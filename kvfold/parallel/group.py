@@ -13,7 +13,7 @@ moves N times the bytes of a ring all-reduce, which at the sizes of one decode s
 not bandwidth.
 
 A peer that dies or hangs makes the next collective fail after the group's timeout
-(`init_process_group(timeout=...)`); `all_reduce_sum` and `broadcast_ids` turn that into a
+(`init_process_group(timeout=...)`); `all_reduce_sum` and `broadcast_objects` turn that into a
 `TensorParallelError` naming the rank and the timeout, so no rank waits forever.
 """
 from __future__ import annotations
@@ -58,9 +58,8 @@ def skips_shared_expert(name: str, tp) -> bool:
 class TensorParallel:
     """rank, size and the collectives the sharded layers use (module docstring)."""
 
-    def __init__(self, rank: int, size: int, group=None, timeout_s: float | None = None):
+    def __init__(self, rank: int, size: int, group=None):
         self.rank, self.size, self.group = rank, size, group
-        self.timeout_s = timeout_s
         self.reduced_bytes = 0  # bytes of the tensors summed so far (each rank's payload)
 
     @classmethod
@@ -105,21 +104,9 @@ class TensorParallel:
             raise self._failed("all-gather", exc) from None
         return parts
 
-    def broadcast_ids(self, ids: list[int]) -> list[int]:
-        """Rank 0's `ids` on every rank (the tokens rank 0 chose)."""
-        if self.size == 1:
-            return list(ids)
-        import torch.distributed as dist
-        box = [list(ids) if self.rank == 0 else None]
-        try:
-            dist.broadcast_object_list(box, src=0, group=self.group)
-        except RuntimeError as exc:
-            raise self._failed("broadcast", exc) from None
-        return list(box[0])
-
     def broadcast_objects(self, obj):
-        """Rank 0's `obj` (picklable: the engine's step log) on every rank. Pickled between the
-        ranks of this one program's process group, never from outside it."""
+        """Rank 0's `obj` (picklable: chosen token ids, the engine's step log) on every rank. Pickled
+        between the ranks of this one program's process group, never from outside it."""
         if self.size == 1:
             return obj
         import torch.distributed as dist

@@ -58,11 +58,14 @@ class SequenceState:
         """Begin a fresh state at position n, as if positions [0, n) had been fed but left nothing
         (zero rows, never rewound to): a drafter that joins a sequence late. Refused unless the
         state is fresh (pos 0) and n fits its capacity."""
+        self._check_start_at(n)
+        self.pos = self.written_until = self.rewind_floor = n
+
+    def _check_start_at(self, n: int) -> None:
         self._check_alive()
         if self.pos != 0 or self.written_until != 0 or not 0 <= n <= self.capacity:
             raise StateError(f"start_at({n}) needs a fresh state (pos {self.pos}) and 0 <= n <= capacity "
                              f"{self.capacity}")
-        self.pos = self.written_until = self.rewind_floor = n
 
     # ---- pages -------------------------------------------------------------------------------
     @property

@@ -208,23 +208,44 @@ def _add_mtp_if_stored(model: Glm5Model, reader: CheckpointReader) -> None:
 def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, int] | None) -> None:
     """Float tensors are converted into place; FP8 ones (already checked, with their `_scale_inv` in
     `block` blocks) decoded straight into float slots, or copied as stored into `QuantizedWeight`s."""
-    cfg = model.config
-    settings = QuantSettings(fp8_block=block) if block is not None else None
-    slots = weight_slots(model)
-    seen: set[str] = set()
-    expert_parts: dict[str, set[tuple[int, str]]] = {}
+    loader = _Loader(model, reader, block)
     n_vision = 0
+    for key, read, read_scale in reader.tensors():
+        kind, name = _internal(key, model.config.num_hidden_layers)
+        if kind == "vision":
+            n_vision += 1
+        elif kind == "text" and name.endswith(_FUSED_CONV):
+            loader.put_fused_conv(key, name, read)
+        elif kind == "text":
+            loader.put(key, _slot_of(name), read, read_scale)
+    loader.finish()
+    if n_vision:
+        print(f"kvfold: note: ignoring {n_vision} vision tensors (glm5_next is loaded as a text model)",
+              file=sys.stderr)
 
-    def put(key: str, slot: _Slot, read, read_scale) -> None:
-        if skips_shared_expert(slot.name, model.tp):
+
+class _Loader:
+    """Puts checkpoint tensors into a model's slots one at a time (this rank's slice under tensor
+    parallelism, sharding.py) and, at `finish`, refuses a checkpoint that left any slot empty."""
+
+    def __init__(self, model: Glm5Model, reader: CheckpointReader, block: tuple[int, int] | None):
+        self.model, self.reader, self.block, self.cfg, self.tp = model, reader, block, model.config, model.tp
+        self.settings = QuantSettings(fp8_block=block) if block is not None else None
+        self.slots = weight_slots(model)
+        self.seen: set[str] = set()
+        self.expert_parts: dict[str, set[tuple[int, str]]] = {}
+
+    def put(self, key: str, slot: _Slot, read, read_scale) -> None:
+        cfg = self.cfg
+        if skips_shared_expert(slot.name, self.tp):
             return  # another rank's tensor (sharding.py)
         if slot.expert is not None:
-            local = local_expert(slot.expert, cfg.n_routed_experts, model.tp)
+            local = local_expert(slot.expert, cfg.n_routed_experts, self.tp)
             if local is None:
                 return
             slot = slot._replace(expert=local)
-        cut = tp_slice(slot.name, cfg, model.tp) if slot.expert is None else None
-        target = slots.get(slot.name)
+        cut = tp_slice(slot.name, cfg, self.tp) if slot.expert is None else None
+        target = self.slots.get(slot.name)
         if target is None:
             raise CheckpointError(f"checkpoint tensor {key} ({slot.name}) has no place in the glm5_next model")
         want, rows = tuple(target.shape), _expert_rows(slot, cfg.moe_intermediate_size)
@@ -233,62 +254,57 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
                 raise CheckpointError(f"checkpoint expert tensor {key} has no place in the glm5_next model "
                                       f"({want[0] if want else 0} experts)")
             want = (cfg.moe_intermediate_size,) + want[2:] if rows is not None else want[1:]
-        if cut is not None:  # the file holds the whole tensor; this rank keeps its slice
-            want = want[:cut[0]] + (want[cut[0]] * model.tp.size,) + want[cut[0] + 1:]
-            read = _sliced(read, read_scale if key in reader.scales else None, want, cut, settings,
-                           target.dtype, target.device)
-            read_scale = None
-        stored = tuple(reader.entries[key].shape)
+        scaled = key in self.reader.scales
+        if cut is not None:  # the file holds the whole tensor; this rank keeps its slice, decoded
+            want = want[:cut[0]] + (want[cut[0]] * self.tp.size,) + want[cut[0] + 1:]
+            read = _sliced(read, read_scale if scaled else None, want, cut, self.settings, target.dtype,
+                           target.device)
+            scaled = False
+        stored = tuple(self.reader.entries[key].shape)
         if stored != want:
             raise CheckpointError(f"{key}: checkpoint shape {stored}, model expects {want}")
         if isinstance(target, QuantizedWeight):  # the stored bytes and scale, as they are
-            target.load_(read(), read_scale(), block, slot.expert, rows)
+            target.load_(read(), read_scale(), self.block, slot.expert, rows)
         else:
             dest = target.data if slot.expert is None else target.data[slot.expert]
             dest = dest if rows is None else dest[rows]
-            if key in reader.scales and read_scale is not None:
-                dequant_into(dest, read(), read_scale(), settings)  # decoded straight into the parameter
+            if scaled:
+                dequant_into(dest, read(), read_scale(), self.settings)  # decoded straight into the parameter
             else:
                 dest.copy_(read())  # converted into place
         if slot.expert is None:
-            seen.add(slot.name)
+            self.seen.add(slot.name)
         else:
-            expert_parts.setdefault(slot.name, set()).add((slot.expert, slot.part))
+            self.expert_parts.setdefault(slot.name, set()).add((slot.expert, slot.part))
 
-    for key, read, read_scale in reader.tensors():
-        kind, name = _internal(key, cfg.num_hidden_layers)
-        if kind == "vision":
-            n_vision += 1
-            continue
-        if kind == "skip":
-            continue
-        if name.endswith(_FUSED_CONV):
-            pre = name[:-len("conv1d.weight")]
-            for sub, piece in zip(("q", "k", "v"), read().chunk(3, dim=0)):
-                cut = tp_slice(f"{pre}{sub}_conv1d", cfg, model.tp)
-                if cut is not None:
-                    piece = piece.narrow(cut[0], cut[1], cut[2] - cut[1])
-                target = slots.get(f"{pre}{sub}_conv1d")
-                if target is None or tuple(target.shape) != tuple(piece.shape):
-                    raise CheckpointError(f"{key}: its {sub} third {tuple(piece.shape)} has no place in the "
-                                          f"glm5_next model")
-                target.data.copy_(piece)
-                seen.add(f"{pre}{sub}_conv1d")
-            continue
-        put(key, _slot_of(name), read, read_scale)
-    for name, parts in expert_parts.items():  # a stacked tensor counts once every expert's parts are in
-        halves = ("down_proj",) if name.endswith(".down_proj") else ("gate_proj", "up_proj")
-        if parts == {(e, h) for e in range(slots[name].shape[0]) for h in halves}:
-            seen.add(name)
-    if "lm_head.weight" not in seen and cfg.tie_word_embeddings and "model.embed_tokens.weight" in seen:
-        slots["lm_head.weight"].data.copy_(slots["model.embed_tokens.weight"].data)
-        seen.add("lm_head.weight")
-    missing = sorted(set(slots) - seen)
-    if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} glm5_next tensors, e.g. {missing[:5]}")
-    if n_vision:
-        print(f"kvfold: note: ignoring {n_vision} vision tensors (glm5_next is loaded as a text model)",
-              file=sys.stderr)
+    def put_fused_conv(self, key: str, name: str, read) -> None:
+        """The in-memory layout's fused q | k | v conv taps, one third per slot."""
+        pre = name[:-len("conv1d.weight")]
+        for sub, piece in zip(("q", "k", "v"), read().chunk(3, dim=0)):
+            cut = tp_slice(f"{pre}{sub}_conv1d", self.cfg, self.tp)
+            if cut is not None:
+                piece = piece.narrow(cut[0], cut[1], cut[2] - cut[1])
+            target = self.slots.get(f"{pre}{sub}_conv1d")
+            if target is None or tuple(target.shape) != tuple(piece.shape):
+                raise CheckpointError(f"{key}: its {sub} third {tuple(piece.shape)} has no place in the "
+                                      f"glm5_next model")
+            target.data.copy_(piece)
+            self.seen.add(f"{pre}{sub}_conv1d")
+
+    def finish(self) -> None:
+        """Stacked experts count once every expert's parts are in; tie lm_head where the config says;
+        then every slot must be filled."""
+        slots, seen = self.slots, self.seen
+        for name, parts in self.expert_parts.items():
+            halves = ("down_proj",) if name.endswith(".down_proj") else ("gate_proj", "up_proj")
+            if parts == {(e, h) for e in range(slots[name].shape[0]) for h in halves}:
+                seen.add(name)
+        if "lm_head.weight" not in seen and self.cfg.tie_word_embeddings and "model.embed_tokens.weight" in seen:
+            slots["lm_head.weight"].data.copy_(slots["model.embed_tokens.weight"].data)
+            seen.add("lm_head.weight")
+        missing = sorted(set(slots) - seen)
+        if missing:
+            raise CheckpointError(f"checkpoint lacks {len(missing)} glm5_next tensors, e.g. {missing[:5]}")
 
 
 def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

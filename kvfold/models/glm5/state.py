@@ -240,9 +240,7 @@ class Glm5State(SequenceState):
     def start_at(self, n: int) -> None:
         """SequenceState.start_at; the indexer states advance over n rows that stay zero (valid 0:
         padding, which no selection reads) and the KDA base is n."""
-        self._check_alive()
-        if self.pos != 0 or self.written_until != 0 or not 0 <= n <= self.capacity:
-            super().start_at(n)  # raises
+        self._check_start_at(n)  # before the indexer states move
         self._dsa_sync(0, n)
         super().start_at(n)
         self.kda_base, self.kda_cuts, self.kda_mix_low = n, [], n
