@@ -54,7 +54,7 @@ def serving(app):
         thread.join(timeout=30)
 
 
-def fp32_paths_bound(logits: torch.Tensor, n_layers: int) -> float:
+def fp32_paths_bound(logits: torch.Tensor, n_layers: int, dtype: torch.dtype = torch.float32) -> float:
     """How far two fp32 evaluations of the same logits (say full prefill and token-by-token decode)
     may differ by rounding alone: each is within c * L * eps * max|logit| of the exact logits, so
     they are within twice that of each other. To first order each of the L blocks adds one local
@@ -62,5 +62,6 @@ def fp32_paths_bound(logits: torch.Tensor, n_layers: int) -> float:
     the logits' scale. c = 8 comes from float64 measurements on GLM-5.3 (median 1.6, max 7.1 over
     96 sequences, flat in L from 2 to 20; tests/test_glm5_next.py); the DeepSeek-V4 tiny model's
     paths differ by at most 1.4 (native kernels) and 2.3 (torch only) units of L * eps * max|logit|
-    over 60 sequences, within the 16 this allows."""
-    return 2 * 8 * n_layers * torch.finfo(torch.float32).eps * logits.abs().max().item()
+    over 60 sequences, within the 16 this allows. `dtype`: paths that round every op's output to
+    a narrower dtype (bf16) instead; the same first-order argument with that dtype's eps."""
+    return 2 * 8 * n_layers * torch.finfo(dtype).eps * logits.abs().max().item()

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvfold
+from helpers import fp32_paths_bound
 from kvfold.errors import CheckpointError, ConfigError
 from kvfold.models.glm5 import checkpoint as glm5_checkpoint
 from test_glm5_next import INDEXERS, LAYERS, TEXT, VISION, _randomize, pair, seq  # noqa: F401  (the tiny model)
@@ -169,9 +170,13 @@ def test_dequant_and_quantized_logits_are_bit_identical(fp8, seq):
     other = q.new_state(capacity=46)
     other.restore(blob)
     assert torch.equal(q.forward(ids[30:], other), want)
+    # bf16: native.c reads the stored FP8 for up to NATIVE_ROWS rows with fp32 accumulation, where the
+    # dequantized bf16 weights go through torch's bf16 GEMM: the same values, another rounding order
     deq16 = kvfold.load_model(fp8["dir"], dtype=torch.bfloat16)
     q16 = kvfold.load_model(fp8["dir"], dtype=torch.bfloat16, weights="quantized")
-    assert q16.quantized_weights() and torch.equal(logits_of(q16, ids), logits_of(deq16, ids))
+    want16 = logits_of(deq16, ids).float()
+    bound = fp32_paths_bound(want16, deq16.config.num_hidden_layers, torch.bfloat16)
+    assert q16.quantized_weights() and (logits_of(q16, ids).float() - want16).abs().max() <= bound
 
 
 def test_fp8_checkpoint_computes_the_float_model_of_its_decoded_values(fp8, seq):

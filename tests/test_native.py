@@ -350,6 +350,14 @@ def _case_matmul(g):
     return invariant_mm(x, w), x @ w.t()
 
 
+def _case_matmul_weights(g):
+    from kvfold.numerics.quant import dequant_fp4_blocks, quantize_fp4_blocks
+    from kvfold.numerics.weights_mm import describe, native_mm
+    x, w = torch.randn(3, 94, generator=g), torch.randn(11, 94, generator=g)
+    packed, s = quantize_fp4_blocks(w)
+    return native_mm(x, *describe(packed, s, (1, 32), packed_fp4=True)), x @ dequant_fp4_blocks(packed, s).t()
+
+
 def _case_attend_one(g):
     from kvfold.models.deepseek_v4.attention import _native_attend_one
     from kvfold.state.kv_rows import KvRows
@@ -375,6 +383,7 @@ NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
     "kv_moe_one": _case_moe_one, "kv_route": _case_route, "kv_swiglu": _case_swiglu, "kv_matmul": _case_matmul,
+    "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
 }
 

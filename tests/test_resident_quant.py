@@ -1,17 +1,21 @@
-"""weights="quantized": FP8 / FP4 checkpoint weights stay in memory as stored and are decoded per matmul
-(routed experts: only the ones a batch uses). The decoded values are the ones a load-time decode writes,
-so logits, generations and snapshots are bit-identical to weights="dequant", in a fraction of the bytes."""
+"""weights="quantized": FP8 / FP4 checkpoint weights stay in memory as stored. native.c reads them as stored
+for decode and verify rows (and for every row in batch-invariant mode); longer prefill chunks decode one
+weight per matmul (routed experts: only the ones a batch uses). The decoded values are the ones a load-time
+decode writes, so where the arithmetic is the same (batch-invariant fp32, the default, and bf16 prefill)
+logits, generations and snapshots are bit-identical to weights="dequant", in a fraction of the bytes."""
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import kvfold
+import kvfold.layers.moe
 from kvfold.models.deepseek_v4.checkpoint import save_checkpoint
 from kvfold.models.deepseek_v4.names import to_official_names
 from kvfold.errors import CheckpointError, ConfigError
-from kvfold.layers.basic import QuantizedWeight
+from kvfold.layers.basic import NATIVE_ROWS, QuantizedWeight
 from kvfold.layers.moe import Experts
 from kvfold.numerics.quant import dequant_fp4_into, dequant_fp8_into, quantize_fp8_blocks, unpack_fp4
+from helpers import fp32_paths_bound
 from test_official_checkpoint import E8M0, IDS, logits, official_tensors, slice_of, tiny_v4, write_official
 
 
@@ -69,10 +73,33 @@ def test_fp8_and_fp4_weights_stay_as_stored(both):
     assert q.num_parameters() == deq.num_parameters()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_logits_are_bit_identical(both, dtype):
-    deq, q = both[dtype]
-    assert torch.equal(logits(q), logits(deq))
+def test_fp32_logits_are_bit_identical(both):
+    # batch-invariant fp32 (the default): every matmul is native.c's dot over the same values
+    deq, q = both[torch.float32]
+    assert deq.batch_invariant and torch.equal(logits(q), logits(deq))
+    assert q.fingerprint == deq.fingerprint
+    # outside it, the dequantized weights take torch's GEMM, the stored ones native.c for decode rows
+    deq.set_batch_invariant(False)
+    q.set_batch_invariant(False)
+    try:
+        st_d, st_q = deq.new_state(capacity=len(IDS)), q.new_state(capacity=len(IDS))
+        deq.forward(IDS[:-1], st_d)
+        q.forward(IDS[:-1], st_q)
+        want = deq.forward(IDS[-1:], st_d)
+        got = q.forward(IDS[-1:], st_q)
+    finally:
+        deq.set_batch_invariant(True)
+        q.set_batch_invariant(True)
+    assert (got - want).abs().max() <= fp32_paths_bound(want, deq.config.num_hidden_layers)
+
+
+def test_bf16_logits_are_within_bf16_rounding(both):
+    # bf16: native.c reads the stored weights for decode rows with fp32 accumulation, where the
+    # dequantized bf16 weights take torch's bf16 GEMM: the same values, another rounding order
+    deq, q = both[torch.bfloat16]
+    want = logits(deq).float()
+    bound = fp32_paths_bound(want, deq.config.num_hidden_layers, torch.bfloat16)
+    assert (logits(q).float() - want).abs().max() <= bound
     assert q.fingerprint == deq.fingerprint
 
 
@@ -93,39 +120,65 @@ def test_resident_bytes_are_a_quarter_for_fp8_and_under_a_seventh_for_fp4(both):
     assert deq.weight_bytes() / q.weight_bytes() > 3  # embed / head stay float in this tiny model
 
 
-def test_experts_decode_only_the_experts_a_batch_uses(both, monkeypatch):
+def test_experts_read_only_the_experts_a_batch_uses(both, monkeypatch):
+    # outside batch-invariant mode an expert with more than NATIVE_ROWS rows is decoded for its matmul,
+    # one with fewer is read as stored; either way only the experts a batch routes to are touched
     _, q = both[torch.float32]
-    routed, decoded = {}, []
-    real = QuantizedWeight.dequant
+    routed, read, decoded = {}, [], []
+    real_mm, real_dequant = kvfold.layers.moe.weight_mm, QuantizedWeight.dequant
 
-    def spy(self, dtype=None, index=None):
+    def spy_mm(x, w, index=None):
+        read.append((w, index))
+        return real_mm(x, w, index)
+
+    def spy_dequant(self, dtype=None, index=None):
         decoded.append((self, index))
-        return real(self, dtype, index)
+        return real_dequant(self, dtype, index)
 
     def record(module, args):  # Experts.forward(x, weights, ids)
         routed.setdefault(module, []).append(set(args[2].flatten().tolist()))
 
     hooks = [m.register_forward_pre_hook(record) for m in q.modules() if isinstance(m, Experts)]
-    monkeypatch.setattr(QuantizedWeight, "dequant", spy)
+    monkeypatch.setattr(kvfold.layers.moe, "weight_mm", spy_mm)
+    monkeypatch.setattr(QuantizedWeight, "dequant", spy_dequant)
+    q.set_batch_invariant(False)
     try:
-        for ids in ([5, 77], [200]):  # two steps: a 2-token chunk, then one decode token
-            st = q.new_state(capacity=4)
-            q.forward(ids, st)
+        for n in (4 * NATIVE_ROWS, 2):  # a prompt (some experts past NATIVE_ROWS rows), then a short chunk
+            st = q.new_state(capacity=4 * NATIVE_ROWS)
+            q.forward((IDS * 3)[:n], st)
     finally:
+        q.set_batch_invariant(True)
         for h in hooks:
             h.remove()
     assert routed and all(len(calls) == 2 for calls in routed.values())
-    experts = [m for m in q.modules() if isinstance(m, Experts)]
-    for m in experts:
+    for m in (m for m in q.modules() if isinstance(m, Experts)):
         for w in (m.gate_up_proj, m.down_proj):
-            got = [i for holder, i in decoded if holder is w]
-            used = routed.get(m, [])
+            got = [i for holder, i in read if holder is w]
             # once per used expert per forward, never the whole stack
-            assert sorted(got) == sorted(e for step in used for e in step), m
-            assert None not in got
-    k = q.config.num_experts_per_tok
-    assert all(len(step) <= 2 * k for calls in routed.values() for step in calls)
-    assert all(len(step) < q.config.n_routed_experts for calls in routed.values() for step in calls)
+            assert sorted(got) == sorted(e for step in routed.get(m, []) for e in step), m
+    stacks = {id(w) for m in q.modules() if isinstance(m, Experts) for w in (m.gate_up_proj, m.down_proj)}
+    expert_decodes = [i for holder, i in decoded if id(holder) in stacks]
+    assert expert_decodes and None not in expert_decodes  # the long prompt decoded some experts, one at a time
+    assert all(len(calls[1]) < q.config.n_routed_experts for calls in routed.values())  # the short chunk's
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_decode_and_verify_read_every_quantized_weight_as_stored(both, monkeypatch, invariant):
+    # up to NATIVE_ROWS rows (and any rows in batch-invariant mode) native.c reads FP8 / FP4 as stored:
+    # no weight is ever decoded into memory
+    _, q = both[torch.float32]
+    decoded = []
+    real = QuantizedWeight.dequant
+    monkeypatch.setattr(QuantizedWeight, "dequant", lambda self, *a, **k: decoded.append(self) or real(self, *a, **k))
+    q.set_batch_invariant(invariant)
+    try:
+        st = q.new_state(capacity=64)
+        q.forward(IDS[:40] if invariant else IDS[:NATIVE_ROWS], st)  # a prompt, then decode and a verify call
+        q.forward(IDS[40:41], st)
+        q.forward(IDS[41:45], st)
+    finally:
+        q.set_batch_invariant(True)
+    assert decoded == []
 
 
 def test_generation_and_snapshots_are_unaffected(both):

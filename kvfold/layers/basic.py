@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from ..numerics import rms_norm
-from ..numerics.rows import row_mm
+from ..numerics.rows import row_mm, rows_invariant
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
+from ..numerics.weights_mm import describe, native_mm, row_groups
 from ..models.deepseek_v4.quant_formats import FP4, FP8
 
 
@@ -67,6 +68,19 @@ class QuantizedWeight(nn.Module):
         if self.fmt == FP8:
             return dequant_fp8_into(out, q, s, self.block)
         return dequant_fp4_into(out, q, s, self.block[1])
+
+    def native(self, groups: int | None = None):
+        """(descriptor, n, k) for native.c's format-reading matmul (with `groups`: one per group of
+        rows, see weights_mm.row_groups), or None where it cannot read this weight (see
+        weights_mm.describe); cached until q or scale is replaced or moved."""
+        key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups)
+        hit = self.__dict__.get("_native")
+        if hit is None or hit[0] != key:
+            found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4)
+            if found is not None and groups is not None:
+                found = row_groups(found, groups, self.scale) if self.q.dim() == 2 else None
+            hit = self.__dict__["_native"] = (key, found)
+        return hit[1]
 
     @torch.no_grad()
     def load_(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -136,9 +150,31 @@ def matmul_weight(w: torch.Tensor | QuantizedWeight, index: int | None = None) -
     return w if index is None else w[index]
 
 
+NATIVE_ROWS = 32  # up to this many rows (decode, verify), a quantized weight is read as stored
+
+
+def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (W = w, or its slice `index`: one expert), in W's dtype: the one dispatch
+    point for weights kept quantized. native.c reads an FP8 / FP4 weight as stored for an fp32 or
+    bf16 model on the CPU, for up to NATIVE_ROWS rows and for any rows in batch-invariant mode
+    (its outputs equal `row_mm` over the dequantized weight bit for bit in fp32: weights_mm.py);
+    otherwise, and on other devices, the weight (slice) is dequantized for this one matmul."""
+    if isinstance(w, QuantizedWeight):
+        rows = x.numel() // max(x.shape[-1], 1)
+        if w.dtype in (torch.float32, torch.bfloat16) and (rows <= NATIVE_ROWS or rows_invariant()):
+            found = w.native()
+            if found is not None:
+                y = native_mm(x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
+                if y is not None:
+                    return y if w.dtype == torch.float32 else y.to(w.dtype)
+    wf = matmul_weight(w, index)
+    return row_mm(x if x.dtype == wf.dtype else x.to(wf.dtype), wf)
+
+
 class Linear(nn.Module):
     """y = x W^T with no bias. The input is cast to the weight dtype (fp32 weights compute in fp32).
-    `weight` is a float parameter or a `QuantizedWeight` (decoded per matmul, see `matmul_weight`).
+    `weight` is a float parameter or a `QuantizedWeight` (read as stored or decoded per matmul:
+    `weight_mm`).
 
     `act_quant` (reference numerics, on the release's FP8 GEMMs) rounds the input per token to
     FP8 in 1x128 blocks first, as the official kernels quantize activations."""
@@ -155,7 +191,7 @@ class Linear(nn.Module):
             x = act_quant_fp8(x, 128)
         w = self._parameters.get("weight")  # a float parameter (skips nn.Module.__getattr__), or
         if w is None:
-            w = self.weight.dequant()  # a QuantizedWeight submodule
+            return weight_mm(x, self.weight)  # a QuantizedWeight submodule
         return row_mm(x if x.dtype == w.dtype else x.to(w.dtype), w)
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from ..numerics.quant import act_quant_fp8
 from ..numerics.reference import release_swiglu
 from ..numerics.rows import combine_experts, row_mm, rows_invariant, swiglu
-from .basic import Linear, _param, matmul_weight
+from .basic import Linear, _param, matmul_weight, weight_mm
 
 
 class Experts(nn.Module):
@@ -67,11 +67,8 @@ class Experts(nn.Module):
 
     def _expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
         """Expert e on rows xe [n, hidden] -> fp32 [n, hidden]."""
-        w13 = matmul_weight(self.gate_up_proj, e)
-        gate, up = row_mm(xe.to(w13.dtype), w13).chunk(2, dim=-1)
-        h = swiglu(gate, up, self.limit)
-        w2 = matmul_weight(self.down_proj, e)
-        ye = row_mm(h.to(w2.dtype), w2)
+        gate, up = weight_mm(xe, self.gate_up_proj, e).chunk(2, dim=-1)
+        ye = weight_mm(swiglu(gate, up, self.limit), self.down_proj, e)
         return ye if ye.dtype == torch.float32 else ye.float()
 
     def _forward_release(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -14,128 +14,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 8
+#include "native_dot.h"
+#include "native_weights.h"
 
-/* The one dot product every kernel uses. For each output pair (row r of a, row c of b): lane j
- * accumulates a[i] * b[i] over i = j (mod LANES) in ascending i with fused multiply-adds (fmaf:
- * one rounding, exactly defined by IEEE 754 on every machine), the n % LANES tail likewise, then
- * the lanes are summed by halving (lane j + lane j + LANES/2, ...) and the tail added last. That
- * sequence of roundings depends on n only, so an MR x NR tile computes each of its outputs
- * exactly as a lone 1 x 1 call does; the tiles only share the loads. */
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-/* the halving sum of 8 lanes, plus the tail: (l0+l4, l1+l5, l2+l6, l3+l7) -> (+2 apart) -> (+1 apart) */
-static inline float lanes_sum(__m256 v, float tail) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h) + tail;
-}
-#define DOT_TILE(MR, NR)                                                                           \
-    static inline void dot_tile_##MR##x##NR(const float *a, int64_t lda, const float *b, int64_t ldb, \
-                                            int64_t n, float *out, int64_t ldo) {                  \
-        __m256 acc[MR][NR];                                                                        \
-        for (int r = 0; r < MR; r++)                                                               \
-            for (int c = 0; c < NR; c++) acc[r][c] = _mm256_setzero_ps();                          \
-        int64_t i = 0;                                                                             \
-        for (; i + LANES <= n; i += LANES) {                                                       \
-            __m256 bv[NR];                                                                         \
-            for (int c = 0; c < NR; c++) bv[c] = _mm256_loadu_ps(b + c * ldb + i);                 \
-            for (int r = 0; r < MR; r++) {                                                         \
-                __m256 av = _mm256_loadu_ps(a + r * lda + i);                                      \
-                for (int c = 0; c < NR; c++) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);    \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < MR; r++)                                                               \
-            for (int c = 0; c < NR; c++) {                                                         \
-                float tail = 0.0f;                                                                 \
-                for (int64_t t = i; t < n; t++) tail = fmaf(a[r * lda + t], b[c * ldb + t], tail); \
-                out[r * ldo + c] = lanes_sum(acc[r][c], tail);                                     \
-            }                                                                                      \
-    }
-#else /* the same operations, lane by lane (fmaf rounds exactly as the fused instruction does) */
-#define DOT_TILE(MR, NR)                                                                           \
-    static inline void dot_tile_##MR##x##NR(const float *a, int64_t lda, const float *b, int64_t ldb, \
-                                            int64_t n, float *out, int64_t ldo) {                  \
-        float acc[MR][NR][LANES];                                                                  \
-        memset(acc, 0, sizeof acc);                                                                \
-        int64_t i = 0;                                                                             \
-        for (; i + LANES <= n; i += LANES)                                                         \
-            for (int r = 0; r < MR; r++)                                                           \
-                for (int c = 0; c < NR; c++)                                                       \
-                    for (int j = 0; j < LANES; j++)                                                \
-                        acc[r][c][j] = fmaf(a[r * lda + i + j], b[c * ldb + i + j], acc[r][c][j]); \
-        for (int r = 0; r < MR; r++)                                                               \
-            for (int c = 0; c < NR; c++) {                                                         \
-                float tail = 0.0f;                                                                 \
-                for (int64_t t = i; t < n; t++) tail = fmaf(a[r * lda + t], b[c * ldb + t], tail); \
-                float *l = acc[r][c];                                                              \
-                for (int half = LANES / 2; half > 0; half /= 2)                                    \
-                    for (int j = 0; j < half; j++) l[j] = l[j] + l[j + half];                      \
-                out[r * ldo + c] = l[0] + tail;                                                    \
-            }                                                                                      \
-    }
-#endif
-DOT_TILE(1, 1)
-DOT_TILE(1, 4)
-DOT_TILE(4, 1)
-DOT_TILE(4, 2)
-DOT_TILE(4, 3)
-
-/* sum_i a[i] * b[i] */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float out;
-    dot_tile_1x1(a, 0, b, 0, n, &out, 0);
-    return out;
-}
-
-static inline double sum_squares(const float *x, int64_t n) {
-    double acc[4] = {0};
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int j = 0; j < 4; j++) acc[j] += (double)x[i + j] * (double)x[i + j];
-    double tail = 0.0;
-    for (; i < n; i++) tail += (double)x[i] * (double)x[i];
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]) + tail;
-}
-
-/* out[m, j] = dot(x row m, w row j) for x [M, K] (row stride ldx), w [N, K], out (row stride ldo),
- * over columns [n0, n1). Tiles of 4 rows x 2 columns (1 x 4 for a single row) share their loads;
- * every output is still the one `dot` above. */
-static void matmul_cols(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m,
-                        int64_t n0, int64_t n1, int64_t k) {
-    int64_t r = 0;
-    for (; r + 4 <= m; r += 4) {
-        int64_t c = n0;
-        for (; c + 3 <= n1; c += 3) dot_tile_4x3(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
-        for (; c + 2 <= n1; c += 2) dot_tile_4x2(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
-        for (; c < n1; c++) dot_tile_4x1(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
-    }
-    for (; r < m; r++) {
-        int64_t c = n0;
-        for (; c + 4 <= n1; c += 4) dot_tile_1x4(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, 1);
-        for (; c < n1; c++) dot_tile_1x1(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, 1);
-    }
-}
-
-/* y[N] = W[N, K] @ x[K] */
-static void gemv(const float *w, const float *x, float *y, int64_t n, int64_t k) {
-    matmul_cols(x, k, w, y, n, 1, 0, n, k);
-}
-
-/* ---- batch-invariant matmul: out [M, N] = x [M, K] @ w [N, K]^T ------------------------------------
- * Threads split the columns into blocks of about 64 KiB of weights (each block's weights stay in
- * cache while every row passes over them); which thread computes an output changes nothing. */
+/* ---- batch-invariant matmul: out [M, N] = x [M, K] @ w [N, K]^T (fp32 w; see native_weights.h) ---- */
 void kv_matmul(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m, int64_t n,
                int64_t k, int64_t threads) {
-    int64_t block = (16384 / (k > 0 ? k : 1)) & ~(int64_t)3;
-    if (block < 4) block = 4;
-    int64_t n_blocks = (n + block - 1) / block;
-    #pragma omp parallel for schedule(static) num_threads(threads) if(threads > 1 && n_blocks > 1)
-    for (int64_t b = 0; b < n_blocks; b++) {
-        int64_t n0 = b * block, n1 = n0 + block < n ? n0 + block : n;
-        matmul_cols(x, ldx, w, out, ldo, m, n0, n1, k);
-    }
+    kv_weights f32 = {KV_F32, 0, w, NULL, 1, LANES, k, 0, 0, 0};
+    weights_matmul(x, ldx, &f32, 0, out, ldo, m, n, threads); /* fp32 needs no panel: cannot fail */
 }
 
 static inline double sigmoid_d(double z) {
@@ -399,14 +285,17 @@ void kv_swiglu(const float *gate, const float *up, int64_t ld, float *out, int64
 
 /* The whole MoE layer for one row: y = sum over the routed experts, ascending, of
  * w_e * down_e(swiglu(gate_e x, up_e x)), starting from the first term, then + shared(x): the
- * operations, in order, of kv_route + kv_matmul + kv_swiglu + numerics/rows.py's combination, so
- * the one-row path and the batched one give the same bits. Returns 0, or -1 on a bad argument. */
+ * operations, in order, of kv_route + kv_matmul_weights + kv_swiglu + numerics/rows.py's
+ * combination, so the one-row path and the batched one give the same bits. The expert stacks
+ * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
+ * of native_weights.h's formats; each GEMV splits its columns over `threads`. Returns 0, or -1
+ * on a bad argument or a failed allocation. */
 int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
                const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
                int64_t n_group, int64_t topk_group, int renorm,
-               const float *w13, const float *w2, int64_t inter, float limit,
-               const float *shared_gate, const float *shared_up, const float *shared_down, int64_t shared_inter,
-               float *out) {
+               const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
+               const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
+               int64_t shared_inter, int64_t threads, float *out) {
     int64_t ids[MOE_MAX_K];
     float wts[MOE_MAX_K];
     if (kv_route(x, 1, h, router_w, e, scoring, bias, tid2eid, token, k, route_scale, n_group, topk_group,
@@ -415,26 +304,25 @@ int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int 
     float *gu = malloc(sizeof(float) * (size_t)buf);
     float *act = malloc(sizeof(float) * (size_t)(buf / 2 + 1));
     float *y = malloc(sizeof(float) * (size_t)h);
-    if (!gu || !act || !y) { free(gu); free(act); free(y); return -1; }
-    for (int64_t j = 0; j < k; j++) {
-        const float *wa = w13 + ids[j] * 2 * inter * h, *wb = w2 + ids[j] * h * inter;
-        gemv(wa, x, gu, 2 * inter, h);
+    int rc = !gu || !act || !y ? -1 : 0;
+    for (int64_t j = 0; j < k && rc == 0; j++) {
+        rc |= weights_matmul(x, h, w13, ids[j], gu, 2 * inter, 1, 2 * inter, threads);
         swiglu(gu, gu + inter, act, inter, limit);
-        gemv(wb, act, y, h, inter);
+        rc |= weights_matmul(act, inter, w2, ids[j], y, h, 1, h, threads);
         if (j == 0)
             for (int64_t i = 0; i < h; i++) out[i] = y[i] * wts[0];
         else
             for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i] * wts[j];
     }
-    if (shared_gate) {
-        gemv(shared_gate, x, gu, shared_inter, h);
-        gemv(shared_up, x, gu + shared_inter, shared_inter, h);
+    if (shared_gate && rc == 0) {
+        rc |= weights_matmul(x, h, shared_gate, 0, gu, shared_inter, 1, shared_inter, threads);
+        rc |= weights_matmul(x, h, shared_up, 0, gu + shared_inter, shared_inter, 1, shared_inter, threads);
         swiglu(gu, gu + shared_inter, act, shared_inter, limit);
-        gemv(shared_down, act, y, h, shared_inter);
+        rc |= weights_matmul(act, shared_inter, shared_down, 0, y, h, 1, h, threads);
         for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i];
     }
     free(gu); free(act); free(y);
-    return 0;
+    return rc ? -1 : 0;
 }
 
 /* ---- one decode query's attention ---------------------------------------------------------------

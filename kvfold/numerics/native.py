@@ -30,6 +30,7 @@ import torch
 from ..paths import cache_root
 
 _SOURCE = Path(__file__).with_name("native.c")
+_HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_weights.h"))  # included by native.c
 # -ffp-contract=off: every C expression is evaluated as written (no fused multiply-adds chosen by the
 # compiler), so the kernels' arithmetic is fixed by the source (native.c's header).
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11", "-ffp-contract=off"]
@@ -46,10 +47,11 @@ _SIGNATURES = {
     "kv_hc_head": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _D, _D, _P]),
     "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
     "kv_moe_one": (ctypes.c_int, [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int,
-                                  _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _P]),
+                                  _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _I, _P]),
     "kv_route": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int, _P, _P]),
     "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
     "kv_matmul": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _I]),
+    "kv_matmul_weights": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _I, _I, _I]),
     "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
     "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
     "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
@@ -83,7 +85,7 @@ def _build(compiler: str) -> Path:
 
 
 def _build_with(compiler: str, flags: list[str]) -> Path:
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in (_SOURCE, *_HEADERS))
     key = hashlib.sha256(src + " ".join([compiler, *flags, _cpu_key()]).encode()).hexdigest()[:16]
     target = cache_root() / f"native-{key}.so"
     if target.exists():

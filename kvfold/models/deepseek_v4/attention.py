@@ -18,10 +18,11 @@ from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, unweighted_rms_norm
 from ...numerics.reference import release_q_norm, release_sparse_attn
 from ...numerics.rows import grouped_row_mm, own_rows, rows_invariant
+from ...numerics.weights_mm import native_mm
 from ...profiling import scope
 from .state import LayerState
 from ...state.kv_rows import fp8_roundtrip, plain_rows
-from ...layers.basic import Linear, Norm, QuantizedWeight, _param
+from ...layers.basic import NATIVE_ROWS, Linear, Norm, QuantizedWeight, _param
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
 from ...layers.rows import RowBatch
@@ -31,7 +32,8 @@ _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
 
 class GroupedLinear(nn.Module):
     """wo_a: [G*R, H*D/G] applied group-wise (group g of heads -> R outputs). `weight` may be a
-    `QuantizedWeight`, decoded per matmul."""
+    `QuantizedWeight`: read as stored where `weight_mm` would (each group's rows one matrix), else
+    decoded per matmul."""
 
     quantizable = ("weight",)
 
@@ -41,6 +43,10 @@ class GroupedLinear(nn.Module):
         self.weight = _param(out_total, in_per_group, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
+        if isinstance(self.weight, QuantizedWeight):
+            y = self._native_quantized(x)
+            if y is not None:
+                return y
         if rows_invariant():
             weight = self.weight.dequant() if isinstance(self.weight, QuantizedWeight) else self.weight
             return grouped_row_mm(x.to(weight.dtype), weight, self.groups)
@@ -48,6 +54,22 @@ class GroupedLinear(nn.Module):
         if x.dtype != w_t.dtype:
             x = x.to(w_t.dtype)
         return torch.bmm(x.transpose(0, 1), w_t).transpose(0, 1).flatten(1)  # [G, T, in] @ [G, in, R]
+
+    def _native_quantized(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each group's rows of a quantized weight in native.c, read as stored (`weight_mm`'s rule and
+        bits), or None where it cannot run."""
+        w, (t, g, k) = self.weight, x.shape
+        if w.dtype not in (torch.float32, torch.bfloat16) or not (t <= NATIVE_ROWS or rows_invariant()):
+            return None
+        parts = w.native(groups=self.groups)
+        if parts is None or native.library() is None or not x.is_cpu:
+            return None
+        per = parts[0][1]
+        xf = x.float()
+        out = torch.empty(t, g * per, dtype=torch.float32)
+        for i, (desc, _, _) in enumerate(parts):
+            native_mm(xf[:, i], desc, per, k, out=out[:, i * per:(i + 1) * per])
+        return out if w.dtype == torch.float32 else out.to(w.dtype)
 
     def _grouped_t(self) -> torch.Tensor:
         weight = self.weight

@@ -1,17 +1,21 @@
 """DeepSeek-V4 MoE: hash routing (tid2eid[token]) on the first layers, biased top-k elsewhere
 (softmax, sigmoid or sqrt-softplus scores); the routed SwiGLU experts (layers/moe.py) and one
-always-on shared expert. A lone fp32 decode row runs the whole layer as one native call."""
+always-on shared expert. A lone fp32 decode row runs the whole layer as one native call, which reads
+FP8 / FP4 experts as stored (weights="quantized")."""
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...layers.basic import _param
+from ...layers.basic import QuantizedWeight, _param
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
 from ...numerics.reference import release_swiglu
 from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant
+from ...numerics.weights_mm import describe
 from .config import Dsv4Config
 
 
@@ -102,40 +106,43 @@ class MoE(nn.Module):
         return _native_moe_one(self, x, token_ids)
 
 
-_NATIVE_MAX_BYTES = 4 << 20  # past this much weight per token, several threads' GEMVs win
+def _weights_desc(w) -> tuple | None:
+    """(descriptor, n, k) of an expert stack or a shared-expert weight for native.c: an fp32
+    parameter, or a `QuantizedWeight` of an fp32 model read as stored; None otherwise."""
+    if isinstance(w, QuantizedWeight):
+        return w.native() if w.dtype == torch.float32 else None
+    return describe(w) if w is not None and w.dtype == torch.float32 else None
 
 
 def _native_weights(moe: MoE) -> tuple | None:
-    """The fp32 weights the native one-row MoE reads, or None when it cannot serve this layer
-    (quantized or non-fp32 weights, FP8 activations, an unknown scoring)."""
+    """What the native one-row MoE reads (the router, its table, the expert stacks' and the shared
+    expert's descriptors), or None when it cannot serve this layer (FP8 activations, an unknown
+    scoring, a weight the kernels cannot read)."""
     gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
     if ex.act_quant or gate.scoring not in SCORING:
         return None
-    w13, w2 = ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj")
-    tables = [gate.weight, w13, w2, gate.tid2eid if gate.is_hash else gate.e_score_correction_bias]
-    shared = (None, None, None)
-    if sh is not None:
-        lins = (sh.gate_proj, sh.up_proj, sh.down_proj)
-        if any(lin.act_quant for lin in lins):
-            return None
-        shared = tuple(lin._parameters.get("weight") for lin in lins)
-        tables += list(shared)
-    if any(t is None for t in tables):
+    table = gate.tid2eid if gate.is_hash else gate.e_score_correction_bias
+    if not native.fp32_cpu(gate.weight) or not table.is_contiguous() \
+            or table.dtype != (torch.int64 if gate.is_hash else torch.float32):
         return None
-    if not native.fp32_cpu(*tables[:3], *tables[4:]) or not tables[3].is_contiguous() \
-            or tables[3].dtype != (torch.int64 if gate.is_hash else torch.float32):
+    lins = () if sh is None else (sh.gate_proj, sh.up_proj, sh.down_proj)
+    if any(lin.act_quant for lin in lins):
         return None
-    return (gate.weight, w13, w2, tables[3], *shared)
+    descs = [_weights_desc(w) for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
+    if any(d is None for d in descs):
+        return None
+    return (gate.weight, table, *descs, *([None] * (5 - len(descs))))
 
 
 def _cached_native_weights(moe: MoE) -> tuple | None:
     """`_native_weights`, recomputed only when a weight tensor or its storage is replaced."""
     gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-    parts = [gate._parameters["weight"], ex._parameters.get("gate_up_proj"), ex._parameters.get("down_proj"),
-             gate._buffers["tid2eid" if gate.is_hash else "e_score_correction_bias"]]
+    parts = [gate._parameters["weight"], gate._buffers["tid2eid" if gate.is_hash else "e_score_correction_bias"],
+             ex.gate_up_proj, ex.down_proj]
     if sh is not None:
-        parts += [lin._parameters.get("weight") for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-    key = tuple((id(t), t.data_ptr()) if t is not None else None for t in parts)
+        parts += [lin.weight for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)]
+    tensors = [t.q if isinstance(t, QuantizedWeight) else t for t in parts]
+    key = tuple((id(t), t.data_ptr()) for t in tensors)
     key += (ex.act_quant, sh is not None and any(lin.act_quant for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)))
     hit = moe.__dict__.get("_native_weights")
     if hit is not None and hit[0] == key:
@@ -152,17 +159,19 @@ def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch
     ws = _cached_native_weights(moe)
     if ws is None:
         return None
-    router, w13, w2, table, sg, su, sd = ws
+    router, table, w13, w2, sg, su, sd = ws
     e, h = router.shape
-    k, inter = moe.gate.k, w2.shape[2]
-    s_inter = 0 if sg is None else sg.shape[0]
-    if torch.get_num_threads() > 1 and 4 * (k * 3 * inter * h + 3 * s_inter * h) > _NATIVE_MAX_BYTES:
-        return None  # several threads' GEMMs win (in batch-invariant mode with the same bits)
+    k, inter = moe.gate.k, w2[2]
+    s_inter = 0 if sg is None else sg[1]
     out = torch.empty(1, h, dtype=torch.float32)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    ptr = lambda d: None if d is None else ctypes.addressof(d[0])  # noqa: E731
     is_hash = moe.gate.is_hash
+    threads = torch.get_num_threads() if 4 * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
     rc = lib.kv_moe_one(x.data_ptr(), h, router.data_ptr(), e, SCORING[moe.gate.scoring],
                         None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
-                        token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, w13.data_ptr(), w2.data_ptr(), inter,
-                        moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, out.data_ptr())
+                        token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, ptr(w13), ptr(w2), inter,
+                        moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, threads, out.data_ptr())
     return out if rc == 0 else None
+
+
+_SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per token, one thread (the count changes no bits)

@@ -1,0 +1,101 @@
+"""Matmuls on weights in their checkpoint formats, in native.c (native_weights.h).
+
+`describe` turns a stored weight (fp32, bf16, FP8 e4m3fn with block scales, packed FP4 e2m1 with
+1 x 32 scales, each possibly a stack of matrices such as the routed experts) into the descriptor
+the kernels read; `native_mm` runs x @ W^T on it without decoding the weight into memory: a
+decode row decodes in registers, several rows decode a panel of columns at a time.
+
+Every output is native.c's fixed-order `dot` over exactly the float32 values quant.py's
+dequantizers write (native_weights.h says why the decoding is exact), so it equals
+`invariant_mm(x, dequantized fp32 weight)` bit for bit, whatever the row count, the path or the
+thread count: batch-invariant by construction. Threads split the output columns, never K.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from . import native
+from .rows import _threads
+
+F32, BF16, FP8, FP4 = 0, 1, 2, 3
+_FORMAT_OF = {torch.float32: F32, torch.bfloat16: BF16, torch.float8_e4m3fn: FP8}
+_LANES = 8
+
+
+class WeightsDesc(ctypes.Structure):
+    """native_weights.h's kv_weights (field for field). It holds raw pointers, so it also keeps
+    the tensors they point into alive (`tensors`)."""
+    _fields_ = [("fmt", ctypes.c_int64), ("scale_f32", ctypes.c_int64), ("data", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("br", ctypes.c_int64), ("bc", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("data_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64), ("row_phase", ctypes.c_int64)]
+
+
+def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+             packed_fp4: bool = False) -> tuple[WeightsDesc, int, int] | None:
+    """(descriptor, rows n, columns k) of `data` [..., n, k] (FP4: [..., n, k/2] bytes with
+    `packed_fp4`), its leading dims a stack of matrices; None where the kernels cannot read it
+    (another device, a non-contiguous tensor, scale blocks not a multiple of 8 columns, an
+    unknown dtype)."""
+    if not data.is_cpu or not data.is_contiguous() or data.dim() < 2:
+        return None
+    fmt = FP4 if packed_fp4 else _FORMAT_OF.get(data.dtype)
+    if fmt is None or (fmt in (FP8, FP4)) != (scale is not None):
+        return None
+    rows, k = data.shape[-2], data.shape[-1] * (2 if fmt == FP4 else 1)
+    br, bc = block if block is not None else (1, _LANES)
+    desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0)
+    desc.tensors = (data, scale)
+    if scale is not None:
+        if bc % _LANES or not scale.is_cpu or not scale.is_contiguous() or scale.dtype not in (torch.uint8,
+                                                                                              torch.float32):
+            return None
+        desc.scale, desc.scale_f32 = scale.data_ptr(), int(scale.dtype == torch.float32)
+        desc.scale_stride = scale.numel() // max(math.prod(data.shape[:-2]), 1)
+    return desc, rows, k
+
+
+def row_groups(found: tuple[WeightsDesc, int, int], groups: int, scale: torch.Tensor | None) -> list | None:
+    """`describe`'s result for one [n, k] matrix split into `groups` matrices of n / groups rows
+    each (a grouped projection), or None when n does not split evenly."""
+    desc, rows, k = found
+    if rows % groups:
+        return None
+    per = rows // groups
+    row_bytes = desc.data_stride // rows
+    scale_cols = 0 if scale is None else scale.shape[-1]
+    parts = []
+    for g in range(groups):
+        first = g * per
+        part = WeightsDesc.from_buffer_copy(desc)
+        part.tensors = desc.tensors
+        part.data += first * row_bytes
+        if scale is not None:
+            part.scale += (first // desc.br) * scale_cols * scale.element_size()
+            part.row_phase = first % desc.br
+        parts.append((part, per, k))
+    return parts
+
+
+def native_mm(x: torch.Tensor, desc: WeightsDesc, n: int, k: int, index: int = 0,
+              out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., k] (fp32) @ (matrix `index` of desc)^T -> fp32 [..., n] (written into `out`, an fp32
+    [rows, n] view with unit column stride, when given), or None when the kernels are off or x is
+    not fp32 on the CPU (the caller then runs torch)."""
+    lib = native.library()
+    if lib is None or x.dtype != torch.float32 or not x.is_cpu:
+        return None
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    if m and n:
+        rc = lib.kv_matmul_weights(x2.data_ptr(), x2.stride(0) if m > 1 else k, ctypes.addressof(desc), index,
+                                   out.data_ptr(), out.stride(0) if m > 1 else n, m, n, _threads(m * n * k))
+        if rc != 0:
+            raise MemoryError(f"native matmul could not allocate its panel ({n} x {k} weights, rc {rc})")
+    return out.view(*x.shape[:-1], n) if out.is_contiguous() else out

@@ -1,0 +1,184 @@
+"""native.c's matmuls on weights as the checkpoint stores them (numerics/weights_mm.py).
+
+The kernels decode every FP8 / FP4 / bf16 weight to exactly the float32 value quant.py's
+dequantizers write and then run native.c's one fixed-order dot, so each output must equal
+`invariant_mm` over the dequantized weight bit for bit (NaN where it is NaN): for one row (decoded
+in registers) and for several (a decoded panel), at any thread count, with partial scale blocks,
+all-tail rows, every FP8 code and the extreme e8m0 scales. The reference, `invariant_mm` over
+quant.py's dequantization, is itself checked against torch's GEMM in test_native.py."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvfold.numerics import native
+from kvfold.numerics.quant import (dequant_fp4_blocks, dequant_fp8_blocks, quantize_fp4_blocks,
+                                   quantize_fp8_blocks)
+from kvfold.numerics.rows import invariant_mm
+from kvfold.numerics.weights_mm import describe, native_mm, row_groups
+
+SHAPES = [(37, 300), (130, 1000), (5, 8), (3, 62), (9, 6), (64, 256)]  # tails, partial blocks, k < 8
+ROWS = [1, 2, 5, 33]
+
+
+def exactly(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def weights(n, k, seed, scale=0.05):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def rows(m, k, seed):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(1000 + seed))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 128), (8, 8), (16, 32)])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_fp8_outputs_are_the_fixed_order_dot_over_the_dequantized_weight(n, k, block):
+    q, s = quantize_fp8_blocks(weights(n, k, n * k), block)
+    dense = dequant_fp8_blocks(q, s, block)
+    found = describe(q, s, block)
+    for m in ROWS:
+        x = rows(m, k, m)
+        exactly(native_mm(x, *found), invariant_mm(x, dense))
+
+
+@pytest.mark.parametrize("n,k", [s for s in SHAPES if s[1] % 2 == 0] + [(16, 80), (8, 34)])
+def test_fp4_outputs_are_the_fixed_order_dot_over_the_dequantized_weight(n, k):
+    packed, s = quantize_fp4_blocks(weights(n, k, n + k))
+    dense = dequant_fp4_blocks(packed, s)
+    found = describe(packed, s, (1, 32), packed_fp4=True)
+    for m in ROWS:
+        x = rows(m, k, m)
+        exactly(native_mm(x, *found), invariant_mm(x, dense))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_bf16_outputs_are_the_fixed_order_dot_over_the_widened_weight(n, k):
+    w = weights(n, k, 7 * n + k).bfloat16()
+    for m in ROWS:
+        x = rows(m, k, m)
+        exactly(native_mm(x, *describe(w)), invariant_mm(x, w.float()))
+
+
+def test_stacked_experts_read_only_the_selected_matrix():
+    stack = weights(6 * 40, 96, 3).view(6, 40, 96)
+    packed, s = quantize_fp4_blocks(stack)
+    dense = dequant_fp4_blocks(packed, s)
+    found = describe(packed, s, (1, 32), packed_fp4=True)
+    x = rows(3, 96, 0)
+    for e in range(6):
+        exactly(native_mm(x, *found, index=e), invariant_mm(x, dense[e]))
+
+
+@pytest.mark.parametrize("groups,block", [(4, (128, 128)), (3, (8, 8)), (6, (16, 32))])
+def test_row_groups_read_their_rows_with_their_blocks_scales(groups, block):
+    # a group's rows may start inside a scale block (row_phase): 4 x 40 rows in 128-row blocks
+    n, k = 40 * groups if groups != 3 else 36, 136
+    q, s = quantize_fp8_blocks(weights(n, k, groups), block)
+    dense = dequant_fp8_blocks(q, s, block)
+    parts = row_groups(describe(q, s, block), groups, s)
+    per = n // groups
+    x = rows(2, k, groups)
+    for g, (desc, rows_, cols) in enumerate(parts):
+        assert (rows_, cols) == (per, k)
+        exactly(native_mm(x, desc, per, k), invariant_mm(x, dense[g * per:(g + 1) * per]))
+    assert row_groups(describe(q, s, block), n + 1, s) is None
+
+
+def test_every_fp8_code_and_extreme_scale_decodes_exactly():
+    # every code (0x7F / 0xFF NaN, 0x80 negative zero, subnormals), against e8m0 exponents 0 (2^-127,
+    # a float32 subnormal), 1, 127, 200, 254 (products overflow to inf) and 255 (NaN)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(6, 1)  # [6, 256]
+    exps = torch.tensor([0, 1, 127, 200, 254, 255], dtype=torch.uint8).view(6, 1).expand(6, 2).contiguous()
+    block = (1, 128)
+    dense = dequant_fp8_blocks(codes.view(torch.float8_e4m3fn), exps, block)
+    assert dense.isnan().any() and dense.isinf().any() and dense.signbit()[dense == 0].any()
+    found = describe(codes.view(torch.float8_e4m3fn), exps, block)
+    x = rows(3, 256, 5)
+    exactly(native_mm(x, *found), invariant_mm(x, dense))
+    exactly(native_mm(x[:1], *found), invariant_mm(x[:1], dense))
+    # the finite ones value by value: a one-hot row picks one weight (0 * a NaN would spoil them all)
+    finite = codes[:4].clone()
+    finite[(finite & 0x7F) == 0x7F] = 0
+    dense = dequant_fp8_blocks(finite.view(torch.float8_e4m3fn), exps[:4].contiguous(), block)
+    eye = torch.eye(256)
+    found = describe(finite.view(torch.float8_e4m3fn), exps[:4].contiguous(), block)
+    assert torch.equal(native_mm(eye, *found), dense.t())
+    assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(256)]), dense.t())
+
+
+def test_float32_scales_multiply_as_stored():
+    q, s = quantize_fp8_blocks(weights(20, 200, 2), (8, 8))
+    fs = torch.rand(s.shape, generator=torch.Generator().manual_seed(3)) * 1e-2  # not powers of two
+    dense = dequant_fp8_blocks(q, fs, (8, 8))
+    for m in (1, 4):
+        x = rows(m, 200, m)
+        exactly(native_mm(x, *describe(q, fs, (8, 8))), invariant_mm(x, dense))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(fmt):
+    n, k = 512, 1024  # past rows.py's serial threshold: the columns split over threads
+    w = weights(n, k, 11)
+    if fmt == "fp8":
+        found = describe(*quantize_fp8_blocks(w), (128, 128))
+    elif fmt == "fp4":
+        packed, s = quantize_fp4_blocks(w)
+        found = describe(packed, s, (1, 32), packed_fp4=True)
+    else:
+        found = describe(w.bfloat16())
+    x = rows(9, k, 0)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(native_mm(x, *found))
+            for i in (0, 4, 8):
+                assert torch.equal(native_mm(x[i:i + 1], *found)[0], outs[-1][i])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_weights_the_kernels_cannot_read_are_refused_before_any_call():
+    q, s = quantize_fp8_blocks(weights(16, 30, 1), (4, 6))  # 6-column scale blocks: not lanes of 8
+    assert describe(q, s, (4, 6)) is None
+    assert describe(q.t(), s, (128, 128)) is None  # not contiguous
+    assert describe(weights(4, 8, 0).half()) is None  # no fp16 kernel
+    assert describe(q, None, (128, 128)) is None  # FP8 without its scales
+
+
+_PROBE = ("import hashlib, torch\n"
+          "from kvfold.numerics import native\n"
+          "from kvfold.numerics.quant import quantize_fp4_blocks, quantize_fp8_blocks\n"
+          "from kvfold.numerics.weights_mm import describe, native_mm\n"
+          "g = torch.Generator().manual_seed(0)\n"
+          "w = torch.randn(37, 270, generator=g)\n"
+          "p, s4 = quantize_fp4_blocks(w)\n"
+          "found = [describe(*quantize_fp8_blocks(w), (128, 128)), describe(p, s4, (1, 32), packed_fp4=True),\n"
+          "         describe(w.bfloat16())]\n"
+          "x = torch.randn(5, 270, generator=g)\n"
+          "h = hashlib.sha256()\n"
+          "for f in found:\n"
+          "    for m in (1, 5):\n"
+          "        h.update(native_mm(x[:m], *f).numpy().tobytes())\n"
+          "print(native.available(), h.hexdigest())\n")
+
+
+def test_a_build_without_avx2_decodes_to_the_same_bits(tmp_path):
+    """Without -march=native the decoders run as scalar C (ldexpf, a table) and the dot lane by
+    lane with fmaf: the same values and IEEE operations in the same order, so the same bits."""
+    fake = tmp_path / "cc-no-march"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\nexec cc "$@"\n')
+    fake.chmod(0o755)
+    env = dict(CC=str(fake), KVFOLD_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                           env={**__import__("os").environ, **e}) for e in (env, {})]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert runs[0].stdout.split()[0] == "True" and runs[0].stdout == runs[1].stdout
+    assert native.available()
