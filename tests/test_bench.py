@@ -87,6 +87,28 @@ def test_bfloat16_run_reports_its_drift_from_float32(tmp_path):
     assert all(c["status"] == "ok" for c in res["cells"])
 
 
+def test_quantized_weights_run_the_official_fp8_fp4_checkpoint(tmp_path):
+    rc = R.run_bench(_args(tmp_path, "--contexts", "16", "--weights", "quantized", "--bandwidth", "on"), log=None)
+    res = json.loads((tmp_path / "out.json").read_text())
+    (cell,) = res["cells"]
+    assert rc == 0 and cell["status"] == "ok" and res["settings"]["kvfold_weights"] == "quantized"
+    official = C.checkpoint_tensor_sizes(res["kvfold_checkpoint"])
+    assert res["kvfold_checkpoint"].endswith("-official") and "embed.weight" in official
+    # FP8 attention and FP4 experts: fewer bytes than the float checkpoint, counted as read per token
+    assert res["model"]["kvfold_weight_bytes"] < res["model"]["weight_bytes"] / 2
+    float_tensors = C.checkpoint_tensor_sizes(res["checkpoint"])
+    cfg = C.build_config("tiny-bench")
+    per = res["decode_bytes_per_token"]["16"]
+    assert per == C.decode_bytes_per_token(cfg, official, 16)
+    assert per["routed_experts_active"] < C.decode_bytes_per_token(cfg, float_tensors, 16)["routed_experts_active"] / 6
+    assert per["attention"] > 0 and per["lm_head"] > 0 and per["embedding_row"] > 0
+    # the resident bytes per parameter the cell measured at load, in the report
+    assert cell["weight_bytes"] < 4 * cell["parameters"] and "bytes/parameter" in res["report"]
+    assert cell["decode_fraction_of_copy_bandwidth"] > 0
+    again = C.ensure_official_checkpoint(C.ensure_checkpoint("tiny-bench", tmp_path / "cache", 0))
+    assert str(again) == res["kvfold_checkpoint"]
+
+
 def test_checkpoint_is_reused(e2e):
     _, res, tmp = e2e
     before = (tmp / "cache" / "bench-tiny-bench" / "model.safetensors").stat().st_mtime_ns

@@ -87,11 +87,11 @@ def input_ids(length: int, vocab_size: int, seed: int = 0):
 class KvfoldEngine:
     name = "kvfold"
 
-    def __init__(self, directory: str, dtype: str = "float32"):
+    def __init__(self, directory: str, dtype: str = "float32", weights: str = "dequant"):
         import torch
 
         import kvfold
-        self.model = kvfold.load_model(directory, dtype=getattr(torch, dtype))
+        self.model = kvfold.load_model(directory, dtype=getattr(torch, dtype), weights=weights)
         self.vocab_size = self.model.config.vocab_size
         self.state = None
 
@@ -172,8 +172,8 @@ class TransformersEngine:
         return total
 
 
-def _engine(mode: str, directory: str, dtype: str = "float32"):
-    return KvfoldEngine(directory, dtype) if mode == "kvfold" else TransformersEngine(directory)
+def _engine(mode: str, directory: str, dtype: str = "float32", weights: str = "dequant"):
+    return KvfoldEngine(directory, dtype, weights) if mode == "kvfold" else TransformersEngine(directory)
 
 
 # ---- modes ---------------------------------------------------------------------------------------
@@ -186,11 +186,14 @@ def run_cell(args) -> None:
     else:
         from transformers import DeepseekV4ForCausalLM, DynamicCache  # noqa: F401
     t1 = time.perf_counter()
-    eng = _engine(args.mode, args.checkpoint, args.dtype)
+    eng = _engine(args.mode, args.checkpoint, args.dtype, args.weights)
     load_s = time.perf_counter() - t1
     gc.collect()
     load_peak = max_rss()
-    emit("loaded", import_s=t1 - t0, load_s=load_s, load_peak_rss=load_peak, rss_after_load=current_rss())
+    resident = {}
+    if args.mode == "kvfold":  # bytes the weights occupy per (logical) parameter
+        resident = dict(weight_bytes=eng.model.weight_bytes(), parameters=eng.model.num_parameters())
+    emit("loaded", import_s=t1 - t0, load_s=load_s, load_peak_rss=load_peak, rss_after_load=current_rss(), **resident)
 
     ids = input_ids(args.context, eng.vocab_size, args.seed)
     if args.warmup > 0:  # one short prefill + 2 steps: lazy inits, allocator, first-call costs
@@ -311,6 +314,7 @@ def main(argv=None) -> int:
     p.add_argument("--mem-limit-bytes", type=int, default=0)
     p.add_argument("--prefill-logits", choices=("all", "last"), default="all")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant")
     p.add_argument("--bandwidth-mib", type=int, default=512)
     p.add_argument("--bandwidth-repeats", type=int, default=5)
     args = p.parse_args(argv)

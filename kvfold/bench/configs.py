@@ -164,6 +164,32 @@ def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, seed: int 
     return target
 
 
+def ensure_official_checkpoint(checkpoint: Path, log: Callable[[str], None] | None = None) -> Path:
+    """`checkpoint` converted by `kvfold convert --to official` (the release's FP8 / FP4 formats) into
+    `<checkpoint>-official`, written on first use and reused while it was made from this checkpoint."""
+    checkpoint = Path(checkpoint)
+    target = checkpoint.with_name(checkpoint.name + "-official")
+    meta = json.loads((checkpoint / "bench-meta.json").read_text())
+    meta_path = target / "bench-meta.json"
+    try:
+        if json.loads(meta_path.read_text()).get("key") == meta["key"]:
+            return target
+    except (OSError, json.JSONDecodeError):
+        pass
+    from ..models.deepseek_v4.convert import convert
+    if log:
+        log(f"converting {checkpoint} to the official layout (FP8 / FP4) in {target}")
+    tmp = checkpoint.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    convert(checkpoint, tmp, "official")
+    (tmp / "bench-meta.json").write_text(json.dumps(dict(meta, layout="official"), indent=2))
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
 _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -192,21 +218,22 @@ def decode_bytes_per_token(cfg, tensors: dict[str, tuple[tuple[int, ...], int]],
     parts = {"embedding_row": 0.0, "attention": 0.0, "routed_experts_active": 0.0, "shared_expert": 0.0,
              "router": 0.0, "norms_hc": 0.0, "lm_head": 0.0, "other": 0.0}
     frac = cfg.num_experts_per_tok / cfg.n_routed_experts
+    # transformers' names and the release's (`kvfold convert --to official`: FP8 / FP4 and their scales)
     for name, (shape, nbytes) in tensors.items():
         if name.startswith("mtp."):
             continue
-        if name.endswith("embed_tokens.weight"):
+        if name.endswith(("embed_tokens.weight", "embed.weight")):
             parts["embedding_row"] += nbytes / max(1, shape[0])
-        elif ".mlp.experts." in name:
+        elif ".mlp.experts." in name or ".ffn.experts." in name:
             parts["routed_experts_active"] += nbytes * frac
-        elif ".mlp.shared_experts." in name:
+        elif ".mlp.shared_experts." in name or ".ffn.shared_experts." in name:
             parts["shared_expert"] += nbytes
-        elif ".mlp.gate." in name:
+        elif ".mlp.gate." in name or ".ffn.gate." in name:
             # the router matrix; a hash layer's tid2eid table is read one row per token
             parts["router"] += nbytes / max(1, shape[0]) if name.endswith("tid2eid") else nbytes
-        elif ".self_attn." in name:
+        elif ".self_attn." in name or ".attn." in name:
             parts["attention"] += nbytes
-        elif name.startswith("lm_head."):
+        elif name.startswith(("lm_head.", "head.")):
             parts["lm_head"] += nbytes
         elif "norm" in name or "_hc." in name or "hc_head" in name:
             parts["norms_hc"] += nbytes

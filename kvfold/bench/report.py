@@ -65,6 +65,8 @@ def summarize(result: dict[str, Any]) -> None:
         for c in cells:
             if c["engine"] == LLAMA:  # its experts are MXFP4: not the bytes counted for the checkpoint
                 continue
+            if c["engine"] != "kvfold" and result["settings"].get("kvfold_weights") == "quantized":
+                continue  # the bytes counted are kvfold's FP8 / FP4 checkpoint's
             per_tok = result["decode_bytes_per_token"].get(str(c["context"]), {}).get("total")
             if c.get("decode_tok_s") and per_tok:
                 c["decode_achieved_bytes_per_s"] = per_tok * c["decode_tok_s"]
@@ -215,13 +217,24 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
             f"{s['threads']} threads, time limit {s['time_limit_s']:g} s/cell, "
             f"memory cap {s['mem_limit_gib']:g} GiB/cell, "
             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits"
-            + (f", kvfold in {s['kvfold_dtype']}" if s.get("kvfold_dtype", "float32") != "float32" else ""),
+            + (f", kvfold in {s['kvfold_dtype']}" if s.get("kvfold_dtype", "float32") != "float32" else "")
+            + (f", kvfold weights {s['kvfold_weights']}" if s.get("kvfold_weights", "dequant") != "dequant" else ""),
+            *_resident_lines(result),
             f"command: {result['command']}",
             f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
             f"torch {m['torch']}, transformers {m.get('transformers') or '-'}, python {m['python']}, "
             f"load avg at start {m['loadavg_start']}"
             + (f", kvfold native CPU kernels {'on' if m['kvfold_native'] else 'off'}" if "kvfold_native" in m else ""),
             f"checkpoint: {result['checkpoint']}"]
+
+
+def _resident_lines(result: dict[str, Any]) -> list[str]:
+    """kvfold's resident weight bytes per parameter, as its first cell measured them at load."""
+    cell = next((c for c in result.get("cells", []) if c["engine"] == "kvfold" and c.get("weight_bytes")), None)
+    if cell is None:
+        return []
+    return [f"kvfold resident weights: {cell['weight_bytes'] / _MIB:.1f} MiB for {cell['parameters']:,} "
+            f"parameters = {cell['weight_bytes'] / cell['parameters']:.3f} bytes/parameter"]
 
 
 def _sanity_line(san: dict[str, Any]) -> str:

@@ -103,6 +103,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="kvfold's weights and activations (transformers stays float32, the reference); "
                         "bfloat16 reports its logits drift in the sanity check (default float32)")
+    p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
+                   help="kvfold's weight residency. quantized: the checkpoint is converted once with `kvfold "
+                        "convert --to official` (FP8 attention and shared experts, FP4 routed experts, as the "
+                        "release stores them) and loaded with weights='quantized'; llama.cpp's GGUF has the "
+                        "same FP4 experts either way (default dequant)")
     p.add_argument("--no-sanity", action="store_true",
                    help="skip the kvfold-vs-transformers logits check (run once when --vs transformers)")
     return p
@@ -266,6 +271,8 @@ def _cell_record(engine: str, context: int, raw: dict[str, Any]) -> dict[str, An
     rec["load_s"] = loaded.get("load_s")
     rec["load_peak_rss_bytes"] = loaded.get("load_peak_rss")
     rec["rss_after_load_bytes"] = loaded.get("rss_after_load")
+    if loaded.get("weight_bytes"):
+        rec["weight_bytes"], rec["parameters"] = loaded["weight_bytes"], loaded["parameters"]
     if pre:
         rec["prefill_status"] = "ok"
         rec["prefill_s"] = pre["prefill_s"]
@@ -368,9 +375,14 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         require("transformers", "kvfold bench --vs transformers")
     started = _dt.datetime.now(_dt.timezone.utc)
     ckpt = C.ensure_checkpoint(args.config, args.cache_dir, args.seed, log=log)
+    quantized = getattr(args, "weights", "dequant") == "quantized"
+    args.kvfold_checkpoint = C.ensure_official_checkpoint(ckpt, log=log) if quantized else ckpt
     result = _new_result(args, ckpt, engines, started)
     mem_limit = _CellMemLimit(int(args.mem_limit_gib * _GIB))
-    if "transformers" in engines and not args.no_sanity:
+    if quantized and "transformers" in engines:
+        result["sanity"] = {"status": "not run: FP8 / FP4 weights differ from the float reference by design",
+                            "passed": None}
+    elif "transformers" in engines and not args.no_sanity:
         result["sanity"] = _run_sanity(args, ckpt, mem_limit, log)
     llama = _prepare_llama(args, ckpt, log) if LL.ENGINE in engines else None
     if llama is not None:
@@ -401,7 +413,9 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
     """The JSON result before any cell ran: command, machine, settings, model and its bytes/token."""
     contexts = list(args.contexts)
     cfg = C.build_config(args.config)
+    kv_ckpt = getattr(args, "kvfold_checkpoint", ckpt)
     tensors = C.checkpoint_tensor_sizes(ckpt)
+    kv_tensors = C.checkpoint_tensor_sizes(kv_ckpt)
     return {
         "command": getattr(args, "command_line", None) or _command_line(),
         "started_utc": started.isoformat(timespec="seconds"),
@@ -411,12 +425,16 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
                      "mem_limit_gib": args.mem_limit_gib, "threads": args.threads, "seed": args.seed,
                      "warmup_tokens": args.warmup,
                      "prefill_logits": args.prefill_logits, "kvfold_dtype": args.dtype,
+                     "kvfold_weights": getattr(args, "weights", "dequant"),
                      "prefill_call": _prefill_calls(args.prefill_logits)},
         "checkpoint": str(ckpt),
+        "kvfold_checkpoint": str(kv_ckpt),
         "model": {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_hf_dict().items()},
                   "parameters": sum(_numel(s) for s, _ in tensors.values()),
-                  "weight_bytes": sum(n for _, n in tensors.values())},
-        "decode_bytes_per_token": {str(c): C.decode_bytes_per_token(cfg, tensors, c) for c in contexts},
+                  "weight_bytes": sum(n for _, n in tensors.values()),
+                  "kvfold_weight_bytes": sum(n for _, n in kv_tensors.values())},
+        # what kvfold's decode reads: from the checkpoint it loads (FP8 / FP4 bytes and their scales, quantized)
+        "decode_bytes_per_token": {str(c): C.decode_bytes_per_token(cfg, kv_tensors, c) for c in contexts},
         "cells": [],
     }
 
@@ -550,11 +568,14 @@ def _engine_cell(args: argparse.Namespace, ckpt: Path, eng: str, ctx: int, mem_l
     """One kvfold or transformers cell (a `python -m kvfold.bench.cell` process): (its JSON record,
     SKIP_TIME / OOM if it hit a limit, else None)."""
     log(f"{eng} @ {ctx}: running (limit {args.time_limit:g} s)")
-    raw = run_subprocess_cell(eng, checkpoint=str(ckpt), context=ctx, decode_tokens=args.decode_tokens,
+    kvfold = eng == "kvfold"
+    raw = run_subprocess_cell(eng, checkpoint=str(getattr(args, "kvfold_checkpoint", ckpt) if kvfold else ckpt),
+                              context=ctx, decode_tokens=args.decode_tokens,
                               threads=args.threads, seed=args.seed, warmup=args.warmup,
                               time_limit=args.time_limit, mem_limit_bytes=mem_limit(),
                               prefill_logits=args.prefill_logits,
-                              extra=["--dtype", args.dtype] if eng == "kvfold" else None)
+                              extra=["--dtype", args.dtype, "--weights", getattr(args, "weights", "dequant")]
+                              if kvfold else None)
     return _cell_record(eng, ctx, raw), (raw["status"] if raw["status"] in (SKIP_TIME, OOM) else None)
 
 
@@ -573,7 +594,7 @@ def _finish(args: argparse.Namespace, result: dict[str, Any]) -> int:
     os.replace(tmp, out)
     print(f"results written to {out}", flush=True)
     bad = [c for c in result["cells"] if c["engine"] == "kvfold" and "error" in c["status"]]
-    if bad or (result.get("sanity") and not result["sanity"].get("passed")):
+    if bad or (result.get("sanity") and result["sanity"].get("passed") is False):
         return 1
     return 0
 
