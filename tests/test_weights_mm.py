@@ -182,3 +182,15 @@ def test_a_build_without_avx2_decodes_to_the_same_bits(tmp_path):
         assert r.returncode == 0, r.stderr
     assert runs[0].stdout.split()[0] == "True" and runs[0].stdout == runs[1].stdout
     assert native.available()
+
+
+def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
+    from kvfold.layers.basic import NATIVE_ROWS, Linear
+    lin = Linear(136, 40, torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(weights(40, 136, 9).bfloat16())
+    for m in (1, 3, NATIVE_ROWS):
+        x = rows(m, 136, m).bfloat16()
+        got = lin(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, invariant_mm(x.float(), lin.weight.float()).bfloat16())

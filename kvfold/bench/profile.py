@@ -239,6 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default=None, help="random checkpoint cache (default as `kvfold bench`)")
+    p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
+                   help="quantized: the checkpoint converted to the official FP8 / FP4 layout, kept as stored")
     p.add_argument("--no-aten", action="store_true", help="skip the torch.profiler op count")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
     args = p.parse_args(argv)
@@ -246,8 +248,11 @@ def main(argv=None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     from .. import load_model
-    from .configs import ensure_checkpoint
-    model = load_model(str(ensure_checkpoint(args.config, args.cache_dir, args.seed)))
+    from .configs import ensure_checkpoint, ensure_official_checkpoint
+    ckpt = ensure_checkpoint(args.config, args.cache_dir, args.seed)
+    if args.weights == "quantized":
+        ckpt = ensure_official_checkpoint(ckpt)
+    model = load_model(str(ckpt), weights=args.weights)
     res = profile_decode(model, args.context, args.steps, args.warmup, args.seed, aten=not args.no_aten)
     res["config"] = args.config
     print(format_profile(res))

@@ -155,20 +155,34 @@ NATIVE_ROWS = 32  # up to this many rows (decode, verify), a quantized weight is
 
 def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (W = w, or its slice `index`: one expert), in W's dtype: the one dispatch
-    point for weights kept quantized. native.c reads an FP8 / FP4 weight as stored for an fp32 or
-    bf16 model on the CPU, for up to NATIVE_ROWS rows and for any rows in batch-invariant mode
-    (its outputs equal `row_mm` over the dequantized weight bit for bit in fp32: weights_mm.py);
-    otherwise, and on other devices, the weight (slice) is dequantized for this one matmul."""
-    if isinstance(w, QuantizedWeight):
-        rows = x.numel() // max(x.shape[-1], 1)
-        if w.dtype in (torch.float32, torch.bfloat16) and (rows <= NATIVE_ROWS or rows_invariant()):
-            found = w.native()
-            if found is not None:
-                y = native_mm(x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
-                if y is not None:
-                    return y if w.dtype == torch.float32 else y.to(w.dtype)
+    point for weights the native kernels read as stored. For up to NATIVE_ROWS rows on the CPU
+    (any rows in batch-invariant mode), native.c reads an FP8 / FP4 weight of an fp32 or bf16 model,
+    and a bf16 weight, without decoding it into memory: fp32 outputs equal `row_mm` over the
+    dequantized weight bit for bit (weights_mm.py); bf16 ones accumulate in fp32 and round once.
+    Otherwise an FP8 / FP4 weight (slice) is dequantized for this one matmul, and torch runs it."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= NATIVE_ROWS or rows_invariant():
+        found = _native_weights(w)
+        if found is not None:
+            y = native_mm(x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
+            if y is not None:
+                return y if w.dtype == torch.float32 else y.to(w.dtype)
     wf = matmul_weight(w, index)
     return row_mm(x if x.dtype == wf.dtype else x.to(wf.dtype), wf)
+
+
+def _native_weights(w: torch.Tensor | QuantizedWeight):
+    """native.c's view of a weight it reads as stored (an FP8 / FP4 weight of an fp32 or bf16 model,
+    or a bf16 parameter), cached on the weight; None for the others (fp32 goes through row_mm)."""
+    if isinstance(w, QuantizedWeight):
+        return w.native() if w.dtype in (torch.float32, torch.bfloat16) else None
+    if w.dtype != torch.bfloat16 or not w.is_cpu:
+        return None
+    hit = getattr(w, "_kvfold_native", None)
+    if hit is None or hit[0] != w.data_ptr():
+        hit = (w.data_ptr(), describe(w))
+        w._kvfold_native = hit
+    return hit[1]
 
 
 class Linear(nn.Module):
@@ -190,8 +204,8 @@ class Linear(nn.Module):
         if self.act_quant:
             x = act_quant_fp8(x, 128)
         w = self._parameters.get("weight")  # a float parameter (skips nn.Module.__getattr__), or
-        if w is None:
-            return weight_mm(x, self.weight)  # a QuantizedWeight submodule
+        if w is None or w.dtype is torch.bfloat16:
+            return weight_mm(x, self.weight)  # a QuantizedWeight submodule, or bf16
         return row_mm(x if x.dtype == w.dtype else x.to(w.dtype), w)
 
 

@@ -20,7 +20,7 @@
 /* ---- batch-invariant matmul: out [M, N] = x [M, K] @ w [N, K]^T (fp32 w; see native_weights.h) ---- */
 void kv_matmul(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m, int64_t n,
                int64_t k, int64_t threads) {
-    kv_weights f32 = {KV_F32, 0, w, NULL, 1, LANES, k, 0, 0, 0};
+    kv_weights f32 = {KV_F32, 0, w, NULL, 1, LANES, k, 0, 0, 0, 0};
     weights_matmul(x, ldx, &f32, 0, out, ldo, m, n, threads); /* fp32 needs no panel: cannot fail */
 }
 

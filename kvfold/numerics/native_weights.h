@@ -50,6 +50,7 @@ typedef struct {
     int64_t data_stride;  /* bytes from one matrix to the next */
     int64_t scale_stride; /* scale entries from one matrix to the next */
     int64_t row_phase;    /* the matrix starts this many rows into its first scale block */
+    int64_t nan_codes;    /* FP8: whether any code is a NaN (0x7F / 0xFF), which the fast decoder skips */
 } kv_weights;
 
 static inline int64_t weights_row_bytes(const kv_weights *w) {
@@ -70,10 +71,19 @@ static inline float e8m0_value(uint8_t e) {
     return f;
 }
 
+/* where matrix-local row j's scales start (its block row), in scale entries */
+static inline int64_t scale_row(const kv_weights *w, int64_t j) {
+    return ((w->row_phase + j) / w->br) * ((w->k + w->bc - 1) / w->bc);
+}
+
+/* scale entry `at` as a multiplier */
+static inline float scale_at(const kv_weights *w, const void *scale, int64_t at) {
+    return w->scale_f32 ? ((const float *)scale)[at] : e8m0_value(((const uint8_t *)scale)[at]);
+}
+
 /* the scale of matrix-local row j, column block b */
 static inline float weights_scale(const kv_weights *w, const void *scale, int64_t j, int64_t b) {
-    int64_t at = ((w->row_phase + j) / w->br) * ((w->k + w->bc - 1) / w->bc) + b;
-    return w->scale_f32 ? ((const float *)scale)[at] : e8m0_value(((const uint8_t *)scale)[at]);
+    return scale_at(w, scale, scale_row(w, j) + b);
 }
 
 static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -100,50 +110,113 @@ static inline float code_value(int64_t fmt, const uint8_t *row, int64_t i) {
 static inline int scaled(int64_t fmt) { return fmt == KV_FP8 || fmt == KV_FP4; }
 
 #if KV_DECODE_IN_REGISTERS
-/* 8 codes from value i of a row -> their values (without the block scale) */
-static inline __m256 codes8(int64_t fmt, const uint8_t *row, int64_t i) {
-    if (fmt == KV_F32) return _mm256_loadu_ps((const float *)row + i);
-    if (fmt == KV_BF16) {
-        __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-    }
-    if (fmt == KV_FP8) {
-        __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + i)));
-        __m128i em = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(em, 7));
-        __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00));
-        return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(h, nan)), _mm256_set1_ps(256.0f));
-    }
-    const __m128i table = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, 0x00, (char)0xB8,
-                                        (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
-    int32_t four;
-    memcpy(&four, row + i / 2, 4);
-    __m128i b = _mm_cvtsi32_si128(four), low = _mm_set1_epi8(0x0F);
-    __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), _mm_shuffle_epi8(table, nibbles)));
+/* The vector decoders. Each yields code values times a per-format factor that the block's
+ * multiplier (`block_factor`) takes back: e4m3 codes come out as their halves (value * 2^-8) and
+ * are multiplied by 2^8 * scale, which equals value * scale bit for bit since 2^8 * scale is
+ * exact (blocks where it would overflow take `weight_value` instead: `block_factor` returns 0). */
+static inline __m256 bf16x8(const uint8_t *row, int64_t i) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 
-/* outputs j0 .. j0+NR-1 of one row x: native_dot.h's dot_tile_1xNR, the weights decoded in
- * registers (lane j: ascending i = j mod 8 with fused multiply-adds, then the halving sum and
- * the scalar tail) */
-#define WEIGHTS_ROW_TILE(NR)                                                                          \
-    static inline void weights_row_##NR(const float *x, const kv_weights *w, const uint8_t *data,    \
-                                        const void *scale, int64_t j0, float *out) {                 \
-        const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(w->fmt) ? w->bc : (k8 ? k8 : 1);     \
+/* 16 e4m3 codes -> two vectors of halves: sign-extended to 16 bits, s.eeee.mmm sits at bits 15..7
+ * after a shift by 7 with a copy of s at bit 14, which the mask clears. NaN codes (0x7F, 0xFF) need
+ * `fp8_nan_fix` too; `nan_codes` in the descriptor says whether a matrix has any. */
+static inline void e4m3x16(const uint8_t *row, int64_t i, int nan_codes, __m256 *lo, __m256 *hi) {
+    __m128i b = _mm_loadu_si128((const __m128i *)(row + i));
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xBF80));
+    if (nan_codes) { /* a half NaN where the code's 7 low bits are all ones */
+        __m256i em = _mm256_and_si256(_mm256_cvtepu8_epi16(b), _mm256_set1_epi16(0x7F));
+        h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7F)),
+                                                _mm256_set1_epi16(0x7E00)));
+    }
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* 16 e2m1 codes (8 bytes, low nibble first) -> two vectors of their values: half high bytes from a
+ * 16-entry table */
+static inline void e2m1x16(const uint8_t *row, int64_t i, __m256 *lo, __m256 *hi) {
+    const __m128i table = _mm_setr_epi8(0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, 0x00, (char)0xB8,
+                                        (char)0xBC, (char)0xBE, (char)0xC0, (char)0xC2, (char)0xC4, (char)0xC6);
+    __m128i b = _mm_loadl_epi64((const __m128i *)(row + i / 2)), low = _mm_set1_epi8(0x0F);
+    __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    __m128i v = _mm_shuffle_epi8(table, nibbles);
+    *lo = _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), v));
+    *hi = _mm256_cvtph_ps(_mm_unpackhi_epi8(_mm_setzero_si128(), v));
+}
+
+/* 16 values from value i (e4m3 as halves), before the block factor */
+static inline void codes16(int64_t fmt, int nan_codes, const uint8_t *row, int64_t i, __m256 *lo, __m256 *hi) {
+    if (fmt == KV_FP8) {
+        e4m3x16(row, i, nan_codes, lo, hi);
+    } else if (fmt == KV_FP4) {
+        e2m1x16(row, i, lo, hi);
+    } else {
+        *lo = bf16x8(row, i);
+        *hi = bf16x8(row, i + LANES);
+    }
+}
+
+/* what a block's decoded codes are multiplied by: the scale (FP4), 2^8 * scale (FP8); 0 when that
+ * product would overflow where the scale does not (the block then decodes value by value) */
+static inline float block_factor(int64_t fmt, float scale) {
+    if (fmt != KV_FP8) return scale;
+    float f = scale * 256.0f;
+    return isinf(f) && !isinf(scale) ? 0.0f : f;
+}
+
+/* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
+ * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
+ * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail) */
+#define WEIGHTS_ROW_TILE(NAME, FMT, NR)                                                               \
+    static void weights_row_##NAME##_##NR(const float *x, const kv_weights *w, const uint8_t *data,  \
+                                          const void *scale, int64_t j0, float *out) {               \
+        const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
         const int64_t rb = weights_row_bytes(w);                                                      \
+        const int nan_codes = (int)w->nan_codes;                                                      \
         __m256 acc[NR];                                                                               \
-        for (int c = 0; c < NR; c++) acc[c] = _mm256_setzero_ps();                                    \
-        for (int64_t b0 = 0; b0 < k8; b0 += bc) {                                                     \
-            int64_t b1 = b0 + bc < k8 ? b0 + bc : k8;                                                 \
-            __m256 s[NR];                                                                             \
-            for (int c = 0; c < NR; c++)                                                              \
-                s[c] = _mm256_set1_ps(scaled(w->fmt) ? weights_scale(w, scale, j0 + c, b0 / bc) : 1.0f); \
-            for (int64_t i = b0; i < b1; i += LANES) {                                                \
+        int64_t srow[NR];                                                                             \
+        for (int c = 0; c < NR; c++) {                                                                \
+            acc[c] = _mm256_setzero_ps();                                                             \
+            srow[c] = scaled(FMT) ? scale_row(w, j0 + c) : 0;                                         \
+        }                                                                                             \
+        for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
+            int64_t b1 = b0 + bc < k8 ? b0 + bc : k8, i = b0;                                         \
+            __m256 f[NR];                                                                             \
+            int exact = 1;                                                                            \
+            for (int c = 0; c < NR; c++) {                                                            \
+                float fc = scaled(FMT) ? block_factor(FMT, scale_at(w, scale, srow[c] + blk)) : 1.0f;  \
+                exact &= fc != 0.0f || !scaled(FMT);                                                  \
+                f[c] = _mm256_set1_ps(fc);                                                            \
+            }                                                                                         \
+            if (!exact) { /* 2^8 * scale overflows: value by value, the same operations */            \
+                for (; i < b1; i += LANES) {                                                          \
+                    __m256 xv = _mm256_loadu_ps(x + i);                                               \
+                    for (int c = 0; c < NR; c++) {                                                    \
+                        float v[LANES];                                                               \
+                        for (int l = 0; l < LANES; l++) v[l] = weight_value(w, data, scale, j0 + c, i + l); \
+                        acc[c] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(v), acc[c]);                     \
+                    }                                                                                 \
+                }                                                                                     \
+                continue;                                                                             \
+            }                                                                                         \
+            for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                             \
+                __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);              \
+                for (int c = 0; c < NR; c++) {                                                        \
+                    __m256 lo, hi;                                                                    \
+                    codes16(FMT, nan_codes, data + (j0 + c) * rb, i, &lo, &hi);                       \
+                    if (scaled(FMT)) { lo = _mm256_mul_ps(lo, f[c]); hi = _mm256_mul_ps(hi, f[c]); }  \
+                    acc[c] = _mm256_fmadd_ps(x0, lo, acc[c]);                                         \
+                    acc[c] = _mm256_fmadd_ps(x1, hi, acc[c]);                                         \
+                }                                                                                     \
+            }                                                                                         \
+            for (; i < b1; i += LANES) { /* a last step of 8 */                                      \
                 __m256 xv = _mm256_loadu_ps(x + i);                                                   \
                 for (int c = 0; c < NR; c++) {                                                        \
-                    __m256 wv = codes8(w->fmt, data + (j0 + c) * rb, i);                              \
-                    if (scaled(w->fmt)) wv = _mm256_mul_ps(wv, s[c]);                                 \
-                    acc[c] = _mm256_fmadd_ps(xv, wv, acc[c]);                                         \
+                    float v[LANES];                                                                   \
+                    for (int l = 0; l < LANES; l++) v[l] = weight_value(w, data, scale, j0 + c, i + l); \
+                    acc[c] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(v), acc[c]);                         \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
@@ -167,18 +240,31 @@ static void decode_row(const kv_weights *w, const uint8_t *data, const void *sca
     int64_t i = 0;
 #if KV_DECODE_IN_REGISTERS
     const uint8_t *row = data + j * weights_row_bytes(w);
-    for (; i + LANES <= w->k; i += LANES) {
-        __m256 v = codes8(w->fmt, row, i);
-        if (scaled(w->fmt)) v = _mm256_mul_ps(v, _mm256_set1_ps(weights_scale(w, scale, j, i / w->bc)));
-        _mm256_storeu_ps(dst + i, v);
-    }
+    const int64_t bc = scaled(w->fmt) ? w->bc : 2 * LANES, srow = scaled(w->fmt) ? scale_row(w, j) : 0;
+    if (bc % (2 * LANES) == 0)
+        for (; i + 2 * LANES <= w->k; i += 2 * LANES) {
+            float f = scaled(w->fmt) ? block_factor(w->fmt, scale_at(w, scale, srow + i / bc)) : 1.0f;
+            if (f == 0.0f) {
+                for (int l = 0; l < 2 * LANES; l++) dst[i + l] = weight_value(w, data, scale, j, i + l);
+                continue;
+            }
+            __m256 lo, hi;
+            codes16(w->fmt, (int)w->nan_codes, row, i, &lo, &hi);
+            if (scaled(w->fmt)) { lo = _mm256_mul_ps(lo, _mm256_set1_ps(f)); hi = _mm256_mul_ps(hi, _mm256_set1_ps(f)); }
+            _mm256_storeu_ps(dst + i, lo);
+            _mm256_storeu_ps(dst + i + LANES, hi);
+        }
 #endif
     for (; i < w->k; i++) dst[i] = weight_value(w, data, scale, j, i);
 }
 
 #if KV_DECODE_IN_REGISTERS
-WEIGHTS_ROW_TILE(1)
-WEIGHTS_ROW_TILE(4)
+WEIGHTS_ROW_TILE(bf16, KV_BF16, 1)
+WEIGHTS_ROW_TILE(bf16, KV_BF16, 4)
+WEIGHTS_ROW_TILE(fp8, KV_FP8, 1)
+WEIGHTS_ROW_TILE(fp8, KV_FP8, 4)
+WEIGHTS_ROW_TILE(fp4, KV_FP4, 1)
+WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
 #endif
 
 /* out[m, j] = dot(x row m, weight row j) over columns [n0, n1) of matrix `index`. A fp32 matrix is
@@ -197,8 +283,11 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
 #if KV_DECODE_IN_REGISTERS
     if (m == 1) {
         int64_t c = n0;
-        for (; c + 4 <= n1; c += 4) weights_row_4(x, w, data, scale, c, out + c);
-        for (; c < n1; c++) weights_row_1(x, w, data, scale, c, out + c);
+#define ROWS(NAME)                                                                      \
+        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c); \
+        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c);
+        if (w->fmt == KV_FP8) { ROWS(fp8) } else if (w->fmt == KV_FP4) { ROWS(fp4) } else { ROWS(bf16) }
+#undef ROWS
         return;
     }
 #endif

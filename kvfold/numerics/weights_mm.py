@@ -30,7 +30,8 @@ class WeightsDesc(ctypes.Structure):
     the tensors they point into alive (`tensors`)."""
     _fields_ = [("fmt", ctypes.c_int64), ("scale_f32", ctypes.c_int64), ("data", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("br", ctypes.c_int64), ("bc", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("data_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64), ("row_phase", ctypes.c_int64)]
+                ("data_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64), ("row_phase", ctypes.c_int64),
+                ("nan_codes", ctypes.c_int64)]
 
 
 def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
@@ -46,7 +47,10 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
         return None
     rows, k = data.shape[-2], data.shape[-1] * (2 if fmt == FP4 else 1)
     br, bc = block if block is not None else (1, _LANES)
-    desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0)
+    # FP8 NaN codes (0x7F / 0xFF) need a decoder step the others do not: looked for once here
+    nan_codes = fmt == FP8 and bool(((data.view(torch.uint8) & 0x7F) == 0x7F).any())
+    desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
+                       int(nan_codes))
     desc.tensors = (data, scale)
     if scale is not None:
         if bc % _LANES or not scale.is_cpu or not scale.is_contiguous() or scale.dtype not in (torch.uint8,
