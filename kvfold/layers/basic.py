@@ -72,7 +72,7 @@ class QuantizedWeight(nn.Module):
     def native(self, groups: int | None = None):
         """(descriptor, n, k) for native.c's format-reading matmul (with `groups`: one per group of
         rows, see weights_mm.row_groups), or None where it cannot read this weight (see
-        weights_mm.describe); cached until q or scale is replaced or moved."""
+        weights_mm.describe); cached until q or scale is replaced, moved or loaded again."""
         key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups)
         hit = self.__dict__.get("_native")
         if hit is None or hit[0] != key:
@@ -88,6 +88,7 @@ class QuantizedWeight(nn.Module):
         """Copy a stored tensor and its scale in as they are: all of the weight, or `[index]` (one expert)
         and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
         block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc)."""
+        self.__dict__.pop("_native", None)  # its NaN-code scan is of the old bytes
         dq, ds = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
         start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
         dq[..., start:stop, :].copy_(q if self.fmt == FP8 else q.view(torch.uint8))

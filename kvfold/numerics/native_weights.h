@@ -191,14 +191,8 @@ static inline float block_factor(int64_t fmt, float scale) {
                 f[c] = _mm256_set1_ps(fc);                                                            \
             }                                                                                         \
             if (!exact) { /* 2^8 * scale overflows: value by value, the same operations */            \
-                for (; i < b1; i += LANES) {                                                          \
-                    __m256 xv = _mm256_loadu_ps(x + i);                                               \
-                    for (int c = 0; c < NR; c++) {                                                    \
-                        float v[LANES];                                                               \
-                        for (int l = 0; l < LANES; l++) v[l] = weight_value(w, data, scale, j0 + c, i + l); \
-                        acc[c] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(v), acc[c]);                     \
-                    }                                                                                 \
-                }                                                                                     \
+                for (; i < b1; i += LANES)                                                            \
+                    for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 continue;                                                                             \
             }                                                                                         \
             for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                             \
@@ -211,14 +205,8 @@ static inline float block_factor(int64_t fmt, float scale) {
                     acc[c] = _mm256_fmadd_ps(x1, hi, acc[c]);                                         \
                 }                                                                                     \
             }                                                                                         \
-            for (; i < b1; i += LANES) { /* a last step of 8 */                                      \
-                __m256 xv = _mm256_loadu_ps(x + i);                                                   \
-                for (int c = 0; c < NR; c++) {                                                        \
-                    float v[LANES];                                                                   \
-                    for (int l = 0; l < LANES; l++) v[l] = weight_value(w, data, scale, j0 + c, i + l); \
-                    acc[c] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(v), acc[c]);                         \
-                }                                                                                     \
-            }                                                                                         \
+            for (; i < b1; i += LANES) /* a last step of 8 */                                        \
+                for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
         }                                                                                             \
         for (int c = 0; c < NR; c++) {                                                                \
             float tail = 0.0f;                                                                        \
@@ -259,6 +247,14 @@ static void decode_row(const kv_weights *w, const uint8_t *data, const void *sca
 }
 
 #if KV_DECODE_IN_REGISTERS
+/* one step of 8 of row j from value i, the weights decoded one by one: acc + x[i..i+8) * w */
+static inline __m256 value_step(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
+                                int64_t j, int64_t i, __m256 acc) {
+    float v[LANES];
+    for (int l = 0; l < LANES; l++) v[l] = weight_value(w, data, scale, j, i + l);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(v), acc);
+}
+
 WEIGHTS_ROW_TILE(bf16, KV_BF16, 1)
 WEIGHTS_ROW_TILE(bf16, KV_BF16, 4)
 WEIGHTS_ROW_TILE(fp8, KV_FP8, 1)
