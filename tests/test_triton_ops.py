@@ -1,0 +1,123 @@
+"""The Triton kernels for the sparse parts (kvfold/numerics/triton_ops.py), run on the CPU by
+Triton's interpreter, each against the formula it stands for: float64 for the attention and the
+index scores (tolerances from the fp32 rounding of the sums involved), kvfold's torch
+`pool_windows` and `topk_lower_index` for the pooling and the top-k (the tie rule exactly)."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops defines its kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvfold.numerics import native  # noqa: E402
+from kvfold.numerics import triton_ops as T  # noqa: E402
+from kvfold.numerics.fold import pool_windows  # noqa: E402
+from kvfold.numerics.topk import topk_lower_index  # noqa: E402
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_the_interpreter_runs_them_here():
+    assert T.available("cpu") and T.available("cuda")
+
+
+@pytest.mark.parametrize("ratio,overlap,c", [(4, True, 24), (4, True, 130), (8, False, 64), (16, False, 5)])
+def test_pool_windows_is_the_torch_pooling(ratio, overlap, c):
+    n_w = 5
+    rows = (n_w + 1) * ratio if overlap else n_w * ratio
+    width = 2 * c if overlap else c
+    kv, score = torch.randn(rows, width, generator=gen(c)) * 3, torch.randn(rows, width, generator=gen(c + 1)) * 4
+    if overlap:
+        score[:ratio, :c] = float("-inf")  # positions before 0: the first window's missing slots
+    with native.use_native(False):
+        want = pool_windows(kv, score, ratio, overlap)
+    got = T.pool_windows(kv, score, ratio, overlap)
+    # softmax weights within (n_slots + 3) eps relative of exact, summing to 1; the weighted sum adds
+    # n_slots eps of its magnitude: each side within (2 n_slots + 4) eps * max|kv|, so twice that apart
+    n_slots = 2 * ratio if overlap else ratio
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 2 * (2 * n_slots + 4) * EPS * kv.abs().max()
+
+
+def _attend64(q, kw, iw, kc, ic, sinks):
+    q, kw, kc, sinks = q.double(), kw.double(), kc.double(), sinks.double()
+    out, bound = torch.empty_like(q), torch.empty(q.shape[0])
+    for i in range(q.shape[0]):
+        keys = torch.cat([kw[iw[i][iw[i] >= 0]], kc[ic[i][ic[i] >= 0]]])
+        p = torch.softmax(torch.cat([q[i] @ keys.t(), sinks[:, None]], 1), 1)
+        out[i] = p[:, :-1] @ keys
+        # a logit's fp32 dot is within d eps sum|q k| of exact, which moves p by as much relatively;
+        # the online softmax and the sum over M keys add (M + 4) eps; |out| <= max|k|
+        ds = q.shape[-1] * EPS * (q[i].abs() @ keys.abs().t()).max() if keys.numel() else 0.0
+        bound[i] = 2 * (float(ds) + (keys.shape[0] + 4) * EPS) * (keys.abs().max() if keys.numel() else 0.0)
+    return out, bound
+
+
+@pytest.mark.parametrize("t,h,d,nw,nc", [(1, 4, 32, 9, 40), (5, 16, 64, 16, 70), (3, 20, 48, 7, 0)])
+def test_sparse_attention_is_the_softmax_over_window_entries_and_sink(t, h, d, nw, nc):
+    g = gen(t * h + d)
+    q = torch.randn(t, h, d, generator=g) * d ** -0.5
+    kw, kc = torch.randn(30, d, generator=g), torch.randn(50, d, generator=g)
+    iw = torch.randint(0, 30, (t, nw), generator=g)
+    iw[0, nw // 2:] = -1  # a query whose window is not full
+    ic = torch.randint(0, 50, (t, nc), generator=g)
+    if nc:
+        ic[-1, ::3] = -1  # "no entry" slots among the selected
+    sinks = torch.randn(h, generator=g)
+    got = T.sparse_attend(q, kw, iw, kc, ic, sinks)
+    want, bound = _attend64(q, kw, iw, kc, ic, sinks)
+    err = (got.double() - want).abs().amax(dim=(1, 2))
+    assert (err <= bound).all(), (err, bound)
+    # each query is one program: its result does not depend on the others in the launch
+    for i in range(t):
+        assert torch.equal(T.sparse_attend(q[i:i + 1], kw, iw[i:i + 1], kc, ic[i:i + 1], sinks)[0], got[i])
+
+
+def test_a_query_with_no_keys_attends_only_to_the_sink():
+    q, kw = torch.randn(1, 4, 16), torch.randn(3, 16)
+    got = T.sparse_attend(q, kw, torch.full((1, 5), -1), None, None, torch.randn(4))
+    assert torch.equal(got, torch.zeros(1, 4, 16))
+
+
+def test_index_scores_are_the_weighted_relu_dots():
+    g = gen(7)
+    t, h, d, n = 4, 8, 64, 90
+    q, w, keys = torch.randn(t, h, d, generator=g), torch.rand(t, h, generator=g), torch.randn(n, d, generator=g)
+    visible = torch.tensor([0, 17, 90, 64])
+    got = T.index_scores(q, w, keys, visible)
+    dots = q.double() @ keys.double().t()  # [t, h, n]
+    want = (w.double()[:, :, None] * torch.relu(dots)).sum(1)
+    hidden = torch.arange(n)[None, :] >= visible[:, None]
+    assert torch.equal(got.isinf(), hidden) and (got[hidden] == float("-inf")).all()
+    # each dot within d eps sum|q k|, the head sum adds h eps sum|w relu|: in units of sum_h |w| sum_d |q k|
+    scale = (w.double()[:, :, None] * (q.double().abs() @ keys.double().abs().t())).sum(1)
+    assert ((got.double() - want).abs()[~hidden] <= ((d + h + 2) * EPS * scale)[~hidden]).all()
+
+
+def test_topk_keeps_the_tie_rule_and_skips_minus_infinity():
+    g = gen(3)
+    s = torch.randint(-3, 4, (6, 200), generator=g).float()  # many exact ties
+    s[0, 50:] = float("-inf")
+    s[1] = float("-inf")  # nothing selectable: all -1
+    s[2, ::2] = -0.0  # negative zeros tie with zeros
+    s[2, 1::2] = 0.0
+    s[3, 7] = float("inf")
+    for k in (1, 8, 64, 200, 300):
+        assert torch.equal(T.topk_lower_index(s, k), topk_lower_index(s, k)), k
+
+
+def test_index_topk_picks_as_the_model_does():
+    g = gen(11)
+    t, h, d, n, k = 3, 4, 32, 120, 16
+    q, w, keys = torch.randn(t, h, d, generator=g), torch.rand(t, h, generator=g), torch.randn(n, d, generator=g)
+    visible = torch.tensor([120, 40, 9])
+    scores = T.index_scores(q, w, keys, visible)
+    assert torch.equal(T.index_topk(q, w, keys, visible, k), topk_lower_index(scores, k))
+    # and the same set as fp64 scores pick, where no two scores are within the rounding of each other
+    dots = (w.double()[:, :, None] * torch.relu(q.double() @ keys.double().t())).sum(1)
+    dots = dots.masked_fill(torch.arange(n)[None, :] >= visible[:, None], float("-inf"))
+    assert torch.equal(T.index_topk(q, w, keys, visible, k), topk_lower_index(dots.float(), k))
