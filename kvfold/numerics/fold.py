@@ -1,7 +1,7 @@
 """The compressor's pooling: per-channel softmax over a window's slots, in fp32."""
 import torch
 
-from . import native
+from . import native, triton_ops
 
 
 def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
@@ -16,6 +16,9 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: boo
     slots) would pool to 0.
     """
     c_total = kv.shape[-1]
+    kernels = triton_ops.serving(kv.device)  # off by default (triton_ops.py)
+    if kernels is not None and kv.dim() == 2 and score.shape == kv.shape:
+        return kernels.pool_windows(kv, score, ratio, overlap)
     lib = native.serving(kv, score)
     if lib is not None and kv.dim() == 2 and score.shape == kv.shape:
         n_w = kv.shape[0] // ratio - (1 if overlap else 0)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .config import CSA, HCA, SLIDING, Dsv4Config
-from ...numerics import apply_rope, native, unweighted_rms_norm
+from ...numerics import apply_rope, native, triton_ops, unweighted_rms_norm
 from ...numerics.reference import release_q_norm, release_sparse_attn
 from ...numerics.rows import grouped_row_mm, own_rows, rows_invariant
 from ...numerics.weights_mm import native_mm
@@ -221,6 +221,9 @@ class Attention(nn.Module):
         q = (q if q.dtype == f32 else q.float()) * d ** -0.5
         if local.dtype != f32:
             local = local.float()
+        kernels = triton_ops.serving(q.device)  # off by default (triton_ops.py)
+        if kernels is not None:
+            return self._attend_triton(kernels, q, local, local_start, start, pool, selected, n_comp, sinks, positions)
         if t == 1:
             out = _native_attend_one(q, local, pool, selected, n_comp, sinks, self.kind)
             if out is not None:
@@ -237,6 +240,25 @@ class Attention(nn.Module):
             out[b0:b1] = self._attend_block(q[b0:b1], positions[b0:b1], b0, b1, local, local_start, start, pool,
                                             None if selected is None else selected[b0:b1], sinks)
         return out
+
+    def _attend_triton(self, kernels, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, pool,
+                       selected: torch.Tensor | None, n_comp: int, sinks: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """`_attend` in triton_kernels.sparse_attend: each query's window positions p-W+1..p as rows
+        of `local` (-1 before position 0), and its compressed entries (HCA: the visible ones, CSA:
+        the selected ones) as rows of the pool's first entries."""
+        t = q.shape[0]
+        cols = torch.arange(self.window, device=q.device)
+        wpos = positions[:, None] - self.window + 1 + cols[None, :]
+        idx_w = torch.where(wpos >= max(local_start, 0), wpos - local_start, -1)
+        keys_c = idx_c = None
+        if self.kind == HCA and n_comp:
+            entries = torch.arange(n_comp, device=q.device)
+            idx_c = torch.where(entries[None, :] < ((positions + 1) // self.ratio)[:, None], entries, -1)
+            keys_c = pool[:n_comp]
+        elif self.kind == CSA and selected is not None and selected.shape[1]:
+            idx_c, keys_c = selected, pool[:(start + t) // self.ratio]
+        return kernels.sparse_attend(q, local, idx_w, keys_c, idx_c, sinks)
 
     def _attend_block(self, qb: torch.Tensor, qpos: torch.Tensor, b0: int, b1: int, local: torch.Tensor,
                       local_start: int, start: int, pool, sel: torch.Tensor | None, sinks: torch.Tensor

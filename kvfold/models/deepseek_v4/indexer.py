@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...numerics import apply_rope, native, topk_lower_index
+from ...numerics import apply_rope, native, topk_lower_index, triton_ops
 from ...numerics.quant import fp4_e2m1_simulate, hadamard
 from ...numerics.reference import release_index_scores, topk_descending
 from .state import CompressorState
@@ -76,6 +76,10 @@ class Indexer(Compressor):
         if self.entry_sim == "hadamard_fp4":
             return self._select_release(q, w, start, st, n_entries, k)
         f32 = torch.float32
+        kernels = triton_ops.serving(q.device)  # off by default (triton_ops.py)
+        if kernels is not None:
+            visible = (torch.arange(start, start + t, device=q.device) + 1) // r
+            return kernels.index_topk(q, w, st.pool[:n_entries], visible, k)
         if t == 1:  # one fp32 query (decode) in one native call of the same rule
             out = _native_topk_one(q, w, self.n_heads, self.head_dim, st.pool, n_entries, k)
             if out is not None:
