@@ -1,19 +1,18 @@
 """The Triton kernels for the sparse parts (kvfold/numerics/triton_kernels.py), run on the CPU by
-Triton's interpreter, each against the formula it stands for: float64 for the attention and the
-index scores (tolerances from the fp32 rounding of the sums involved), kvfold's torch
-`pool_windows` and `topk_lower_index` for the pooling and the top-k (the tie rule exactly)."""
+Triton's interpreter (tests/conftest.py turns it on before anything imports triton), each against
+the formula it stands for: float64 for the attention and the index scores (tolerances from the
+fp32 rounding of the sums involved), kvfold's torch `pool_windows` and `topk_lower_index` for the
+pooling and the top-k (the tie rule exactly)."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton_ops defines its kernels
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvfold.numerics import native  # noqa: E402
-from kvfold.numerics import triton_kernels as T  # noqa: E402
-from kvfold.numerics import triton_ops  # noqa: E402
-from kvfold.numerics.fold import pool_windows  # noqa: E402
-from kvfold.numerics.topk import topk_lower_index  # noqa: E402
+from kvfold.numerics import native
+from kvfold.numerics import triton_kernels as T
+from kvfold.numerics import triton_ops
+from kvfold.numerics.fold import pool_windows
+from kvfold.numerics.topk import topk_lower_index
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -23,6 +22,7 @@ def gen(seed):
 
 
 def test_they_are_off_unless_asked_for():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
     assert triton_ops.available("cpu") and triton_ops.available("cuda")
     assert triton_ops.serving("cpu") is None
     with triton_ops.use_triton():
