@@ -136,15 +136,15 @@ def test_the_model_through_the_kernels_is_the_model():
     from helpers import fp32_paths_bound
     from kvfold.models.deepseek_v4.model import Dsv4Model
     from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
-    # a window of 8, 6 CSA entries of which the indexer picks 4, 3 HCA entries
-    model = Dsv4Model(tiny_config(sliding_window=8, compress_ratios=(0, 4, 8, 4), index_topk=4,
+    # a window of 8, 4 CSA entries of which the indexer picks 2, 2 HCA entries
+    model = Dsv4Model(tiny_config(sliding_window=8, compress_ratios=(0, 4, 8, 4), index_topk=2,
                                   num_nextn_predict_layers=0), dtype=torch.float32)
     init_random_(model, 0)
-    ids = [(7 * i + 3) % 250 for i in range(24)]
+    ids = [(7 * i + 3) % 250 for i in range(16)]
 
     def run():
-        st = model.new_state(capacity=32)
-        return torch.cat([model.forward(ids[:20], st)] + [model.forward(ids[i:i + 1], st) for i in range(20, 24)])
+        st = model.new_state(capacity=16)
+        return torch.cat([model.forward(ids[:12], st)] + [model.forward(ids[i:i + 1], st) for i in range(12, 16)])
 
     want = run()
     with triton_ops.use_triton():

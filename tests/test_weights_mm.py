@@ -194,3 +194,14 @@ def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
         got = lin(x)
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, invariant_mm(x.float(), lin.weight.float()).bfloat16())
+
+
+def test_the_nan_code_scan_sees_every_chunk():
+    from kvfold.numerics.weights_mm import _has_nan_codes
+    codes = torch.zeros(1000, dtype=torch.uint8)
+    assert not _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
+    for code in (0x7F, 0xFF):
+        codes[999] = code  # in the last, partial chunk
+        assert _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
+    codes[999] = 0x7E  # 448, the largest finite code
+    assert not _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)

@@ -47,8 +47,7 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
         return None
     rows, k = data.shape[-2], data.shape[-1] * (2 if fmt == FP4 else 1)
     br, bc = block if block is not None else (1, _LANES)
-    # FP8 NaN codes (0x7F / 0xFF) need a decoder step the others do not: looked for once here
-    nan_codes = fmt == FP8 and bool(((data.view(torch.uint8) & 0x7F) == 0x7F).any())
+    nan_codes = fmt == FP8 and _has_nan_codes(data)
     desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
                        int(nan_codes))
     desc.tensors = (data, scale)
@@ -59,6 +58,13 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
         desc.scale, desc.scale_f32 = scale.data_ptr(), int(scale.dtype == torch.float32)
         desc.scale_stride = scale.numel() // max(math.prod(data.shape[:-2]), 1)
     return desc, rows, k
+
+
+def _has_nan_codes(q: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """Whether any FP8 code is a NaN (0x7F / 0xFF), which needs a decoder step the others do not;
+    scanned in chunks, so the temporaries stay small whatever the weight's size."""
+    flat = q.view(torch.uint8).reshape(-1)
+    return any(bool(((flat[i:i + chunk] & 0x7F) == 0x7F).any()) for i in range(0, flat.numel(), chunk))
 
 
 def row_groups(found: tuple[WeightsDesc, int, int], groups: int, scale: torch.Tensor | None) -> list | None:
