@@ -2,9 +2,9 @@
  *
  * A kv_weights describes a stack of [n, k] matrices stored as fp32, bf16, FP8 e4m3fn with block
  * scales, or packed FP4 e2m1 (low nibble = even column) with 1 x bc scales, as quant.py describes
- * them. The weights stay in that format: a decode row decodes each group of 8 weights in
- * registers inside the dot product, several rows decode a panel of columns at a time into a
- * buffer of the thread's own.
+ * them. The weights stay in that format: a decode row decodes 16 weights at a time in registers
+ * inside the dot product, several rows decode a panel of columns at a time into a buffer of the
+ * thread's own.
  *
  * Exactness, by construction: every decoder yields exactly the float32 value quant.py's
  * dequantizers write, the code's value (exact in float32) times its block's scale, one IEEE
@@ -18,7 +18,7 @@
  * subnormal halves as numbers whatever MXCSR's denormals-are-zero bit says.
  *   e4m3fn s.eeee.mmm -> half s.0eeee.mmm0000000 = value * 2^-8 (normal and subnormal alike,
  *                       since half's exponent bias is 8 more); the NaN code s.1111.111 gets a
- *                       half NaN. Multiplying by 2^8 is exact.
+ *                       half NaN. The block's multiplier is 2^8 * scale (see block_factor).
  *   e2m1 codes        -> half high bytes from a 16-entry table (0, 0.5, ..., 6 and their
  *                       negatives; code 8, "-0", is +0 as in quant.py's table), low bytes 0.
  *   bf16              -> float32 bits = bf16 bits << 16.

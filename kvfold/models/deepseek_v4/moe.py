@@ -141,8 +141,9 @@ def _cached_native_weights(moe: MoE) -> tuple | None:
              ex.gate_up_proj, ex.down_proj]
     if sh is not None:
         parts += [lin.weight for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-    tensors = [t.q if isinstance(t, QuantizedWeight) else t for t in parts]
+    tensors = [u for t in parts for u in ((t.q, t.scale) if isinstance(t, QuantizedWeight) else (t,))]
     key = tuple((id(t), t.data_ptr()) for t in tensors)
+    key += tuple(id(t.native()) for t in parts if isinstance(t, QuantizedWeight))  # dropped when loaded again
     key += (ex.act_quant, sh is not None and any(lin.act_quant for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)))
     hit = moe.__dict__.get("_native_weights")
     if hit is not None and hit[0] == key:
