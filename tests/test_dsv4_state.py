@@ -125,3 +125,21 @@ def test_returned_logits_are_ordinary_tensors_callers_may_edit(tiny):
     assert not logits.is_inference() and not hidden.is_inference()
     logits[:, 0] = float("-inf")  # e.g. a caller banning a token
     hidden.mul_(2)
+
+
+def test_a_state_refuses_a_model_on_another_device_and_stays_as_it_was():
+    # a state lives on one device (kvfold's form of the Dsv4State seed's dev_owned / dev_set: no
+    # layer's caches can sit on the other side); "meta" stands in for a second device on a CPU host
+    from kvfold.errors import StateMismatchError
+    cfg = tiny_config(num_nextn_predict_layers=0)
+    cpu = Dsv4Model(cfg, dtype=torch.float32)
+    init_random_(cpu, 0)
+    elsewhere = Dsv4Model(cfg, dtype=torch.float32, device="meta")
+    with pytest.raises(StateMismatchError, match="lives on meta"):
+        cpu.forward([1, 2, 3], elsewhere.new_state(capacity=32))
+    st = cpu.new_state(capacity=32)
+    cpu.forward([1, 2], st)
+    before = st.snapshot()
+    with pytest.raises(StateMismatchError, match="lives on cpu.*runs on meta"):
+        elsewhere.forward([3], st)
+    assert st.pos == 2 and st.snapshot() == before
