@@ -79,13 +79,13 @@ def test_row_groups_read_their_rows_with_their_blocks_scales(groups, block):
     n, k = 40 * groups if groups != 3 else 36, 136
     q, s = quantize_fp8_blocks(weights(n, k, groups), block)
     dense = dequant_fp8_blocks(q, s, block)
-    parts = row_groups(describe(q, s, block), groups, s)
+    parts = row_groups(describe(q, s, block), groups)
     per = n // groups
     x = rows(2, k, groups)
     for g, (desc, rows_, cols) in enumerate(parts):
         assert (rows_, cols) == (per, k)
         exactly(native_mm(x, desc, per, k), invariant_mm(x, dense[g * per:(g + 1) * per]))
-    assert row_groups(describe(q, s, block), n + 1, s) is None
+    assert row_groups(describe(q, s, block), n + 1) is None
 
 
 def test_every_fp8_code_and_extreme_scale_decodes_exactly():

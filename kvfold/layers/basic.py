@@ -78,7 +78,7 @@ class QuantizedWeight(nn.Module):
         if hit is None or hit[0] != key:
             found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4)
             if found is not None and groups is not None:
-                found = row_groups(found, groups, self.scale) if self.q.dim() == 2 else None
+                found = row_groups(found, groups) if self.q.dim() == 2 else None
             hit = self.__dict__["_native"] = (key, found)
         return hit[1]
 
@@ -154,6 +154,11 @@ def matmul_weight(w: torch.Tensor | QuantizedWeight, index: int | None = None) -
 NATIVE_ROWS = 32  # up to this many rows (decode, verify), a quantized weight is read as stored
 
 
+def reads_as_stored(rows: int) -> bool:
+    """Whether a matmul of `rows` rows reads a weight in its stored format (`weight_mm`'s rule)."""
+    return rows <= NATIVE_ROWS or rows_invariant()
+
+
 def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (W = w, or its slice `index`: one expert), in W's dtype: the one dispatch
     point for weights the native kernels read as stored. For up to NATIVE_ROWS rows on the CPU
@@ -161,9 +166,8 @@ def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | N
     and a bf16 weight, without decoding it into memory: fp32 outputs equal `row_mm` over the
     dequantized weight bit for bit (weights_mm.py); bf16 ones accumulate in fp32 and round once.
     Otherwise an FP8 / FP4 weight (slice) is dequantized for this one matmul, and torch runs it."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= NATIVE_ROWS or rows_invariant():
-        found = _native_weights(w)
+    if reads_as_stored(x.numel() // max(x.shape[-1], 1)):
+        found = native_weights(w)
         if found is not None:
             y = native_mm(x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
             if y is not None:
@@ -172,12 +176,13 @@ def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | N
     return row_mm(x if x.dtype == wf.dtype else x.to(wf.dtype), wf)
 
 
-def _native_weights(w: torch.Tensor | QuantizedWeight):
-    """native.c's view of a weight it reads as stored (an FP8 / FP4 weight of an fp32 or bf16 model,
-    or a bf16 parameter), cached on the weight; None for the others (fp32 goes through row_mm)."""
+def native_weights(w: torch.Tensor | QuantizedWeight, params: tuple = (torch.bfloat16,)):
+    """native.c's view (descriptor, n, k) of a weight it reads as stored, cached on the weight: an
+    FP8 / FP4 weight of an fp32 or bf16 model, or a CPU parameter of one of the `params` dtypes
+    (for `weight_mm` bf16 only: fp32 parameters go through row_mm); None for the others."""
     if isinstance(w, QuantizedWeight):
         return w.native() if w.dtype in (torch.float32, torch.bfloat16) else None
-    if w.dtype != torch.bfloat16 or not w.is_cpu:
+    if w.dtype not in params or not w.is_cpu:
         return None
     hit = getattr(w, "_kvfold_native", None)
     if hit is None or hit[0] != w.data_ptr():

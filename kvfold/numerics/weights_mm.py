@@ -67,10 +67,11 @@ def _has_nan_codes(q: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return any(bool(((flat[i:i + chunk] & 0x7F) == 0x7F).any()) for i in range(0, flat.numel(), chunk))
 
 
-def row_groups(found: tuple[WeightsDesc, int, int], groups: int, scale: torch.Tensor | None) -> list | None:
+def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:
     """`describe`'s result for one [n, k] matrix split into `groups` matrices of n / groups rows
     each (a grouped projection), or None when n does not split evenly."""
     desc, rows, k = found
+    scale = desc.tensors[1]
     if rows % groups:
         return None
     per = rows // groups

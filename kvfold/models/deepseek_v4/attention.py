@@ -22,7 +22,7 @@ from ...numerics.weights_mm import native_mm
 from ...profiling import scope
 from .state import LayerState
 from ...state.kv_rows import fp8_roundtrip, plain_rows
-from ...layers.basic import NATIVE_ROWS, Linear, Norm, QuantizedWeight, _param
+from ...layers.basic import Linear, Norm, QuantizedWeight, _param, reads_as_stored
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
 from ...layers.rows import RowBatch
@@ -59,7 +59,7 @@ class GroupedLinear(nn.Module):
         """Each group's rows of a quantized weight in native.c, read as stored (`weight_mm`'s rule and
         bits), or None where it cannot run."""
         w, (t, g, k) = self.weight, x.shape
-        if w.dtype not in (torch.float32, torch.bfloat16) or not (t <= NATIVE_ROWS or rows_invariant()):
+        if w.dtype not in (torch.float32, torch.bfloat16) or not reads_as_stored(t):
             return None
         parts = w.native(groups=self.groups)
         if parts is None or native.library() is None or not x.is_cpu:

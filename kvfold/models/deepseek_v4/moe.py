@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...layers.basic import QuantizedWeight, _param
+from ...layers.basic import QuantizedWeight, _param, native_weights
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
 from ...numerics.reference import release_swiglu
 from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant
-from ...numerics.weights_mm import describe
 from .config import Dsv4Config
 
 
@@ -106,14 +105,6 @@ class MoE(nn.Module):
         return _native_moe_one(self, x, token_ids)
 
 
-def _weights_desc(w) -> tuple | None:
-    """(descriptor, n, k) of an expert stack or a shared-expert weight for native.c: an fp32
-    parameter, or a `QuantizedWeight` of an fp32 model read as stored; None otherwise."""
-    if isinstance(w, QuantizedWeight):
-        return w.native() if w.dtype == torch.float32 else None
-    return describe(w) if w is not None and w.dtype == torch.float32 else None
-
-
 def _native_weights(moe: MoE) -> tuple | None:
     """What the native one-row MoE reads (the router, its table, the expert stacks' and the shared
     expert's descriptors), or None when it cannot serve this layer (FP8 activations, an unknown
@@ -128,7 +119,9 @@ def _native_weights(moe: MoE) -> tuple | None:
     lins = () if sh is None else (sh.gate_proj, sh.up_proj, sh.down_proj)
     if any(lin.act_quant for lin in lins):
         return None
-    descs = [_weights_desc(w) for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
+    # the one-row kernel computes in fp32: fp32 parameters, or FP8 / FP4 weights of an fp32 model
+    descs = [native_weights(w, params=(torch.float32,)) if w.dtype == torch.float32 else None
+             for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
     if any(d is None for d in descs):
         return None
     return (gate.weight, table, *descs, *([None] * (5 - len(descs))))
