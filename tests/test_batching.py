@@ -122,19 +122,25 @@ def test_invariant_swiglu_is_per_row_and_matches_the_formula():
     assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
 
 
-def test_a_lone_row_and_a_batch_take_the_same_moe_bits(invariant):
-    """The one-row native MoE (kv_moe_one) and the batched invariant path (route, matmuls, swiglu,
-    ascending combination) are two paths to the same bits, for hash and top-k layers."""
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_a_row_takes_the_same_moe_bits_alone_in_a_few_rows_and_in_a_batch(invariant, n_threads):
+    """The native MoE (kv_moe_rows) on one row, on a few rows (rows shared out over the threads)
+    and the grouped invariant path on a batch past NATIVE_MOE_ROWS (route, matmuls, swiglu,
+    ascending combination) give every row the same bits, for hash and top-k layers."""
+    from kvfold.models.deepseek_v4.moe import NATIVE_MOE_ROWS
     g = torch.Generator().manual_seed(5)
     hidden = invariant.config.hidden_size
-    x = torch.randn(7, hidden, generator=g)
-    tokens = torch.randint(0, invariant.config.vocab_size, (7,), generator=g)
-    with invariant_rows():
+    n = NATIVE_MOE_ROWS + 3
+    x = torch.randn(n, hidden, generator=g)
+    tokens = torch.randint(0, invariant.config.vocab_size, (n,), generator=g)
+    with invariant_rows(), threads(n_threads):
         for layer in invariant.model.layers[:2]:  # layer 0: hash routing, layer 1: biased top-k
             moe = layer.mlp
-            batched = moe(x, tokens)
-            for i in range(7):
-                one = moe._native_one(x[i:i + 1], tokens[i:i + 1])
+            batched = moe(x, tokens)  # more rows than the native call takes: the grouped path
+            few = moe._native_rows(x[:7], tokens[:7])
+            assert few is not None and torch.equal(few, batched[:7])
+            for i in range(n):
+                one = moe._native_rows(x[i:i + 1], tokens[i:i + 1])
                 assert one is not None and torch.equal(one, batched[i:i + 1])
 
 

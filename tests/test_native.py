@@ -148,7 +148,7 @@ def test_one_row_moe_native_matches_the_torch_experts(scoring):
                 want = torch_path(moe, x, ids)
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (layer, token)
                 # and the native path really ran: the torch path is a different computation
-                assert moe._native_one(x, ids) is not None
+                assert moe._native_rows(x, ids) is not None
 
 
 def _reference_attend(q, keys_w, keys_c, sinks):
@@ -317,11 +317,11 @@ def _tiny_moe(layer, seed):
     return moe, cfg
 
 
-def _case_moe_one(g):
+def _case_moe_rows(g):
     moe, cfg = _tiny_moe(1, 3)
-    x, ids = torch.randn(1, cfg.hidden_size, generator=g), torch.tensor([5])
+    x, ids = torch.randn(5, cfg.hidden_size, generator=g), torch.tensor([5, 0, 77, 5, 300])
     with torch.inference_mode():
-        return moe._native_one(x, ids), torch_path(moe, x, ids)
+        return moe._native_rows(x, ids), torch_path(moe, x, ids)
 
 
 def _case_route(g):
@@ -382,7 +382,7 @@ def _case_index_topk_one(g):
 NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
-    "kv_moe_one": _case_moe_one, "kv_route": _case_route, "kv_swiglu": _case_swiglu, "kv_matmul": _case_matmul,
+    "kv_moe_rows": _case_moe_rows, "kv_route": _case_route, "kv_swiglu": _case_swiglu, "kv_matmul": _case_matmul,
     "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
 }

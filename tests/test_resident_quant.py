@@ -13,6 +13,7 @@ from kvfold.models.deepseek_v4.checkpoint import save_checkpoint
 from kvfold.models.deepseek_v4.names import to_official_names
 from kvfold.errors import CheckpointError, ConfigError
 from kvfold.layers.basic import NATIVE_ROWS, QuantizedWeight
+from kvfold.models.deepseek_v4.moe import NATIVE_MOE_ROWS
 from kvfold.layers.moe import Experts
 from kvfold.numerics.quant import dequant_fp4_into, dequant_fp8_into, quantize_fp8_blocks, unpack_fp4
 from helpers import fp32_paths_bound
@@ -123,6 +124,7 @@ def test_resident_bytes_are_a_quarter_for_fp8_and_under_a_seventh_for_fp4(both):
 def test_experts_read_only_the_experts_a_batch_uses(both, monkeypatch):
     # outside batch-invariant mode an expert with more than NATIVE_ROWS rows is decoded for its matmul,
     # one with fewer is read as stored; either way only the experts a batch routes to are touched
+    # (chunks past NATIVE_MOE_ROWS rows: fewer run as one native call, test_decode_and_verify_...)
     _, q = both[torch.float32]
     routed, read, decoded = {}, [], []
     real_mm, real_dequant = kvfold.layers.moe.weight_mm, QuantizedWeight.dequant
@@ -143,9 +145,9 @@ def test_experts_read_only_the_experts_a_batch_uses(both, monkeypatch):
     monkeypatch.setattr(QuantizedWeight, "dequant", spy_dequant)
     q.set_batch_invariant(False)
     try:
-        for n in (4 * NATIVE_ROWS, 2):  # a prompt (some experts past NATIVE_ROWS rows), then a short chunk
-            st = q.new_state(capacity=4 * NATIVE_ROWS)
-            q.forward((IDS * 3)[:n], st)
+        # a prompt (some experts past NATIVE_ROWS rows), then a short chunk of one repeated token
+        for chunk in ((IDS * 3)[:4 * NATIVE_ROWS], IDS[:1] * (NATIVE_MOE_ROWS + 1)):
+            q.forward(chunk, q.new_state(capacity=4 * NATIVE_ROWS))
     finally:
         q.set_batch_invariant(True)
         for h in hooks:

@@ -288,14 +288,13 @@ void kv_swiglu(const float *gate, const float *up, int64_t ld, float *out, int64
  * operations, in order, of kv_route + kv_matmul_weights + kv_swiglu + numerics/rows.py's
  * combination, so the one-row path and the batched one give the same bits. The expert stacks
  * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
- * of native_weights.h's formats; each GEMV splits its columns over `threads`. Returns 0, or -1
- * on a bad argument or a failed allocation. */
-int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
-               const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
-               int64_t n_group, int64_t topk_group, int renorm,
-               const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
-               const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
-               int64_t shared_inter, int64_t threads, float *out) {
+ * of native_weights.h's formats; each GEMV splits its columns over `threads`. */
+static int moe_row(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
+                   const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
+                   int64_t n_group, int64_t topk_group, int renorm,
+                   const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
+                   const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
+                   int64_t shared_inter, int64_t threads, float *out) {
     int64_t ids[MOE_MAX_K];
     float wts[MOE_MAX_K];
     if (kv_route(x, 1, h, router_w, e, scoring, bias, tid2eid, token, k, route_scale, n_group, topk_group,
@@ -323,6 +322,34 @@ int kv_moe_one(const float *x, int64_t h, const float *router_w, int64_t e, int 
     }
     free(gu); free(act); free(y);
     return rc ? -1 : 0;
+}
+
+/* The MoE layer for m rows x [m, h] (tokens [m]) into out [m, h]: each row exactly as moe_row
+ * computes it alone, so a row's bits never depend on the other rows. With at least as many rows
+ * as threads the rows are shared out (each row on one thread); otherwise each row's GEMVs split
+ * their columns. Neither split touches a reduction. Returns 0, or -1 on a bad argument or a
+ * failed allocation. */
+int kv_moe_rows(const float *x, int64_t m, int64_t h, const float *router_w, int64_t e, int scoring,
+                const float *bias, const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
+                int64_t n_group, int64_t topk_group, int renorm,
+                const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
+                const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
+                int64_t shared_inter, int64_t threads, float *out) {
+    int failed = 0;
+    if (m > 1 && threads > 1 && m >= threads) {
+        #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
+        for (int64_t r = 0; r < m; r++)
+            failed |= moe_row(x + r * h, h, router_w, e, scoring, bias, tid2eid, token + r, k, route_scale,
+                              n_group, topk_group, renorm, w13, w2, inter, limit, shared_gate, shared_up,
+                              shared_down, shared_inter, 1, out + r * h) != 0;
+    } else {
+        /* not inside a parallel region: a GEMV's own team must be the process's one, not a nested one */
+        for (int64_t r = 0; r < m; r++)
+            failed |= moe_row(x + r * h, h, router_w, e, scoring, bias, tid2eid, token + r, k, route_scale,
+                              n_group, topk_group, renorm, w13, w2, inter, limit, shared_gate, shared_up,
+                              shared_down, shared_inter, threads, out + r * h) != 0;
+    }
+    return failed ? -1 : 0;
 }
 
 /* ---- one decode query's attention ---------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Native fp32 CPU row kernels (native.c), compiled once per machine and loaded with ctypes.
 
 On the CPU a decode step is dominated by per-call overhead: each aten op costs 10-20 us, whatever
-its size, and RMSNorm, rope, the mHC collapse and expand, and a one-row MoE are 4 to 35 ops each.
+its size, and RMSNorm, rope, the mHC collapse and expand, and a decode batch's MoE are 4 to 35 ops each.
 One call into native.c replaces each of them. The kernels treat every row alone in a fixed
 order, so a row's bits never depend on its batch (batch-invariant by construction).
 
@@ -46,8 +46,8 @@ _SIGNATURES = {
     "kv_hc_collapse": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _P, _P, _P]),
     "kv_hc_head": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _D, _D, _P]),
     "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
-    "kv_moe_one": (ctypes.c_int, [_P, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int,
-                                  _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _I, _P]),
+    "kv_moe_rows": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int,
+                                   _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _I, _P]),
     "kv_route": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int, _P, _P]),
     "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
     "kv_matmul": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _I]),

@@ -164,7 +164,7 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, sc
 def combine_experts(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_j weights[:, j] * per_slot[:, j] for per_slot [T, k, H] whose slots are in ascending
     expert order, left to right from the first term: elementwise IEEE operations, the same ones
-    and in the same order as native.c's kv_moe_one."""
+    and in the same order as native.c's kv_moe_rows."""
     out = per_slot[:, 0] * weights[:, :1]
     for j in range(1, per_slot.shape[1]):
         out = out + per_slot[:, j] * weights[:, j:j + 1]

@@ -1,7 +1,8 @@
 """DeepSeek-V4 MoE: hash routing (tid2eid[token]) on the first layers, biased top-k elsewhere
 (softmax, sigmoid or sqrt-softplus scores); the routed SwiGLU experts (layers/moe.py) and one
-always-on shared expert. A lone fp32 decode row runs the whole layer as one native call, which reads
-FP8 / FP4 experts as stored (weights="quantized")."""
+always-on shared expert. A few fp32 rows (decode, a decode batch, a draft's verify) run the whole
+layer as one native call, which computes each row as it would alone and reads FP8 / FP4 experts
+as stored (weights="quantized")."""
 from __future__ import annotations
 
 import ctypes
@@ -77,10 +78,10 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(cfg, dtype, device) if keep_shared else None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]. A lone fp32 row runs as one native call, whose bits equal the
-        batch-invariant path's (native.c's kv_moe_one)."""
-        if x.shape[0] == 1 and self.tp is None:
-            y = self._native_one(x, token_ids)
+        """x [T, hidden]. Up to NATIVE_MOE_ROWS fp32 rows run as one native call, whose bits for
+        each row equal the batch-invariant path's (native.c's kv_moe_rows)."""
+        if x.shape[0] <= NATIVE_MOE_ROWS and self.tp is None:
+            y = self._native_rows(x, token_ids)
             if y is not None:
                 return y
         weights, ids = self.gate(x, token_ids)
@@ -99,14 +100,14 @@ class MoE(nn.Module):
         h = release_swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit).to(x.dtype)
         return sh.down_proj(h)
 
-    def _native_one(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
-        """The whole layer for one fp32 row in one native call (router, experts, shared expert), or
-        None where the kernels cannot serve it."""
-        return _native_moe_one(self, x, token_ids)
+    def _native_rows(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """The whole layer for a few fp32 rows in one native call (router, experts, shared expert),
+        or None where the kernels cannot serve it."""
+        return _native_moe_rows(self, x, token_ids)
 
 
 def _native_weights(moe: MoE) -> tuple | None:
-    """What the native one-row MoE reads (the router, its table, the expert stacks' and the shared
+    """What the native MoE reads (the router, its table, the expert stacks' and the shared
     expert's descriptors), or None when it cannot serve this layer (FP8 activations, an unknown
     scoring, a weight the kernels cannot read)."""
     gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
@@ -119,7 +120,7 @@ def _native_weights(moe: MoE) -> tuple | None:
     lins = () if sh is None else (sh.gate_proj, sh.up_proj, sh.down_proj)
     if any(lin.act_quant for lin in lins):
         return None
-    # the one-row kernel computes in fp32: fp32 parameters, or FP8 / FP4 weights of an fp32 model
+    # the kernel computes in fp32: fp32 parameters, or FP8 / FP4 weights of an fp32 model
     descs = [native_weights(w, params=(torch.float32,)) if w.dtype == torch.float32 else None
              for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
     if any(d is None for d in descs):
@@ -146,9 +147,9 @@ def _cached_native_weights(moe: MoE) -> tuple | None:
     return ws
 
 
-def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
     lib = native.serving(x)
-    if lib is None or token_ids.dtype != torch.int64 or not token_ids.is_contiguous():
+    if lib is None or token_ids.dtype != torch.int64 or not token_ids.is_contiguous() or not x.is_contiguous():
         return None
     ws = _cached_native_weights(moe)
     if ws is None:
@@ -157,15 +158,19 @@ def _native_moe_one(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch
     e, h = router.shape
     k, inter = moe.gate.k, w2[2]
     s_inter = 0 if sg is None else sg[1]
-    out = torch.empty(1, h, dtype=torch.float32)
+    m = x.shape[0]
+    out = torch.empty(m, h, dtype=torch.float32)
     ptr = lambda d: None if d is None else ctypes.addressof(d[0])  # noqa: E731
     is_hash = moe.gate.is_hash
-    threads = torch.get_num_threads() if 4 * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
-    rc = lib.kv_moe_one(x.data_ptr(), h, router.data_ptr(), e, SCORING[moe.gate.scoring],
-                        None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
-                        token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, ptr(w13), ptr(w2), inter,
-                        moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, threads, out.data_ptr())
+    threads = torch.get_num_threads() if 4 * m * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
+    rc = lib.kv_moe_rows(x.data_ptr(), m, h, router.data_ptr(), e, SCORING[moe.gate.scoring],
+                         None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
+                         token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, ptr(w13), ptr(w2), inter,
+                         moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, threads, out.data_ptr())
     return out if rc == 0 else None
 
 
-_SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per token, one thread (the count changes no bits)
+_SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one thread (the count changes no bits)
+# Past this many rows a batch's rows share experts, and the grouped path (layers/moe.py) reads each
+# expert once for all its rows; below it each row reads its own k experts, in one native call.
+NATIVE_MOE_ROWS = 16
