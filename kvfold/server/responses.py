@@ -55,6 +55,10 @@ def cancel_all(streams: list[RequestStream]) -> None:
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of all streams as they come, each with its stream's index; ends when all finish."""
+    if len(streams) == 1:  # the common case: no pump task and second queue between engine and socket
+        async for out in streams[0]:
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
