@@ -283,41 +283,48 @@ void kv_swiglu(const float *gate, const float *up, int64_t ld, float *out, int64
     for (int64_t r = 0; r < rows; r++) swiglu(gate + r * ld, up + r * ld, out + r * n, n, limit);
 }
 
+/* One MoE layer's weights and routing, as kv_moe_rows receives them. */
+typedef struct {
+    int64_t h, e, k, n_group, topk_group, inter, shared_inter;
+    int scoring, renorm;
+    double route_scale;
+    float limit;
+    const float *router_w, *bias;
+    const int64_t *tid2eid;
+    const kv_weights *w13, *w2, *shared_gate, *shared_up, *shared_down;
+} moe_layer;
+
 /* The whole MoE layer for one row: y = sum over the routed experts, ascending, of
  * w_e * down_e(swiglu(gate_e x, up_e x)), starting from the first term, then + shared(x): the
  * operations, in order, of kv_route + kv_matmul_weights + kv_swiglu + numerics/rows.py's
  * combination, so the one-row path and the batched one give the same bits. The expert stacks
  * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
  * of native_weights.h's formats; each GEMV splits its columns over `threads`. */
-static int moe_row(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
-                   const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
-                   int64_t n_group, int64_t topk_group, int renorm,
-                   const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
-                   const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
-                   int64_t shared_inter, int64_t threads, float *out) {
+static int moe_row(const moe_layer *L, const float *x, const int64_t *token, int64_t threads, float *out) {
+    int64_t h = L->h, inter = L->inter, shared_inter = L->shared_inter;
     int64_t ids[MOE_MAX_K];
     float wts[MOE_MAX_K];
-    if (kv_route(x, 1, h, router_w, e, scoring, bias, tid2eid, token, k, route_scale, n_group, topk_group,
-                 renorm, ids, wts) != 0) return -1;
+    if (kv_route(x, 1, h, L->router_w, L->e, L->scoring, L->bias, L->tid2eid, token, L->k, L->route_scale,
+                 L->n_group, L->topk_group, L->renorm, ids, wts) != 0) return -1;
     int64_t buf = 2 * (inter > shared_inter ? inter : shared_inter);
     float *gu = malloc(sizeof(float) * (size_t)buf);
     float *act = malloc(sizeof(float) * (size_t)(buf / 2 + 1));
     float *y = malloc(sizeof(float) * (size_t)h);
     int rc = !gu || !act || !y ? -1 : 0;
-    for (int64_t j = 0; j < k && rc == 0; j++) {
-        rc |= weights_matmul(x, h, w13, ids[j], gu, 2 * inter, 1, 2 * inter, threads);
-        swiglu(gu, gu + inter, act, inter, limit);
-        rc |= weights_matmul(act, inter, w2, ids[j], y, h, 1, h, threads);
+    for (int64_t j = 0; j < L->k && rc == 0; j++) {
+        rc |= weights_matmul(x, h, L->w13, ids[j], gu, 2 * inter, 1, 2 * inter, threads);
+        swiglu(gu, gu + inter, act, inter, L->limit);
+        rc |= weights_matmul(act, inter, L->w2, ids[j], y, h, 1, h, threads);
         if (j == 0)
             for (int64_t i = 0; i < h; i++) out[i] = y[i] * wts[0];
         else
             for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i] * wts[j];
     }
-    if (shared_gate && rc == 0) {
-        rc |= weights_matmul(x, h, shared_gate, 0, gu, shared_inter, 1, shared_inter, threads);
-        rc |= weights_matmul(x, h, shared_up, 0, gu + shared_inter, shared_inter, 1, shared_inter, threads);
-        swiglu(gu, gu + shared_inter, act, shared_inter, limit);
-        rc |= weights_matmul(act, shared_inter, shared_down, 0, y, h, 1, h, threads);
+    if (L->shared_gate && rc == 0) {
+        rc |= weights_matmul(x, h, L->shared_gate, 0, gu, shared_inter, 1, shared_inter, threads);
+        rc |= weights_matmul(x, h, L->shared_up, 0, gu + shared_inter, shared_inter, 1, shared_inter, threads);
+        swiglu(gu, gu + shared_inter, act, shared_inter, L->limit);
+        rc |= weights_matmul(act, shared_inter, L->shared_down, 0, y, h, 1, h, threads);
         for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i];
     }
     free(gu); free(act); free(y);
@@ -335,19 +342,14 @@ int kv_moe_rows(const float *x, int64_t m, int64_t h, const float *router_w, int
                 const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
                 const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
                 int64_t shared_inter, int64_t threads, float *out) {
+    const moe_layer L = {h, e, k, n_group, topk_group, inter, shared_inter, scoring, renorm, route_scale, limit,
+                         router_w, bias, tid2eid, w13, w2, shared_gate, shared_up, shared_down};
     int failed = 0;
     if (m > 1 && threads > 1 && m >= threads) {
         #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
-        for (int64_t r = 0; r < m; r++)
-            failed |= moe_row(x + r * h, h, router_w, e, scoring, bias, tid2eid, token + r, k, route_scale,
-                              n_group, topk_group, renorm, w13, w2, inter, limit, shared_gate, shared_up,
-                              shared_down, shared_inter, 1, out + r * h) != 0;
-    } else {
-        /* not inside a parallel region: a GEMV's own team must be the process's one, not a nested one */
-        for (int64_t r = 0; r < m; r++)
-            failed |= moe_row(x + r * h, h, router_w, e, scoring, bias, tid2eid, token + r, k, route_scale,
-                              n_group, topk_group, renorm, w13, w2, inter, limit, shared_gate, shared_up,
-                              shared_down, shared_inter, threads, out + r * h) != 0;
+        for (int64_t r = 0; r < m; r++) failed |= moe_row(&L, x + r * h, token + r, 1, out + r * h) != 0;
+    } else {  /* outside any parallel region: each GEMV's team is then the process's pool, not a nested one */
+        for (int64_t r = 0; r < m; r++) failed |= moe_row(&L, x + r * h, token + r, threads, out + r * h) != 0;
     }
     return failed ? -1 : 0;
 }
