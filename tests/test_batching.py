@@ -144,6 +144,44 @@ def test_a_row_takes_the_same_moe_bits_alone_in_a_few_rows_and_in_a_batch(invari
                 assert one is not None and torch.equal(one, batched[i:i + 1])
 
 
+def attention_halves(model, n_rows: int, seed: int = 0):
+    """For every layer: the fused native halves (project_rows, output_rows) and the per-op path
+    (Attention._project; de-rotation, wo_a, wo_b) on the same n_rows rows, as flat tensors."""
+    from kvfold.layers.rows import RowBatch, Segment
+    from kvfold.models.deepseek_v4.config import SLIDING
+    from kvfold.models.deepseek_v4.native_attention import output_rows, project_rows
+    from kvfold.numerics import apply_rope
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_rows, model.config.hidden_size, generator=g)
+    positions = torch.randint(0, 5000, (n_rows,), generator=g)
+    flat = lambda rows: torch.cat([t.flatten() for k in sorted(rows) if k != "positions"  # noqa: E731
+                                   for t in (rows[k] if isinstance(rows[k], tuple) else (rows[k],))])
+    pairs = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        table = model.rope_main if attn.kind == SLIDING else model.rope_compress
+        cos, sin = table.cos_sin(positions)
+        batch = RowBatch(torch.zeros(n_rows, dtype=torch.long), positions, [Segment(0, n_rows, int(positions[0]), None)])
+        o = torch.randn(n_rows, attn.n_heads, attn.head_dim, generator=g)
+        fused, per_op = project_rows(attn, x, positions, cos, sin), attn._project(x, batch, cos, sin)
+        assert fused is not None and set(fused) == set(per_op)
+        rotated = apply_rope(o, cos, sin, inverse=True)
+        y = attn.o_b_proj(attn.o_a_proj(rotated.reshape(n_rows, attn.o_groups, -1)))
+        pairs.append((torch.cat([flat(fused), output_rows(attn, o, cos, sin).flatten()]),
+                      torch.cat([flat(per_op), y.flatten()])))
+    return pairs
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_fused_attention_halves_give_the_per_op_bits_in_batch_invariant_mode(invariant, n_threads):
+    """native_attention.h composes the per-op path's native kernels in its order: the same bits,
+    for every layer kind, one decode row, a few verify rows and a prefill chunk past NATIVE_ROWS."""
+    with invariant_rows(), threads(n_threads), torch.inference_mode():
+        for n_rows in (1, 5, 40):
+            for fused, per_op in attention_halves(invariant, n_rows):
+                assert torch.equal(fused, per_op)
+
+
 def feeds_and_states(model, lengths, feeds, seed):
     v = model.config.vocab_size
     prompts = [random_ids(n, v, seed=seed + n) for n in lengths]
@@ -195,9 +233,20 @@ def test_fp8_and_plain_states_share_a_batch(invariant):
     assert not torch.equal(got[0], got[1])  # the FP8 state really reads its own rows
 
 
-def test_a_batch_is_one_pass_over_the_weights(tiny):
-    """Every layer's projections run once per call, whatever the number of sequences."""
+def test_a_batch_is_one_pass_over_the_weights(tiny, monkeypatch):
+    """Every layer's projections run once per call, whatever the number of sequences: per op (the
+    q_a projection's hook) or fused in one native call (attention.project_rows)."""
+    from kvfold.models.deepseek_v4 import attention
     calls = []
+    fused = attention.project_rows
+
+    def counted(attn, x, *args):
+        rows = fused(attn, x, *args)
+        if rows is not None:
+            calls.append(x.shape[0])
+        return rows
+
+    monkeypatch.setattr(attention, "project_rows", counted)
     hooks = [layer.self_attn.q_a_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
              for layer in tiny.model.layers]
     hooks.append(tiny.lm_head.register_forward_hook(lambda m, i, o: calls.append(-i[0].shape[0])))

@@ -379,12 +379,54 @@ def _case_index_topk_one(g):
     return _native_topk_one(q, w, 4, 32, pool, 50, 16).float(), topk_lower_index(scores[None], 16).float()
 
 
+def _tiny_attention(seed):
+    """The tiny config's first CSA attention layer (compressor and indexer) with random weights,
+    and the cos / sin of its rope table at 7 positions."""
+    from kvfold.models.deepseek_v4.attention import Attention
+    from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
+    from kvfold.numerics import RopeTable
+    cfg = tiny_config()
+    attn = Attention(cfg, 1, torch.float32)
+    attn.config = cfg
+    init_random_(attn, seed=seed)
+    positions = torch.tensor([0, 3, 4, 31, 32, 97, 1000])
+    cos, sin = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn).cos_sin(positions)
+    return attn, cfg, positions, cos, sin
+
+
+def _case_attn_project(g):
+    from kvfold.layers.rows import RowBatch, Segment
+    from kvfold.models.deepseek_v4.native_attention import project_rows
+    attn, cfg, positions, cos, sin = _tiny_attention(5)
+    x = torch.randn(7, cfg.hidden_size, generator=g)
+    batch = RowBatch(torch.zeros(7, dtype=torch.long), positions, [Segment(0, 7, 0, None)])
+    with torch.inference_mode():
+        got, want = project_rows(attn, x, positions, cos, sin), torch_path(attn._project, x, batch, cos, sin)
+    assert set(got) == set(want)
+    flat = lambda rows: torch.cat([t.flatten() for k in sorted(rows) if k != "positions"  # noqa: E731
+                                   for t in (rows[k] if isinstance(rows[k], tuple) else (rows[k],))])
+    return flat(got), flat(want)
+
+
+def _case_attn_output(g):
+    from kvfold.models.deepseek_v4.native_attention import output_rows
+    attn, cfg, _, cos, sin = _tiny_attention(6)
+    o = torch.randn(7, attn.n_heads, attn.head_dim, generator=g)
+
+    def per_op(o):
+        rotated = apply_rope(o, cos, sin, inverse=True)
+        return attn.o_b_proj(attn.o_a_proj(rotated.reshape(7, attn.o_groups, -1)))
+    with torch.inference_mode():
+        return output_rows(attn, o, cos, sin), torch_path(per_op, o)
+
+
 NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
     "kv_moe_rows": _case_moe_rows, "kv_route": _case_route, "kv_swiglu": _case_swiglu, "kv_matmul": _case_matmul,
     "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
+    "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,
 }
 
 

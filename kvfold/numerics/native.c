@@ -469,3 +469,5 @@ int kv_pool_windows(const float *kv, const float *score, int64_t n_w, int64_t ra
     free(mx); free(z); free(e);
     return 0;
 }
+
+#include "native_attention.h" /* the attention layer's fused halves, composed of the kernels above */

@@ -30,7 +30,7 @@ import torch
 from ..paths import cache_root
 
 _SOURCE = Path(__file__).with_name("native.c")
-_HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_weights.h"))  # included by native.c
+_HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_weights.h", "native_attention.h"))  # included by native.c
 # -ffp-contract=off: every C expression is evaluated as written (no fused multiply-adds chosen by the
 # compiler), so the kernels' arithmetic is fixed by the source (native.c's header).
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11", "-ffp-contract=off"]
@@ -55,6 +55,8 @@ _SIGNATURES = {
     "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
     "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
     "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
+    "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "kv_attn_output": (ctypes.c_int, [_P, _P, _I, _P, _P, _P]),
 }
 
 _lock = threading.Lock()

@@ -25,6 +25,7 @@ from ...state.kv_rows import fp8_roundtrip, plain_rows
 from ...layers.basic import Linear, Norm, QuantizedWeight, _param, reads_as_stored
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
+from .native_attention import output_rows, project_rows
 from ...layers.rows import RowBatch
 
 _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
@@ -131,7 +132,9 @@ class Attention(nn.Module):
         """x [R, hidden]: the batch's rows (each segment one sequence at its positions)."""
         t = x.shape[0]
         rope, cos, sin = batch.rope[SLIDING if self.kind == SLIDING else "compressed"]
-        rows = self._project(x, batch, cos, sin)
+        rows = project_rows(self, x, batch.positions, cos, sin)  # native.c's fused projections, else per op
+        if rows is None:
+            rows = self._project(x, batch, cos, sin)
         out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
         for seg in batch.segments:
             o = self._one_sequence(seg, self._taker(seg, t), rows, rope)
@@ -139,9 +142,10 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[seg.rows] = o
-        out = apply_rope(out if out.dtype == x.dtype else out.to(x.dtype), cos, sin, inverse=True)
-        grouped = self.o_a_proj(out.reshape(t, self.o_groups, -1))
-        y = self.o_b_proj(grouped)
+        y = output_rows(self, out, cos, sin)
+        if y is None:
+            out = apply_rope(out if out.dtype == x.dtype else out.to(x.dtype), cos, sin, inverse=True)
+            y = self.o_b_proj(self.o_a_proj(out.reshape(t, self.o_groups, -1)))
         return y if self.tp is None else self.tp.all_reduce_sum(y)  # this rank's heads: one part of the sum
 
     def _project(self, x: torch.Tensor, batch: RowBatch, cos: torch.Tensor, sin: torch.Tensor) -> dict:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...layers.basic import QuantizedWeight, _param, native_weights
+from ...layers.basic import _param, native_weights
+from ...layers.native_cache import NativeCache
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
 from ...numerics.reference import release_swiglu
@@ -129,22 +130,18 @@ def _native_weights(moe: MoE) -> tuple | None:
 
 
 def _cached_native_weights(moe: MoE) -> tuple | None:
-    """`_native_weights`, recomputed only when a weight tensor or its storage is replaced."""
-    gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
-    parts = [gate._parameters["weight"], gate._buffers["tid2eid" if gate.is_hash else "e_score_correction_bias"],
-             ex.gate_up_proj, ex.down_proj]
-    if sh is not None:
-        parts += [lin.weight for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)]
-    tensors = [u for t in parts for u in ((t.q, t.scale) if isinstance(t, QuantizedWeight) else (t,))]
-    key = tuple((id(t), t.data_ptr()) for t in tensors)
-    key += tuple(id(t.native()) for t in parts if isinstance(t, QuantizedWeight))  # dropped when loaded again
-    key += (ex.act_quant, sh is not None and any(lin.act_quant for lin in (sh.gate_proj, sh.up_proj, sh.down_proj)))
-    hit = moe.__dict__.get("_native_weights")
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    ws = _native_weights(moe)
-    moe.__dict__["_native_weights"] = (key, ws)
-    return ws
+    """`_native_weights`, rebuilt only when one of its weights is replaced, moved or loaded again.
+    (The FP8-activation flags it also reads are set only by reference numerics, which bf16 models
+    alone take, and this kernel reads fp32 models only.)"""
+    cache = moe.__dict__.get("_native_cache")
+    if cache is None:
+        gate = moe.gate
+        paths = ["gate.weight", "gate.tid2eid" if gate.is_hash else "gate.e_score_correction_bias",
+                 "experts.gate_up_proj", "experts.down_proj"]
+        if moe.shared_experts is not None:
+            paths += [f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        cache = moe.__dict__["_native_cache"] = NativeCache(moe, paths, lambda: _native_weights(moe))
+    return cache.get()
 
 
 def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:

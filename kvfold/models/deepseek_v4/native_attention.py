@@ -1,0 +1,193 @@
+"""The token-parallel halves of a V4 attention layer in one native call each (native_attention.h):
+the projections (`Attention._project`) and the output (de-rotation, grouped wo_a, wo_b).
+
+They run where the per-op path would run native.c's kernels on the same rows: an fp32 model on
+the CPU whose matmuls read their weights natively (`reads_as_stored`: decode and verify rows, and
+every row in batch-invariant mode), its weights fp32 parameters or FP8 / FP4 weights read as
+stored. Each C half is the per-op path's sequence of native calls, so in batch-invariant mode its
+outputs equal the per-op path's bit for bit; outside it, the per-op path runs torch's GEMMs on
+fp32 parameters, and the two agree to fp32 rounding. Anything else (bf16 models, reference
+numerics, other devices) returns None, and the caller runs the per-op path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ...layers.basic import QuantizedWeight, native_weights, reads_as_stored
+from ...layers.native_cache import NativeCache
+from ...numerics import native
+from .config import CSA
+from ...numerics.weights_mm import WeightsDesc, describe, row_groups
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_F32 = torch.float32
+
+
+class _CompressorProj(ctypes.Structure):
+    _fields_ = [("kv", _P), ("gate", _P), ("bias", _P), ("cols", _I), ("ratio", _I)]
+
+
+class _ProjectLayer(ctypes.Structure):
+    """native_attention.h's attn_project_layer, field for field."""
+    _fields_ = [("hid", _I), ("q_rank", _I), ("heads", _I), ("head_dim", _I), ("half", _I), ("eps", _D),
+                ("q_a", _P), ("q_b", _P), ("kv", _P), ("q_norm", _P), ("kv_norm", _P),
+                ("comp", _CompressorProj), ("index", _CompressorProj), ("index_q_b", _P), ("index_w", _P),
+                ("index_heads", _I), ("index_dim", _I), ("index_w_scale", _D), ("threads", _I)]
+
+
+class _OutputLayer(ctypes.Structure):
+    """native_attention.h's attn_output_layer, field for field."""
+    _fields_ = [("hid", _I), ("heads", _I), ("head_dim", _I), ("half", _I), ("groups", _I), ("rank", _I),
+                ("o_a", _P), ("o_b", _P), ("threads", _I)]
+
+
+def _weight(module):
+    """A Linear's (or GroupedLinear's) weight: an fp32 parameter or a QuantizedWeight."""
+    w = module._parameters.get("weight")
+    return module._modules.get("weight") if w is None else w
+
+
+def _desc(w) -> WeightsDesc | None:
+    """native.c's descriptor of an fp32-computing weight, or None."""
+    if w is None or w.dtype is not _F32:
+        return None
+    found = native_weights(w, params=(_F32,))
+    return None if found is None else found[0]
+
+
+def _projection_paths(attn) -> list[str]:
+    paths = ["q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "q_a_norm.weight", "kv_norm.weight"]
+    parts = () if attn.compressor is None else ("compressor", "compressor.indexer") if attn.kind == CSA \
+        else ("compressor",)
+    for part in parts:
+        paths += [f"{part}.kv_proj.weight", f"{part}.gate_proj.weight", f"{part}.position_bias"]
+    if attn.kind == CSA:
+        paths += ["compressor.indexer.q_b_proj.weight", "compressor.indexer.scorer.weights_proj.weight"]
+    return paths
+
+
+def _cached(attn, name: str, paths, build):
+    """The layer's NativeCache `name` (made on first use over `paths(attn)`), its value now."""
+    cache = attn.__dict__.get(name)
+    if cache is None:
+        cache = attn.__dict__[name] = NativeCache(attn, paths(attn), lambda: build(attn))
+    return cache.get()
+
+
+def _compressor_proj(c, descs: list) -> tuple[_CompressorProj, list] | None:
+    kv, gate = _desc(_weight(c.kv_proj)), _desc(_weight(c.gate_proj))
+    bias = c.position_bias
+    if kv is None or gate is None or not native.fp32_cpu(bias) or c.entry_sim is not None:
+        return None
+    descs += [kv, gate]
+    return _CompressorProj(ctypes.addressof(kv), ctypes.addressof(gate), bias.data_ptr(), bias.shape[1], c.ratio)
+
+
+def _build_projection(attn) -> tuple[_ProjectLayer, list] | None:
+    """The layer's attn_project_layer (and the descriptors it points into), or None."""
+    lins = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj]
+    c = attn.compressor
+    ix = getattr(c, "indexer", None) if c is not None else None
+    if c is not None:
+        lins += [c.kv_proj, c.gate_proj]
+    if ix is not None:
+        lins += [ix.kv_proj, ix.gate_proj, ix.q_b_proj, ix.scorer.weights_proj]
+    norms = (attn.q_a_norm, attn.kv_norm)
+    if attn.act_dtype is not _F32 or attn.simulate_kv or any(lin.act_quant for lin in lins) \
+            or any(n.eps != attn.eps for n in norms) or not native.fp32_cpu(*(n.weight for n in norms)):
+        return None
+    descs = [_desc(_weight(lin)) for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_proj)]
+    if any(d is None for d in descs):
+        return None
+    q_a = _weight(attn.q_a_proj)
+    layer = _ProjectLayer(q_a.shape[1], q_a.shape[0], attn.n_heads, attn.head_dim, attn.rope_dim // 2, attn.eps,
+                          *(ctypes.addressof(d) for d in descs), attn.q_a_norm.weight.data_ptr(),
+                          attn.kv_norm.weight.data_ptr())
+    if c is not None:
+        comp = _compressor_proj(c, descs)
+        if comp is None:
+            return None
+        layer.comp = comp
+    if ix is not None:
+        index = _compressor_proj(ix, descs)
+        iq, iw = _desc(_weight(ix.q_b_proj)), _desc(_weight(ix.scorer.weights_proj))
+        if index is None or iq is None or iw is None:
+            return None
+        descs += [iq, iw]
+        layer.index, layer.index_q_b, layer.index_w = index, ctypes.addressof(iq), ctypes.addressof(iw)
+        layer.index_heads, layer.index_dim = ix.n_heads, ix.head_dim
+        layer.index_w_scale = ix.n_heads ** -0.5 * ix.head_dim ** -0.5
+    return layer, descs
+
+
+def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> dict | None:
+    """`Attention._project`'s rows for x [m, hidden] at `positions` in one native call, or None."""
+    m = x.shape[0]
+    lib = native.serving(x, cos, sin)
+    if lib is None or not reads_as_stored(m) or positions.dtype != torch.int64 or not positions.is_contiguous() \
+            or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
+        return None
+    built = _cached(attn, "_native_project", _projection_paths, _build_projection)
+    if built is None:
+        return None
+    layer = built[0]
+    layer.threads = torch.get_num_threads()
+    empty = torch.empty
+    q_lora = empty(m, layer.q_rank, dtype=_F32)
+    q = empty(m, attn.n_heads, attn.head_dim, dtype=_F32)
+    kv = empty(m, attn.head_dim, dtype=_F32)
+    rows = {"q": q, "kv": kv, "positions": positions}
+    ptrs = [None] * 6
+    if attn.compressor is not None:
+        rows["comp"] = (empty(m, layer.comp.cols, dtype=_F32), empty(m, layer.comp.cols, dtype=_F32))
+        ptrs[0:2] = (t.data_ptr() for t in rows["comp"])
+        if layer.index_heads:
+            rows["idx_kv"] = (empty(m, layer.index.cols, dtype=_F32), empty(m, layer.index.cols, dtype=_F32))
+            rows["idx_q"] = (empty(m, layer.index_heads, layer.index_dim, dtype=_F32),
+                             empty(m, layer.index_heads, dtype=_F32))
+            ptrs[2:6] = (t.data_ptr() for t in (*rows["idx_kv"], *rows["idx_q"]))
+    rc = lib.kv_attn_project(ctypes.addressof(layer), x.data_ptr(), m, positions.data_ptr(), cos.data_ptr(),
+                             sin.data_ptr(), q_lora.data_ptr(), q.data_ptr(), kv.data_ptr(), *ptrs)
+    if rc != 0:
+        raise MemoryError(f"native attention projections could not allocate a panel (rc {rc})")
+    return rows
+
+
+def _build_output(attn) -> tuple[_OutputLayer, list] | None:
+    wa, wb = _weight(attn.o_a_proj), _weight(attn.o_b_proj)
+    if attn.act_dtype is not _F32 or attn.o_b_proj.act_quant or wa.dtype is not _F32:
+        return None
+    if isinstance(wa, QuantizedWeight):
+        groups = wa.native(groups=attn.o_groups)
+    else:
+        found = describe(wa)
+        groups = None if found is None else row_groups(found, attn.o_groups)
+    o_b = _desc(wb)
+    if groups is None or o_b is None:
+        return None
+    table = (WeightsDesc * len(groups))(*(d for d, _, _ in groups))  # copies: the C side reads an array
+    layer = _OutputLayer(wb.shape[0], attn.n_heads, attn.head_dim, attn.rope_dim // 2, attn.o_groups, groups[0][1],
+                         ctypes.addressof(table), ctypes.addressof(o_b))
+    return layer, [table, o_b, groups]
+
+
+def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """The attention output o [m, heads, head_dim] de-rotated and projected to [m, hidden] in one
+    native call, or None."""
+    m = o.shape[0]
+    lib = native.serving(o, cos, sin)
+    if lib is None or not reads_as_stored(m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
+        return None
+    built = _cached(attn, "_native_output", lambda _: ["o_a_proj.weight", "o_b_proj.weight"], _build_output)
+    if built is None:
+        return None
+    layer = built[0]
+    layer.threads = torch.get_num_threads()
+    out = torch.empty(m, layer.hid, dtype=_F32)
+    if lib.kv_attn_output(ctypes.addressof(layer), o.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
+                          out.data_ptr()) != 0:
+        raise MemoryError("native attention output could not allocate its buffers")
+    return out
