@@ -161,7 +161,8 @@ def attention_halves(model, n_rows: int, seed: int = 0):
         attn = layer.self_attn
         table = model.rope_main if attn.kind == SLIDING else model.rope_compress
         cos, sin = table.cos_sin(positions)
-        batch = RowBatch(torch.zeros(n_rows, dtype=torch.long), positions, [Segment(0, n_rows, int(positions[0]), None)])
+        segment = Segment(0, n_rows, int(positions[0]), None)  # a lone row's position is its segment's start
+        batch = RowBatch(torch.zeros(n_rows, dtype=torch.long), positions, [segment])
         o = torch.randn(n_rows, attn.n_heads, attn.head_dim, generator=g)
         fused, per_op = project_rows(attn, x, positions, cos, sin), attn._project(x, batch, cos, sin)
         assert fused is not None and set(fused) == set(per_op)
