@@ -2,9 +2,10 @@
 once and rebuilt when any of those weights is replaced, moved or loaded again.
 
 The check runs on every call, so it reads the modules' own dicts (`_modules`, `_parameters`,
-`_buffers`) found once, not `nn.Module.__getattr__`: a tuple of each step's object identity, each
-tensor's data pointer, and each `QuantizedWeight`'s native view (dropped when it is loaded again).
-A submodule replaced on the way changes the identity of its step, so nothing stale is read.
+`_buffers`) found once, not `nn.Module.__getattr__`: each step's object is the one seen at build
+time, each tensor's data pointer is the same, and each `QuantizedWeight`'s native view is the
+same (it is dropped when the weight is loaded again). A submodule replaced on the way is another
+object at its step, so nothing stale is read.
 """
 from __future__ import annotations
 
@@ -30,14 +31,6 @@ def _steps(root: nn.Module, path: str) -> list[tuple[dict, str]]:
     return steps
 
 
-def _identity(obj) -> tuple:
-    if isinstance(obj, torch.Tensor):
-        return id(obj), obj.data_ptr()
-    if isinstance(obj, QuantizedWeight):
-        return id(obj), obj.q.data_ptr(), obj.scale.data_ptr(), id(obj.__dict__.get("_native"))
-    return (id(obj),)
-
-
 class NativeCache:
     """`build()`'s value for the weights at `paths` of `root` (None where native.c cannot read them)."""
 
@@ -46,25 +39,35 @@ class NativeCache:
         self._resolve()
 
     def _resolve(self) -> None:
-        seen, steps = set(), []
         try:
             found = [step for path in self.paths for step in _steps(self.root, path)]
         except AttributeError:  # a weight gone: nothing native (the per-op path reports it)
             found = []
-        for d, name in found:
-                if (id(d), name) not in seen:
-                    seen.add((id(d), name))
-                    steps.append((d, name))
-        self.steps = steps
-        self.key, self.value = None, None
+        self.steps = list({(id(d), name): (d, name) for d, name in found}.values())
+        self.checks, self.value = None, None
 
-    def _key(self) -> tuple:
-        return tuple(_identity(d.get(name)) for d, name in self.steps)
+    def _snapshot(self) -> None:
+        """What `_unchanged` compares: the object at each step, at each QuantizedWeight's q, scale
+        and native view, and each of those tensors' data pointer."""
+        checks = [(d, name, d.get(name)) for d, name in self.steps]
+        for w in [obj for _, _, obj in checks if isinstance(obj, QuantizedWeight)]:
+            checks += [(w._buffers, "q", w.q), (w._buffers, "scale", w.scale),
+                       (w.__dict__, "_native", w.__dict__.get("_native"))]
+        self.checks = checks
+        self.pointers = [(t, t.data_ptr()) for _, _, t in checks if isinstance(t, torch.Tensor)]
+
+    def _unchanged(self) -> bool:
+        for d, name, obj in self.checks:
+            if d.get(name) is not obj:
+                return False
+        for t, ptr in self.pointers:
+            if t.data_ptr() != ptr:
+                return False
+        return True
 
     def get(self):
-        key = self._key()
-        if key != self.key:
+        if self.checks is None or not self._unchanged():
             self._resolve()  # a replaced submodule has dicts of its own
             self.value = self.build() if self.steps else None
-            self.key = self._key()  # building may make a QuantizedWeight's native view
+            self._snapshot()  # after building, which may make a QuantizedWeight's native view
         return self.value

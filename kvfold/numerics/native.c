@@ -94,12 +94,12 @@ static void sinkhorn_row(double *a, int hc, int iters, double eps) {
     }
 }
 
+/* out = sum_k p_k * stream_k, each element's terms added in ascending k from p_0 * stream_0: the
+ * loop over elements is innermost, so it vectorises, and each element's operations stay in order */
 static void weighted_streams(const float *xs, const float *p, float *out, int hc, int64_t d) {
-    for (int64_t i = 0; i < d; i++) {
-        float acc = p[0] * xs[i];
-        for (int k = 1; k < hc; k++) acc += p[k] * xs[k * d + i];
-        out[i] = acc;
-    }
+    for (int64_t i = 0; i < d; i++) out[i] = p[0] * xs[i];
+    for (int k = 1; k < hc; k++)
+        for (int64_t i = 0; i < d; i++) out[i] = out[i] + p[k] * xs[k * d + i];
 }
 
 /* returns 0, or -1 when hc is out of range (nothing written) */
@@ -112,7 +112,7 @@ int kv_hc_collapse(const float *streams, const float *fn, const float *base, con
     for (int64_t r = 0; r < rows; r++) {
         const float *xs = streams + r * flat;
         float mix[(2 + HC_MAX) * HC_MAX];
-        for (int64_t j = 0; j < n; j++) mix[j] = dot(fn + j * flat, xs, flat);
+        matmul_cols(xs, flat, fn, mix, n, 1, 0, n, flat); /* each mix[j] = dot(xs, fn row j), in tiles */
         double rr = 1.0 / sqrt(sum_squares(xs, flat) / (double)flat + norm_eps);
         double r0 = rr * s0, r1 = rr * s1, r2 = rr * s2;
         float pre[HC_MAX];
@@ -146,27 +146,29 @@ int kv_hc_head(const float *streams, const float *fn, const float *base, const f
     for (int64_t r = 0; r < rows; r++) {
         const float *xs = streams + r * flat;
         double rs = (1.0 / sqrt(sum_squares(xs, flat) / (double)flat + norm_eps)) * (double)scale[0];
-        float pre[HC_MAX];
-        for (int64_t i = 0; i < hc; i++)
-            pre[i] = (float)(sigmoid_d((double)dot(fn + i * flat, xs, flat) * rs + base[i]) + hc_eps);
+        float pre[HC_MAX], mix[HC_MAX];
+        matmul_cols(xs, flat, fn, mix, hc, 1, 0, hc, flat);
+        for (int64_t i = 0; i < hc; i++) pre[i] = (float)(sigmoid_d((double)mix[i] * rs + base[i]) + hc_eps);
         weighted_streams(xs, pre, out + r * d, (int)hc, d);
     }
     return 0;
 }
 
-/* expand: out_k = post_k * y + sum_j comb[j, k] * stream_j */
+/* expand: out_k = post_k * y + sum_j comb[j, k] * stream_j; per element: acc = comb[0, k] x_0, then
+ * + comb[j, k] x_j for j = 1.., then post_k y + acc (element loops innermost, so they vectorise) */
 void kv_hc_expand(const float *streams, const float *y, const float *post, const float *comb, int64_t rows,
                   int64_t hc, int64_t d, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xs = streams + r * hc * d, *yr = y + r * d, *cb = comb + r * hc * hc;
         for (int64_t k = 0; k < hc; k++) {
-            float pk = post[r * hc + k];
-            float *o = out + (r * hc + k) * d;
-            for (int64_t i = 0; i < d; i++) {
-                float acc = cb[k] * xs[i];
-                for (int64_t j = 1; j < hc; j++) acc += cb[j * hc + k] * xs[j * d + i];
-                o[i] = pk * yr[i] + acc;
+            float pk = post[r * hc + k], *o = out + (r * hc + k) * d;
+            for (int64_t i = 0; i < d; i++) o[i] = cb[k] * xs[i];
+            for (int64_t j = 1; j < hc; j++) {
+                float c = cb[j * hc + k];
+                const float *xj = xs + j * d;
+                for (int64_t i = 0; i < d; i++) o[i] = o[i] + c * xj[i];
             }
+            for (int64_t i = 0; i < d; i++) o[i] = pk * yr[i] + o[i];
         }
     }
 }

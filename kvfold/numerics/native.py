@@ -55,7 +55,7 @@ _SIGNATURES = {
     "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
     "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
     "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
-    "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "kv_attn_output": (ctypes.c_int, [_P, _P, _I, _P, _P, _P]),
 }
 

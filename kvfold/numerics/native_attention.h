@@ -56,11 +56,13 @@ static int project_compressor(const compressor_proj *c, const float *x, int64_t 
  *   kv     = rope(rms_norm(x Wkv^T) * kv_norm)                           [m, head_dim]
  *   the compressor's and the indexer's (kv, score) rows                  [m, cols]
  *   index queries rope(q_lora Wiq^T) [m, IH, Id] and head weights (x Wiw^T) * scale [m, IH].
- * Outputs of an absent part are not written. Returns 0, or -1 when a panel cannot be allocated. */
+ * Outputs of an absent part are not written. Returns 0, or -1 when a buffer cannot be allocated. */
 int kv_attn_project(const attn_project_layer *L, const float *x, int64_t m, const int64_t *pos, const float *cs,
-                    const float *sn, float *q_lora, float *q, float *kv, float *comp_kv, float *comp_score,
-                    float *index_kv, float *index_score, float *index_q, float *index_w) {
+                    const float *sn, float *q, float *kv, float *comp_kv, float *comp_score, float *index_kv,
+                    float *index_score, float *index_q, float *index_w) {
     int64_t hid = L->hid, qr = L->q_rank, hd = L->heads * L->head_dim, th = L->threads;
+    float *q_lora = malloc(sizeof(float) * (size_t)(m * qr + 1));
+    if (!q_lora) return -1;
     int rc = weights_matmul(x, hid, L->q_a, 0, q_lora, qr, m, qr, mm_threads(m, qr, hid, th));
     kv_rms_norm(q_lora, L->q_norm, q_lora, m, qr, L->eps);
     rc |= weights_matmul(q_lora, qr, L->q_b, 0, q, hd, m, hd, mm_threads(m, hd, qr, th));
@@ -79,6 +81,7 @@ int kv_attn_project(const attn_project_layer *L, const float *x, int64_t m, cons
         float scale = (float)L->index_w_scale; /* torch multiplies an fp32 tensor by a scalar in fp32 */
         for (int64_t i = 0; i < m * ih; i++) index_w[i] = index_w[i] * scale;
     }
+    free(q_lora);
     return rc ? -1 : 0;
 }
 

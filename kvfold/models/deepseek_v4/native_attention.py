@@ -136,7 +136,6 @@ def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     layer = built[0]
     layer.threads = torch.get_num_threads()
     empty = torch.empty
-    q_lora = empty(m, layer.q_rank, dtype=_F32)
     q = empty(m, attn.n_heads, attn.head_dim, dtype=_F32)
     kv = empty(m, attn.head_dim, dtype=_F32)
     rows = {"q": q, "kv": kv, "positions": positions}
@@ -150,9 +149,9 @@ def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                              empty(m, layer.index_heads, dtype=_F32))
             ptrs[2:6] = (t.data_ptr() for t in (*rows["idx_kv"], *rows["idx_q"]))
     rc = lib.kv_attn_project(ctypes.addressof(layer), x.data_ptr(), m, positions.data_ptr(), cos.data_ptr(),
-                             sin.data_ptr(), q_lora.data_ptr(), q.data_ptr(), kv.data_ptr(), *ptrs)
+                             sin.data_ptr(), q.data_ptr(), kv.data_ptr(), *ptrs)
     if rc != 0:
-        raise MemoryError(f"native attention projections could not allocate a panel (rc {rc})")
+        raise MemoryError(f"native attention projections could not allocate a buffer (rc {rc})")
     return rows
 
 
