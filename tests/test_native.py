@@ -169,15 +169,19 @@ def test_decode_attention_native_matches_the_softmax_with_sink():
     pool = KvRows(40, d, torch.float32, "cpu")
     pool.data.copy_(torch.randn(40, d, generator=g))
     # HCA: the first n entries
-    got = _native_attend_one(q, local, pool, None, 9, sinks, "heavily_compressed_attention")
+    got = _native_attend_one(q, [local], pool, None, 9, sinks, "heavily_compressed_attention")
     assert torch.allclose(got[0], _reference_attend(q[0], local, pool.data[:9], sinks), atol=1e-5)
     # CSA: picked entries, -1 = none
     sel = torch.tensor([[3, 8, 21, -1, -1]])
-    got = _native_attend_one(q, local, pool, sel, 5, sinks, "compressed_sparse_attention")
+    got = _native_attend_one(q, [local], pool, sel, 5, sinks, "compressed_sparse_attention")
     assert torch.allclose(got[0], _reference_attend(q[0], local, pool.data[[3, 8, 21]], sinks), atol=1e-5)
     # the window alone
-    got = _native_attend_one(q, local, None, None, 0, sinks, "sliding_attention")
+    got = _native_attend_one(q, [local], None, None, 0, sinks, "sliding_attention")
     assert torch.allclose(got[0], _reference_attend(q[0], local, local[:0], sinks), atol=1e-5)
+    # the window in three runs (a wrapped ring and the new row) reads as the one buffer, bit for bit
+    runs = [local[:6].clone(), local[6:16].clone(), local[16:].clone()]
+    got = _native_attend_one(q, runs, pool, sel, 5, sinks, "compressed_sparse_attention")
+    assert torch.equal(got, _native_attend_one(q, [local], pool, sel, 5, sinks, "compressed_sparse_attention"))
 
 
 def test_indexer_topk_native_keeps_the_tie_rule():
@@ -364,7 +368,8 @@ def _case_attend_one(g):
     q, local, sinks = torch.randn(1, 4, 64, generator=g) * 0.3, torch.randn(17, 64, generator=g), torch.randn(4)
     pool = KvRows(40, 64, torch.float32, "cpu")
     pool.data.copy_(torch.randn(40, 64, generator=g))
-    got = _native_attend_one(q, local, pool, None, 9, sinks, "heavily_compressed_attention")
+    got = _native_attend_one(q, [local[:5], local[5:16], local[16:]], pool, None, 9, sinks,
+                             "heavily_compressed_attention")
     return got[0], _reference_attend(q[0], local, pool.data[:9], sinks)
 
 

@@ -357,21 +357,27 @@ int kv_moe_rows(const float *x, int64_t m, int64_t h, const float *router_w, int
 }
 
 /* ---- one decode query's attention ---------------------------------------------------------------
- * q [h, d] (already scaled), window keys [nw, d], compressed keys: the first n_comp rows of pool
- * (sel NULL) or pool rows sel[0..n_comp) (-1 = no entry, skipped), logical row i at physical row
- * phys[i] (a paged pool) or i (phys NULL); one softmax per head over the
- * window logits, the compressed logits and the sink logit (which has no value); K = V. */
-void kv_attend_one(const float *q, int64_t h, int64_t d, const float *keys_w, int64_t nw, const float *pool,
-                   const int64_t *phys, const int64_t *sel, int64_t n_comp, const float *sinks, float *out,
-                   float *scratch) {
+ * q [h, d] (already scaled); window keys: the rows of up to three runs, run r `wn[r]` contiguous
+ * [d] rows at `wk[r]` (the ring's rows, oldest first, then the new row: no copy into one buffer);
+ * compressed keys: the first n_comp rows of pool (sel NULL) or pool rows sel[0..n_comp) (-1 = no
+ * entry, skipped), logical row i at physical row phys[i] (a paged pool) or i (phys NULL); one
+ * softmax per head over the window logits, the compressed logits and the sink logit (which has no
+ * value); K = V. The window logits come in 1 x 4 tiles, each output still the one `dot`. */
+#define WINDOW_RUNS 3
+void kv_attend_one(const float *q, int64_t h, int64_t d, const float *w0, int64_t n0, const float *w1, int64_t n1,
+                   const float *w2, int64_t n2, const float *pool, const int64_t *phys, const int64_t *sel,
+                   int64_t n_comp, const float *sinks, float *out, float *scratch) {
+    const float *wk[WINDOW_RUNS] = {w0, w1, w2};
+    const int64_t wn[WINDOW_RUNS] = {n0, n1, n2};
+    const int64_t nw = n0 + n1 + n2;
     float *logit = scratch; /* nw + n_comp */
     for (int64_t hh = 0; hh < h; hh++) {
         const float *qh = q + hh * d;
         float mx = sinks[hh];
-        for (int64_t j = 0; j < nw; j++) {
-            logit[j] = dot(qh, keys_w + j * d, d);
+        for (int r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
+            matmul_cols(qh, d, wk[r], logit + at, 1, 1, 0, wn[r], d);
+        for (int64_t j = 0; j < nw; j++)
             if (logit[j] > mx) mx = logit[j];
-        }
         for (int64_t j = 0; j < n_comp; j++) {
             int64_t row = sel ? sel[j] : j;
             if (row < 0) { logit[nw + j] = -INFINITY; continue; }
@@ -383,11 +389,12 @@ void kv_attend_one(const float *q, int64_t h, int64_t d, const float *keys_w, in
         for (int64_t j = 0; j < nw + n_comp; j++) { logit[j] = expf(logit[j] - mx); z += logit[j]; }
         float *o = out + hh * d;
         memset(o, 0, sizeof(float) * (size_t)d);
-        for (int64_t j = 0; j < nw; j++) {
-            float p = logit[j] / z;
-            const float *kr = keys_w + j * d;
-            for (int64_t i = 0; i < d; i++) o[i] += p * kr[i];
-        }
+        for (int r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
+            for (int64_t j = 0; j < wn[r]; j++) {
+                float p = logit[at + j] / z;
+                const float *kr = wk[r] + j * d;
+                for (int64_t i = 0; i < d; i++) o[i] += p * kr[i];
+            }
         for (int64_t j = 0; j < n_comp; j++) {
             int64_t row = sel ? sel[j] : j;
             if (row < 0) continue;

@@ -52,7 +52,7 @@ _SIGNATURES = {
     "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
     "kv_matmul": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _I]),
     "kv_matmul_weights": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _I, _I, _I]),
-    "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
+    "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
     "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
     "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
     "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),

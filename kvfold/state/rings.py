@@ -30,6 +30,14 @@ class PositionRing:
             return self.store[a:b]
         return torch.cat([self.store[a:], self.store[:b]])  # wrapped: two views, one copy
 
+    def runs(self, start: int, end: int) -> list[torch.Tensor]:
+        """read(start, end) as its one or two runs of consecutive slots, oldest first, uncopied
+        (views in the plain dtype; decoded copies in FP8 mode)."""
+        if end <= start:
+            return []
+        a, b = start % self.rows, (end - 1) % self.rows + 1
+        return [self.store[a:b]] if a < b else [self.store[a:], self.store[:b]]
+
     def read_then(self, start: int, end: int, tail: torch.Tensor) -> torch.Tensor:
         """read(start, end) followed by the rows of `tail`, in one copy (attention's window keys:
         the ring's rows, then the chunk's own)."""

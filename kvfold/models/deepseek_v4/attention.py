@@ -203,16 +203,16 @@ class Attention(nn.Module):
             kv_seg = fp8_roundtrip(kv_seg, fp8_nope)
         # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
         prev_start = max(0, start - self.window + 1)
-        local = ls.window.read_then(prev_start, start, kv_seg)
         with scope("attention core"):
-            o = self._attend(take(rows["q"]), local, prev_start, start, ls, selected, take(rows["positions"]))
+            o = self._attend(take(rows["q"]), kv_seg, prev_start, start, ls, selected, take(rows["positions"]))
         ls.window.write(start, kv_seg)
         return o
 
-    def _attend(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, ls: LayerState,
+    def _attend(self, q: torch.Tensor, kv_seg: torch.Tensor, local_start: int, start: int, ls: LayerState,
                 selected: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        """Each of the T queries' softmax over its window band, its compressed entries and the
-        sink; a lone fp32 query (decode) runs as one native call of the same formula."""
+        """Each of the T queries' softmax over its window band (the ring's rows of positions
+        local_start..start-1, then the chunk's `kv_seg`), its compressed entries and the sink; a
+        lone fp32 query (decode) runs as one native call of the same formula, reading the ring in place."""
         t, h, d = q.shape
         f32 = torch.float32
         sinks = self.sinks if self.sinks.dtype == f32 else self.sinks.float()
@@ -221,17 +221,20 @@ class Attention(nn.Module):
         if self.kind == HCA:
             n_comp = (start + t) // self.ratio
         if self.simulate_kv:
+            local = ls.window.read_then(local_start, start, kv_seg)
             return self._attend_release(q, local, local_start, start, pool, selected, n_comp, sinks, positions)
         q = (q if q.dtype == f32 else q.float()) * d ** -0.5
-        if local.dtype != f32:
-            local = local.float()
         kernels = triton_ops.serving(q.device)  # off by default (triton_ops.py)
-        if kernels is not None:
-            return self._attend_triton(kernels, q, local, local_start, start, pool, selected, n_comp, sinks, positions)
-        if t == 1:
-            out = _native_attend_one(q, local, pool, selected, n_comp, sinks, self.kind)
+        if kernels is None and t == 1:
+            out = _native_attend_one(q, ls.window.runs(local_start, start) + [kv_seg], pool, selected, n_comp,
+                                     sinks, self.kind)
             if out is not None:
                 return out
+        local = ls.window.read_then(local_start, start, kv_seg)
+        if local.dtype != f32:
+            local = local.float()
+        if kernels is not None:
+            return self._attend_triton(kernels, q, local, local_start, start, pool, selected, n_comp, sinks, positions)
         per_query = h * (2 * self.window + n_comp) + (n_comp * d if self.kind == CSA else 0)
         # a block of B queries reads B + W - 1 window keys: B = W keeps the band at most 2x the
         # W keys each query needs (B = T would make prefill O(T^2))
@@ -338,11 +341,12 @@ class Attention(nn.Module):
         return out
 
 
-def _native_attend_one(q: torch.Tensor, local: torch.Tensor, pool, selected: torch.Tensor | None,
+def _native_attend_one(q: torch.Tensor, window: list[torch.Tensor], pool, selected: torch.Tensor | None,
                        n_comp: int, sinks: torch.Tensor, kind: str) -> torch.Tensor | None:
-    """`Attention._attend` of one query in one native call (fp32 CPU pools, private or paged), else None."""
-    lib = native.serving(q, local, sinks)
-    if lib is None:
+    """`Attention._attend` of one query in one native call (fp32 CPU keys and pools, private or
+    paged), else None. `window`: up to three runs of window keys, in position order."""
+    lib = native.serving(q, sinks, *window)
+    if lib is None or len(window) > 3:
         return None
     data = phys = sel = None
     if n_comp > 0:
@@ -355,10 +359,10 @@ def _native_attend_one(q: torch.Tensor, local: torch.Tensor, pool, selected: tor
             if sel.dtype != torch.int64 or not sel.is_contiguous():
                 return None
     _, h, d = q.shape
-    nw = local.shape[0]
+    runs = [(w.data_ptr(), w.shape[0]) for w in window] + [(None, 0)] * (3 - len(window))
     out = torch.empty(1, h, d, dtype=torch.float32)
-    scratch = torch.empty(nw + n_comp, dtype=torch.float32)
-    lib.kv_attend_one(q.data_ptr(), h, d, local.data_ptr(), nw, None if data is None else data.data_ptr(),
+    scratch = torch.empty(sum(n for _, n in runs) + n_comp, dtype=torch.float32)
+    lib.kv_attend_one(q.data_ptr(), h, d, *runs[0], *runs[1], *runs[2], None if data is None else data.data_ptr(),
                       None if phys is None else phys.data_ptr(), None if sel is None else sel.data_ptr(), n_comp,
                       sinks.data_ptr(), out.data_ptr(), scratch.data_ptr())
     return out
