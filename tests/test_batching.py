@@ -183,6 +183,25 @@ def test_fused_attention_halves_give_the_per_op_bits_in_batch_invariant_mode(inv
                 assert torch.equal(fused, per_op)
 
 
+def test_fused_attention_halves_follow_a_replaced_weight_or_submodule():
+    """The fused halves' cached descriptors point into the weights: a parameter or a submodule
+    replaced after a call is read, not the old one (NativeCache)."""
+    import kvfold
+    from torch import nn
+    from kvfold.layers.basic import Linear
+    model = kvfold.load_model("tiny-random")
+    attn = model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(9)
+    with invariant_rows(), torch.inference_mode():
+        before = attention_halves(model, 3)[1][0]
+        attn.q_a_proj.weight = nn.Parameter(torch.randn(attn.q_a_proj.weight.shape, generator=g))
+        kv = Linear(attn.kv_proj.weight.shape[1], attn.kv_proj.weight.shape[0], torch.float32)
+        kv.weight.copy_(torch.randn(kv.weight.shape, generator=g))
+        attn.kv_proj = kv
+        fused, per_op = attention_halves(model, 3)[1]
+    assert torch.equal(fused, per_op) and not torch.equal(fused, before)
+
+
 def feeds_and_states(model, lengths, feeds, seed):
     v = model.config.vocab_size
     prompts = [random_ids(n, v, seed=seed + n) for n in lengths]

@@ -21,7 +21,9 @@ class of the library is changed):
   `remove()` detaches them. The units (`MODULE_UNITS`, found by the model's attribute names,
   which mirror the checkpoint's tensor names, not by import paths):
     attention projections  each layer's `self_attn` (what of its forward is in no other unit:
-                           q/kv projections, rope, window ring, output projections);
+                           q/kv projections, rope, window ring, output projections; where
+                           they run fused in one native call (native_attention.py), the
+                           compressors' and the indexer's projections too);
     moe                    each layer's `mlp` (router, routed and shared experts);
     mhc                    each layer (`Block`: its own time is the mHC collapses / expands, the
                            block's few lines of glue and the dispatch of its four sub-units; its
@@ -34,8 +36,8 @@ class of the library is changed):
 * steps inside a module's forward, through the scopes the model marks them with
   (`kvfold.profiling.scope(name)`, a no-op while no profiler listens; `probes` listens with
   `profiling.listening(timer)`): attention core (each sequence's attention), compressors (the
-  compressors' and the indexer's projections and folds), indexer select (index queries and
-  top-k).
+  compressors' and the indexer's folds, and their projections where those run per op), indexer
+  select (top-k, and the index queries where they run per op).
 """
 from __future__ import annotations
 
