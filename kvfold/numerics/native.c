@@ -374,7 +374,7 @@ void kv_attend_one(const float *q, int64_t h, int64_t d, const float *w0, int64_
     for (int64_t hh = 0; hh < h; hh++) {
         const float *qh = q + hh * d;
         float mx = sinks[hh];
-        for (int r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
+        for (int64_t r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
             matmul_cols(qh, d, wk[r], logit + at, 1, 1, 0, wn[r], d);
         for (int64_t j = 0; j < nw; j++)
             if (logit[j] > mx) mx = logit[j];
@@ -389,7 +389,7 @@ void kv_attend_one(const float *q, int64_t h, int64_t d, const float *w0, int64_
         for (int64_t j = 0; j < nw + n_comp; j++) { logit[j] = expf(logit[j] - mx); z += logit[j]; }
         float *o = out + hh * d;
         memset(o, 0, sizeof(float) * (size_t)d);
-        for (int r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
+        for (int64_t r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
             for (int64_t j = 0; j < wn[r]; j++) {
                 float p = logit[at + j] / z;
                 const float *kr = wk[r] + j * d;

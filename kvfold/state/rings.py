@@ -23,12 +23,10 @@ class PositionRing:
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end), oldest first. Caller guarantees end - start <= rows."""
-        if end <= start:
-            return self.store[0:0]
-        a, b = start % self.rows, (end - 1) % self.rows + 1
-        if a < b:  # contiguous: a view, no copy (plain dtype)
-            return self.store[a:b]
-        return torch.cat([self.store[a:], self.store[:b]])  # wrapped: two views, one copy
+        parts = self.runs(start, end)
+        if len(parts) < 2:  # contiguous: a view, no copy (plain dtype)
+            return parts[0] if parts else self.store[0:0]
+        return torch.cat(parts)  # wrapped: two views, one copy
 
     def runs(self, start: int, end: int) -> list[torch.Tensor]:
         """read(start, end) as its one or two runs of consecutive slots, oldest first, uncopied

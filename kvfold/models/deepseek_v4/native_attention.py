@@ -18,8 +18,8 @@ import torch
 from ...layers.basic import QuantizedWeight, native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native
-from .config import CSA
 from ...numerics.weights_mm import WeightsDesc, describe, row_groups
+from .config import CSA
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _F32 = torch.float32
@@ -76,7 +76,8 @@ def _cached(attn, name: str, paths, build):
     return cache.get()
 
 
-def _compressor_proj(c, descs: list) -> tuple[_CompressorProj, list] | None:
+def _compressor_proj(c, descs: list) -> _CompressorProj | None:
+    """One compressor's projections (its descriptors appended to `descs`, which keeps them alive)."""
     kv, gate = _desc(_weight(c.kv_proj)), _desc(_weight(c.gate_proj))
     bias = c.position_bias
     if kv is None or gate is None or not native.fp32_cpu(bias) or c.entry_sim is not None:
