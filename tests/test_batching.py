@@ -202,6 +202,39 @@ def test_fused_attention_halves_follow_a_replaced_weight_or_submodule():
     assert torch.equal(fused, per_op) and not torch.equal(fused, before)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("on", [False, True])
+def test_a_decode_row_in_one_native_call_gives_the_per_op_bits_and_state(tiny, monkeypatch, paged, on):
+    """native_attention.h's one-call decode row (folds with emission, top-k, attention, window
+    write) against the per-op `_one_sequence`: the same logits at every step and the same state
+    bytes, through window and compressor ring wrap-around, emitted entries in private and paged
+    pools, and a rewind."""
+    from kvfold.models.deepseek_v4 import attention
+    from test_pages import fragmented_pool
+    fused = attention.sequence_row
+    used = []
+    v = tiny.config.vocab_size
+    prompt, steps = random_ids(37, v, seed=3), random_ids(90, v, seed=4)
+
+    def run(native_row: bool):
+        monkeypatch.setattr(attention, "sequence_row", (lambda *a: used.append(fused(*a)) or used[-1])
+                            if native_row else (lambda *a: None))
+        pool = fragmented_pool(tiny, 8) if paged else None
+        st = tiny.new_state(capacity=300, max_rewind=6, pages=pool)
+        logits = [tiny.forward(prompt, st)]
+        for i, tok in enumerate(steps):
+            logits.append(tiny.forward([tok], st))
+            if i == 60:
+                st.rewind_to(st.pos - 5)
+        return torch.cat(logits), st.snapshot()
+
+    with batch_invariance(tiny, on):
+        native_logits, native_blob = run(True)
+        per_op_logits, per_op_blob = run(False)
+    assert used and all(o is not None for o in used)  # every decode row took the native call
+    assert torch.equal(native_logits, per_op_logits) and native_blob == per_op_blob
+
+
 def feeds_and_states(model, lengths, feeds, seed):
     v = model.config.vocab_size
     prompts = [random_ids(n, v, seed=seed + n) for n in lengths]

@@ -425,6 +425,31 @@ def _case_attn_output(g):
         return output_rows(attn, o, cos, sin), torch_path(per_op, o)
 
 
+def _case_attn_sequence_one(g):
+    """A CSA layer's decode row at a position that closes a compressor window: the one native call
+    against the per-op torch path on a copy of the same state."""
+    import kvfold
+    from kvfold.layers.rows import RowBatch, Segment
+    from kvfold.models.deepseek_v4.native_attention import sequence_row
+    model = kvfold.load_model("tiny-random")
+    model.set_batch_invariant(False)
+    ids = torch.randint(0, model.config.vocab_size, (63,), generator=g).tolist()
+    with torch.inference_mode():
+        st = model.new_state(capacity=128)
+        model.forward(ids, st)  # position 63 closes window 15 (ratio 4)
+        twin = model.new_state(capacity=128)
+        twin.restore(st.snapshot())
+        attn = model.model.layers[1].self_attn
+        x = torch.randn(1, model.config.hidden_size, generator=g)
+        positions = torch.tensor([63])
+        cos, sin = model.rope_compress.cos_sin(positions)
+        rows = attn._project(x, RowBatch(torch.zeros(1, dtype=torch.long), positions, [Segment(0, 1, 63, st)]),
+                             cos, sin)
+        got = sequence_row(attn, st.layers[1], 63, rows, lambda a: a, model.rope_compress)
+        want = torch_path(attn._one_sequence, Segment(0, 1, 63, twin), lambda a: a, rows, model.rope_compress)
+    return got, want
+
+
 NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
@@ -432,6 +457,7 @@ NATIVE_CASES = {
     "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
     "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,
+    "kv_attn_sequence_one": _case_attn_sequence_one,
 }
 
 

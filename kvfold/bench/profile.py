@@ -35,9 +35,10 @@ class of the library is changed):
   that outside the unit's own hooks counts in the unit that called it.
 * steps inside a module's forward, through the scopes the model marks them with
   (`kvfold.profiling.scope(name)`, a no-op while no profiler listens; `probes` listens with
-  `profiling.listening(timer)`): attention core (each sequence's attention), compressors (the
-  compressors' and the indexer's folds, and their projections where those run per op), indexer
-  select (top-k, and the index queries where they run per op).
+  `profiling.listening(timer)`): attention core (each sequence's attention; a decode row that
+  runs in one native call, native_attention.py's `sequence_row`, counts its folds and top-k here
+  too), compressors (the compressors' and the indexer's folds, and their projections, where
+  those run per op), indexer select (top-k, and the index queries, where they run per op).
 """
 from __future__ import annotations
 

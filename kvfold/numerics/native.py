@@ -57,6 +57,7 @@ _SIGNATURES = {
     "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
     "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "kv_attn_output": (ctypes.c_int, [_P, _P, _I, _P, _P, _P]),
+    "kv_attn_sequence_one": (ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
 }
 
 _lock = threading.Lock()

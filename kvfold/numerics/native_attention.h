@@ -113,4 +113,101 @@ int kv_attn_output(const attn_output_layer *L, const float *o, int64_t m, const 
     return rc ? -1 : 0;
 }
 
+/* ---- one sequence's decode row: folds, selection, attention, window write -------------------------
+ * Attention._one_sequence for a single row at position `start`, on fp32 state held as plain rows:
+ * the same kernels in the same order (kv_pool_windows, kv_rms_norm, kv_rope, kv_index_topk_one,
+ * kv_attend_one) and the same row copies, so the state and the output get the per-op path's bits. */
+typedef struct {
+    float *kv, *score;    /* position rings [rows, cols]: position p at row p mod rows */
+    int64_t rows, cols, ratio, overlap;
+    float *pool;          /* entries [*, width]: entry w at row phys[w] (phys NULL: row w) */
+    const int64_t *phys;
+    int64_t width;
+    const float *norm;    /* the entry norm's weight */
+    double eps;
+} fold_state;
+
+typedef struct {
+    float *window;        /* the window ring [window_rows, head_dim] */
+    int64_t window_rows, window_len, heads, head_dim, half, topk;
+    int64_t kind;         /* 0 sliding, 1 CSA, 2 HCA */
+    double q_scale;
+    const float *sinks;
+    fold_state comp, index;
+    int64_t index_heads, index_dim;
+} sequence_layer;
+
+/* The compressor's step for the row (kv, score) at position p: when p closes window w, pool its
+ * slots (the rows of positions from w*r, or w*r - r with overlap, to p; positions before 0 are
+ * kv 0, score -inf), norm, rotate by (cs, sn) and write entry w; then write the row to the rings. */
+static int fold_one(const fold_state *F, int64_t p, const float *kv, const float *score, const float *cs,
+                    const float *sn, int64_t half) {
+    int64_t r = F->ratio, cols = F->cols;
+    if ((p + 1) % r == 0) {
+        int64_t w = p / r, base = w * r - (F->overlap ? r : 0), n = p + 1 - base;
+        float *rows_kv = malloc(sizeof(float) * (size_t)(2 * n * cols + F->width));
+        if (!rows_kv) return -1;
+        float *rows_sc = rows_kv + n * cols, *entry = rows_sc + n * cols;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t q = base + i;
+            float *dk = rows_kv + i * cols, *ds = rows_sc + i * cols;
+            if (q < 0) {
+                for (int64_t j = 0; j < cols; j++) { dk[j] = 0.0f; ds[j] = -INFINITY; }
+            } else {
+                const float *sk = q == p ? kv : F->kv + (q % F->rows) * cols;
+                const float *ss = q == p ? score : F->score + (q % F->rows) * cols;
+                memcpy(dk, sk, sizeof(float) * (size_t)cols);
+                memcpy(ds, ss, sizeof(float) * (size_t)cols);
+            }
+        }
+        int rc = kv_pool_windows(rows_kv, rows_sc, 1, r, cols, (int)F->overlap, entry);
+        if (rc == 0) {
+            kv_rms_norm(entry, F->norm, entry, 1, F->width, F->eps);
+            float *dst = F->pool + (F->phys ? F->phys[w] : w) * F->width;
+            kv_rope(entry, cs, sn, dst, 1, 1, F->width, half, 0);
+        }
+        free(rows_kv);
+        if (rc != 0) return -1;
+    }
+    memcpy(F->kv + (p % F->rows) * cols, kv, sizeof(float) * (size_t)cols);
+    memcpy(F->score + (p % F->rows) * cols, score, sizeof(float) * (size_t)cols);
+    return 0;
+}
+
+/* The row at position `start`: q [heads, head_dim] (unscaled), kv [head_dim]; comp_* and index_*
+ * the compressor's and the indexer's rows, index_q [IH, Id] and index_w [IH]; (cs, sn) the rope of
+ * the entry a closing window emits (NULL when none closes). Writes out [heads, head_dim].
+ * Returns 0, or -1 when a buffer cannot be allocated (then the state may be part-written: the
+ * caller's refusals all come before this call). */
+int kv_attn_sequence_one(const sequence_layer *S, int64_t start, const float *q, const float *kv,
+                         const float *comp_kv, const float *comp_score, const float *index_kv,
+                         const float *index_score, const float *index_q, const float *index_w, const float *cs,
+                         const float *sn, float *out) {
+    int64_t d = S->head_dim, hd = S->heads * d, n_comp = 0;
+    const fold_state *C = S->kind ? &S->comp : NULL;
+    if (C && fold_one(C, start, comp_kv, comp_score, cs, sn, S->half) != 0) return -1;
+    if (S->kind == 1 && fold_one(&S->index, start, index_kv, index_score, cs, sn, S->half) != 0) return -1;
+    int64_t n_entries = C ? (start + 1) / C->ratio : 0;
+    int64_t k = S->kind == 1 ? (S->topk < n_entries ? S->topk : n_entries) : n_entries;
+    int64_t prev = start - S->window_len + 1 > 0 ? start - S->window_len + 1 : 0, n_ring = start - prev;
+    float *qs = malloc(sizeof(float) * (size_t)(hd + n_ring + 1 + 2 * n_entries + 1));
+    int64_t *sel = malloc(sizeof(int64_t) * (size_t)(k + 1));
+    if (!qs || !sel) { free(qs); free(sel); return -1; }
+    float *scratch = qs + hd;
+    if (S->kind == 1 && k > 0)
+        kv_index_topk_one(index_q, index_w, S->index_heads, S->index_dim, S->index.pool, S->index.phys, n_entries,
+                          k, sel, scratch);
+    if (S->kind) n_comp = k;
+    float scale = (float)S->q_scale; /* torch scales an fp32 tensor by a Python float in fp32 */
+    for (int64_t i = 0; i < hd; i++) qs[i] = q[i] * scale;
+    int64_t a = prev % S->window_rows, first = n_ring < S->window_rows - a ? n_ring : S->window_rows - a;
+    kv_attend_one(qs, S->heads, d, S->window + a * d, first, S->window, n_ring - first, kv, 1,
+                  C ? C->pool : NULL, C ? C->phys : NULL, S->kind == 1 ? sel : NULL, n_comp, S->sinks, out,
+                  scratch);
+    memcpy(S->window + (start % S->window_rows) * d, kv, sizeof(float) * (size_t)d);
+    free(qs);
+    free(sel);
+    return 0;
+}
+
 #endif

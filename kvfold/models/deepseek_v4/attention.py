@@ -25,7 +25,7 @@ from ...state.kv_rows import fp8_roundtrip, plain_rows
 from ...layers.basic import Linear, Norm, QuantizedWeight, _param, reads_as_stored
 from .compressor import Compressor, simulate_kv_fp8
 from .indexer import Indexer
-from .native_attention import output_rows, project_rows
+from .native_attention import output_rows, project_rows, sequence_row
 from ...layers.rows import RowBatch
 
 _ATTN_BUDGET = 1 << 24  # floats of logits + gathered keys per query block
@@ -186,6 +186,11 @@ class Attention(nn.Module):
         """One sequence: fold its compressors, select, attend to its own state, write its window."""
         ls: LayerState = seg.state.layers[self.layer_idx]
         start = seg.start
+        if seg.length == 1 and triton_ops.serving(rows["q"].device) is None:
+            with scope("attention core"):  # a decode row: all of it in one native call where the state allows
+                o = sequence_row(self, ls, start, rows, take, rope)
+            if o is not None:
+                return o
         selected = None
         if self.compressor is not None:
             with scope("compressors"):

@@ -19,7 +19,8 @@ from ...layers.basic import QuantizedWeight, native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native
 from ...numerics.weights_mm import WeightsDesc, describe, row_groups
-from .config import CSA
+from ...state.kv_rows import plain_rows
+from .config import CSA, HCA, SLIDING
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _F32 = torch.float32
@@ -190,4 +191,84 @@ def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     if lib.kv_attn_output(ctypes.addressof(layer), o.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
                           out.data_ptr()) != 0:
         raise MemoryError("native attention output could not allocate its buffers")
+    return out
+
+
+class _FoldState(ctypes.Structure):
+    _fields_ = [("kv", _P), ("score", _P), ("rows", _I), ("cols", _I), ("ratio", _I), ("overlap", _I),
+                ("pool", _P), ("phys", _P), ("width", _I), ("norm", _P), ("eps", _D)]
+
+
+class _SequenceLayer(ctypes.Structure):
+    """native_attention.h's sequence_layer, field for field."""
+    _fields_ = [("window", _P), ("window_rows", _I), ("window_len", _I), ("heads", _I), ("head_dim", _I),
+                ("half", _I), ("topk", _I), ("kind", _I), ("q_scale", _D), ("sinks", _P),
+                ("comp", _FoldState), ("index", _FoldState), ("index_heads", _I), ("index_dim", _I)]
+
+
+_KINDS = {SLIDING: 0, CSA: 1, HCA: 2}
+
+
+def _ring(ring) -> torch.Tensor | None:
+    """A position ring's fp32 rows, or None (FP8 rows)."""
+    store = ring.store
+    return store.data if store.fp8_nope is None and native.fp32_cpu(store.data) else None
+
+
+def _fold_state(comp, st, w: int | None) -> _FoldState | None:
+    """One compressor's rings and pool for native.c, or None where they are not plain fp32 rows.
+    With `w` (the entry this row emits), a shared page under it refuses here, before any write."""
+    kv, score, pool = _ring(st.kv), _ring(st.score), plain_rows(st.pool)
+    norm = comp.kv_norm.weight
+    if kv is None or score is None or pool is None or comp.entry_sim is not None or not native.fp32_cpu(norm):
+        return None
+    data, phys = pool
+    if w is not None and phys is not None:
+        st.pool.check_writable(w, w + 1)
+    return _FoldState(kv.data_ptr(), score.data_ptr(), st.kv.rows, kv.shape[1], st.ratio, int(st.overlap),
+                      data.data_ptr(), None if phys is None else phys.data_ptr(), data.shape[1], norm.data_ptr(),
+                      comp.kv_norm.eps)
+
+
+def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor | None:
+    """`Attention._one_sequence` for one decode row in one native call (folds, selection,
+    attention, window write; native_attention.h), or None where its state or numerics are not
+    what the kernel reads (then nothing has been written)."""
+    if attn.simulate_kv or attn.sinks.dtype is not _F32:
+        return None
+    q, kv = take(rows["q"]), take(rows["kv"])
+    window = _ring(ls.window)
+    lib = native.serving(q, kv, attn.sinks)
+    if lib is None or window is None:
+        return None
+    c = attn.compressor
+    emits = c is not None and (start + 1) % c.ratio == 0
+    w = start // c.ratio if emits else None
+    layer = _SequenceLayer(window.data_ptr(), ls.window.rows, attn.window, attn.n_heads, attn.head_dim,
+                           attn.rope_dim // 2, 0, _KINDS[attn.kind], attn.head_dim ** -0.5, attn.sinks.data_ptr())
+    parts = [q, kv]
+    if c is not None:
+        comp = _fold_state(c, ls.compressor, w)
+        if comp is None:
+            return None
+        layer.comp = comp
+        parts += [take(rows["comp"][0]), take(rows["comp"][1])]
+        if attn.kind == CSA:
+            ix = c.indexer
+            index = _fold_state(ix, ls.indexer, w)
+            if index is None:
+                return None
+            layer.index, layer.topk, layer.index_heads, layer.index_dim = index, ix.topk, ix.n_heads, ix.head_dim
+            parts += [take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), take(rows["idx_q"][0]),
+                      take(rows["idx_q"][1])]
+    if not native.fp32_cpu(*parts):
+        return None
+    cos = sin = None
+    if emits:
+        cos, sin = rope.cos_sin(torch.tensor([w * c.ratio]))
+    ptrs = [t.data_ptr() for t in parts] + [None] * (8 - len(parts))
+    out = torch.empty(1, attn.n_heads, attn.head_dim, dtype=_F32)
+    if lib.kv_attn_sequence_one(ctypes.addressof(layer), start, *ptrs, None if cos is None else cos.data_ptr(),
+                                None if sin is None else sin.data_ptr(), out.data_ptr()) != 0:
+        raise MemoryError("native decode attention could not allocate its buffers")
     return out
