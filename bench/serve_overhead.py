@@ -15,7 +15,6 @@ speeds (in-process ms per token / HTTP ms per token: 1.0 means HTTP adds nothing
 import argparse
 import asyncio
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import torch
 
 import kvfold
 from kvfold.bench.serve import make_prompts, percentile, run_load
+from kvfold.bench.spawn import child_env
 from kvfold.decoding.generate import generate
 
 
@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 def start_server(port: int, threads: int, invariant: bool) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = child_env(threads)
     cmd = [sys.executable, "-m", "kvfold", "serve", "--model", "tiny", "--port", str(port)]
     if not invariant:
         cmd.append("--no-batch-invariant")

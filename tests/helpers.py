@@ -65,3 +65,11 @@ def fp32_paths_bound(logits: torch.Tensor, n_layers: int, dtype: torch.dtype = t
     over 60 sequences, within the 16 this allows. `dtype`: paths that round every op's output to
     a narrower dtype (bf16) instead; the same first-order argument with that dtype's eps."""
     return 2 * 8 * n_layers * torch.finfo(dtype).eps * logits.abs().max().item()
+
+
+def flat_rows(rows: dict):
+    """Attention._project's rows (tensors and pairs of tensors by name; "positions" aside) as one
+    flat tensor, in name order: two such dicts compare with one torch.equal."""
+    import torch
+    return torch.cat([t.flatten() for k in sorted(rows) if k != "positions"
+                      for t in (rows[k] if isinstance(rows[k], tuple) else (rows[k],))])

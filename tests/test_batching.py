@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import random_ids
+from helpers import flat_rows, random_ids
 from kvfold.errors import CapacityError, ConfigError
 from kvfold.numerics.rows import invariant_mm, invariant_rows, row_mm, swiglu
 
@@ -154,8 +154,6 @@ def attention_halves(model, n_rows: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_rows, model.config.hidden_size, generator=g)
     positions = torch.randint(0, 5000, (n_rows,), generator=g)
-    flat = lambda rows: torch.cat([t.flatten() for k in sorted(rows) if k != "positions"  # noqa: E731
-                                   for t in (rows[k] if isinstance(rows[k], tuple) else (rows[k],))])
     pairs = []
     for layer in model.model.layers:
         attn = layer.self_attn
@@ -168,8 +166,8 @@ def attention_halves(model, n_rows: int, seed: int = 0):
         assert fused is not None and set(fused) == set(per_op)
         rotated = apply_rope(o, cos, sin, inverse=True)
         y = attn.o_b_proj(attn.o_a_proj(rotated.reshape(n_rows, attn.o_groups, -1)))
-        pairs.append((torch.cat([flat(fused), output_rows(attn, o, cos, sin).flatten()]),
-                      torch.cat([flat(per_op), y.flatten()])))
+        pairs.append((torch.cat([flat_rows(fused), output_rows(attn, o, cos, sin).flatten()]),
+                      torch.cat([flat_rows(per_op), y.flatten()])))
     return pairs
 
 

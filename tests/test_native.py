@@ -401,6 +401,7 @@ def _tiny_attention(seed):
 
 def _case_attn_project(g):
     from kvfold.layers.rows import RowBatch, Segment
+    from helpers import flat_rows
     from kvfold.models.deepseek_v4.native_attention import project_rows
     attn, cfg, positions, cos, sin = _tiny_attention(5)
     x = torch.randn(7, cfg.hidden_size, generator=g)
@@ -408,9 +409,7 @@ def _case_attn_project(g):
     with torch.inference_mode():
         got, want = project_rows(attn, x, positions, cos, sin), torch_path(attn._project, x, batch, cos, sin)
     assert set(got) == set(want)
-    flat = lambda rows: torch.cat([t.flatten() for k in sorted(rows) if k != "positions"  # noqa: E731
-                                   for t in (rows[k] if isinstance(rows[k], tuple) else (rows[k],))])
-    return flat(got), flat(want)
+    return flat_rows(got), flat_rows(want)
 
 
 def _case_attn_output(g):

@@ -25,7 +25,7 @@ from . import configs as C
 from . import llamacpp as LL
 from .deps import require
 from .report import OOM, SKIP_TIME, _GIB, format_report, summarize
-from .spawn import _cell_message, _cell_record, _child_env, _cpu_pressure_us, _mem_available, run_subprocess_cell
+from .spawn import _cell_message, _cell_record, child_env, _cpu_pressure_us, _mem_available, run_subprocess_cell
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
 from ..errors import KvfoldError
 
@@ -378,7 +378,7 @@ def _llama_cell(args: argparse.Namespace, llama: _Llama, ctx: int, mem_limit: Ca
     """One llama.cpp cell: (its record, SKIP_TIME / OOM if either of its runs hit a limit, else None)."""
     log(f"{LL.ENGINE} @ {ctx}: running llama-bench (limit {args.time_limit:g} s)")
     rec = LL.run_cell(llama.found, llama.gguf.path, ctx, decode_tokens=args.decode_tokens, threads=args.threads,
-                      time_limit=args.time_limit, mem_limit_bytes=mem_limit(), env=_child_env(args.threads),
+                      time_limit=args.time_limit, mem_limit_bytes=mem_limit(), env=child_env(args.threads),
                       pressure=_cpu_pressure_us, extra=llama.extra)
     hit = next((s for s in (rec.get("prefill_status"), rec.get("decode_status")) if s in (SKIP_TIME, OOM)), None)
     return rec, hit

@@ -41,7 +41,8 @@ def _cpu_pressure_us() -> int | None:
     return None
 
 
-def _child_env(threads: int) -> dict[str, str]:
+def child_env(threads: int) -> dict[str, str]:
+    """The environment of a bench subprocess: this kvfold first on the path, `threads` threads per library."""
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parents[2])  # the directory holding `kvfold/`
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -125,7 +126,7 @@ def run_subprocess_cell(mode: str, *, checkpoint: str | None = None, context: in
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     psi0 = _cpu_pressure_us()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_child_env(threads), start_new_session=True)
+                            env=child_env(threads), start_new_session=True)
     out, err, timed_out = _communicate(proc, time_limit)
     wall = time.perf_counter() - t0
     psi1 = _cpu_pressure_us()

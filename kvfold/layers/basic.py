@@ -191,6 +191,12 @@ def native_weights(w: torch.Tensor | QuantizedWeight, params: tuple = (torch.bfl
     return hit[1]
 
 
+def fp32_native_weights(w: torch.Tensor | QuantizedWeight | None):
+    """`native_weights` of a weight the fp32 kernels read (an fp32 parameter, or an FP8 / FP4
+    weight of an fp32 model), else None."""
+    return native_weights(w, params=(torch.float32,)) if w is not None and w.dtype == torch.float32 else None
+
+
 class Linear(nn.Module):
     """y = x W^T with no bias. The input is cast to the weight dtype (fp32 weights compute in fp32).
     `weight` is a float parameter or a `QuantizedWeight` (read as stored or decoded per matmul:

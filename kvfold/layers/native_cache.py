@@ -36,7 +36,7 @@ class NativeCache:
 
     def __init__(self, root: nn.Module, paths: list[str], build: Callable[[], object]):
         self.root, self.paths, self.build = root, paths, build
-        self._resolve()
+        self.checks = None  # resolved, built and snapshotted on the first get()
 
     def _resolve(self) -> None:
         try:

@@ -41,12 +41,7 @@ class PositionRing:
         the ring's rows, then the chunk's own)."""
         if tail.dtype != self.store.dtype:
             tail = tail.to(self.store.dtype)
-        if end <= start:
-            return tail
-        a, b = start % self.rows, (end - 1) % self.rows + 1
-        if a < b:
-            return torch.cat([self.store[a:b], tail])
-        return torch.cat([self.store[a:], self.store[:b], tail])
+        return torch.cat([*self.runs(start, end), tail]) if end > start else tail
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Write rows for positions [start, start + len(rows)); only the last `self.rows` land."""

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...layers.basic import _param, native_weights
+from ...layers.basic import _param, fp32_native_weights
 from ...layers.native_cache import NativeCache
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
@@ -121,9 +121,7 @@ def _native_weights(moe: MoE) -> tuple | None:
     lins = () if sh is None else (sh.gate_proj, sh.up_proj, sh.down_proj)
     if any(lin.act_quant for lin in lins):
         return None
-    # the kernel computes in fp32: fp32 parameters, or FP8 / FP4 weights of an fp32 model
-    descs = [native_weights(w, params=(torch.float32,)) if w.dtype == torch.float32 else None
-             for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
+    descs = [fp32_native_weights(w) for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
     if any(d is None for d in descs):
         return None
     return (gate.weight, table, *descs, *([None] * (5 - len(descs))))

@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from ...layers.basic import QuantizedWeight, native_weights, reads_as_stored
+from ...layers.basic import QuantizedWeight, fp32_native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native
 from ...numerics.weights_mm import WeightsDesc, describe, row_groups
@@ -51,10 +51,8 @@ def _weight(module):
 
 
 def _desc(w) -> WeightsDesc | None:
-    """native.c's descriptor of an fp32-computing weight, or None."""
-    if w is None or w.dtype is not _F32:
-        return None
-    found = native_weights(w, params=(_F32,))
+    """native.c's descriptor of a weight the fp32 kernels read, or None."""
+    found = fp32_native_weights(w)
     return None if found is None else found[0]
 
 
