@@ -108,6 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="store every weight dequantized, in --dtype")
     c.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
                    help="dtype of dequantized weights (default bfloat16); other tensors keep their stored dtype")
+    c.add_argument("--floats", choices=sorted(_DTYPES), default=None,
+                   help="write the unquantized float *.weight tensors (embedding, lm_head, norms, compressors, "
+                        "router) in this dtype, as the release stores them in bfloat16 (default: as stored)")
     c.add_argument("--shard-size-gib", type=float, default=4.0, help="maximum shard size (default 4 GiB)")
     return parser
 
@@ -275,7 +278,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from .models.deepseek_v4.convert import convert
 
     out = convert(args.src, args.dst, args.to, quantize=args.quantize, dtype=_DTYPES[args.dtype],
-                  max_shard_bytes=int(args.shard_size_gib * (1 << 30)))
+                  floats=_DTYPES[args.floats] if args.floats else None, max_shard_bytes=int(args.shard_size_gib * (1 << 30)))
     print(f"[kvfold] wrote {out}", file=sys.stderr)
     return 0
 
@@ -285,23 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Generated text may contain characters the terminal encoding lacks; never crash on them.
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")
+    clean = False
     try:
-        if args.command == "generate":
-            return _cmd_generate(args)
-        if args.command == "convert":
-            return _cmd_convert(args)
-        if args.command == "eval-ppl":
-            return _cmd_eval_ppl(args)
-        if args.command == "bench":
-            from .bench import run_bench
-            return run_bench(args)
-        if args.command == "plan":
-            from .plan import run_plan
-            return run_plan(args)
-        if args.command == "serve":
-            from .server import run_serve
-            return run_serve(args)
-        return _cmd_inspect(args)
+        rc = _dispatch(args)
+        clean = True
+        return rc
     except KvfoldError as exc:
         sys.stdout.flush()
         print(f"error: {exc}", file=sys.stderr)
@@ -309,6 +300,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stdout.write("\n")
         return 130
+    finally:
+        if getattr(args, "tp", 1) > 1:  # a torchrun rank: leave its group before the process exits
+            from .parallel.group import leave_group
+            leave_group(clean)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return _cmd_generate(args)
+    if args.command == "convert":
+        return _cmd_convert(args)
+    if args.command == "eval-ppl":
+        return _cmd_eval_ppl(args)
+    if args.command == "bench":
+        from .bench import run_bench
+        return run_bench(args)
+    if args.command == "plan":
+        from .plan import run_plan
+        return run_plan(args)
+    if args.command == "serve":
+        from .server import run_serve
+        return run_serve(args)
+    return _cmd_inspect(args)
 
 
 if __name__ == "__main__":

@@ -144,3 +144,21 @@ def join_group(size: int, device: str) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=default_timeout())
+
+
+def leave_group(clean: bool = True) -> None:
+    """Leave the process group `join_group` joined, if any, before the process exits: a gloo group
+    still alive at interpreter exit can abort the process ("terminate called without an active
+    exception") while its peer closes its side. After a clean run the ranks first meet at a
+    barrier, so none tears down its connections while another still uses them (a peer that has
+    already gone, as after a Ctrl-C that reached every rank, fails the barrier, which is then
+    skipped); after an error the group is destroyed at once."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if clean:
+        try:
+            dist.barrier()
+        except RuntimeError:  # gloo's DistBackendError: the peer closed its side first
+            pass
+    dist.destroy_process_group()

@@ -112,8 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         join_group(args.tp, args.device)
         if dist.get_rank() != 0:  # a follower: no HTTP, the same engine steps as rank 0's
             build_engine(args).follow()
-            dist.destroy_process_group()
-            return 0
+            return 0  # the group is left by kvfold.cli.main, as on rank 0
     app = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
