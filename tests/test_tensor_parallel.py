@@ -54,8 +54,10 @@ def _worker(rank: int, size: int, ckpt: str, out: str, mode: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=size,
                             timeout=timedelta(seconds=HANG_TIMEOUT_S if mode == "hang" else 60))
     try:
+        if mode == "die":  # both ends of the mesh connected first: else rank 0's own join may fail instead
+            dist.barrier()
         if mode == "die" and rank == 1:
-            os._exit(3)  # a rank that dies before the first collective
+            os._exit(3)  # a rank that dies before the model's first collective
         if mode == "hang" and rank == 1:
             import time
             time.sleep(TIMEOUT_S)  # a rank that hangs: alive, never joining the collective
