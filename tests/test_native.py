@@ -348,6 +348,36 @@ def _case_swiglu(g):
     return got, swiglu(gate, up, 4.0)
 
 
+def _case_unary(g):
+    from kvfold.numerics.rows import invariant_rows, unary
+    x = torch.randn(7, 45, generator=g) * 12  # past softplus's linear threshold of 20 too
+    with invariant_rows():
+        got = torch.stack([unary(op, x) for op in ("sigmoid", "silu", "softplus")])
+    return got, torch.stack([unary(op, x) for op in ("sigmoid", "silu", "softplus")])
+
+
+def _case_l2norm(g):
+    from kvfold.numerics.rows import invariant_rows, l2norm
+    x = torch.randn(5, 3, 37, generator=g)
+    with invariant_rows():
+        got = l2norm(x)
+    return got, l2norm(x)
+
+
+def test_invariant_elementwise_rows_do_not_move_with_the_call_length():
+    """A row's sigmoid / silu / softplus / L2 norm is the same bits whether 1 or 40 rows share the
+    call, at any offset: native.c computes each element on its own (where a vectorised loop's
+    tail, which moves with the call's length, would take other code)."""
+    from kvfold.numerics.rows import invariant_rows, l2norm, unary
+    x = torch.randn(40, 48, generator=torch.Generator().manual_seed(3)) * 6
+    fns = [lambda a, op=op: unary(op, a) for op in ("sigmoid", "silu", "softplus")] + [l2norm]
+    with invariant_rows():
+        for fn in fns:
+            alone = torch.cat([fn(x[i:i + 1]) for i in range(40)])
+            for t in (3, 7, 40):
+                assert torch.equal(torch.cat([fn(x[a:a + t]) for a in range(0, 40, t)]), alone)
+
+
 def _case_matmul(g):
     from kvfold.numerics.rows import invariant_mm
     x, w = torch.randn(13, 70, generator=g), torch.randn(9, 70, generator=g)
@@ -453,6 +483,7 @@ NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
     "kv_moe_rows": _case_moe_rows, "kv_route": _case_route, "kv_swiglu": _case_swiglu, "kv_matmul": _case_matmul,
+    "kv_unary": _case_unary, "kv_l2norm": _case_l2norm,
     "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
     "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,

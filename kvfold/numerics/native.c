@@ -285,6 +285,27 @@ void kv_swiglu(const float *gate, const float *up, int64_t ld, float *out, int64
     for (int64_t r = 0; r < rows; r++) swiglu(gate + r * ld, up + r * ld, out + r * n, n, limit);
 }
 
+/* out[i] = f(x[i]) for the elementwise functions of batch-invariant rows (numerics/rows.py):
+ * each element on its own with scalar libm, so a value does not depend on its place in the call
+ * (a vectorised loop computes its tail with other code than its body). */
+enum { KV_SIGMOID = 0, KV_SILU = 1, KV_SOFTPLUS = 2 };
+void kv_unary(const float *x, float *out, int64_t n, int64_t op) {
+    for (int64_t i = 0; i < n; i++) {
+        float z = x[i];
+        out[i] = op == KV_SIGMOID ? 1.0f / (1.0f + expf(-z))
+               : op == KV_SILU    ? silu_f(z)
+               : z > 20.0f        ? z : log1pf(expf(z)); /* softplus, linear past 20 as torch's */
+    }
+}
+
+/* out = x / sqrt(sum(x^2) + eps) per row of d (L2 normalisation; the sum is sum_squares' fixed order) */
+void kv_l2norm(const float *x, float *out, int64_t rows, int64_t d, double eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float den = (float)sqrt(sum_squares(x + r * d, d) + eps);
+        for (int64_t i = 0; i < d; i++) out[r * d + i] = x[r * d + i] / den;
+    }
+}
+
 /* One MoE layer's weights and routing, as kv_moe_rows receives them. */
 typedef struct {
     int64_t h, e, k, n_group, topk_group, inter, shared_inter;

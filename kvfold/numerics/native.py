@@ -50,6 +50,8 @@ _SIGNATURES = {
                                    _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _I, _P]),
     "kv_route": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int, _P, _P]),
     "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
+    "kv_unary": (None, [_P, _P, _I, _I]),
+    "kv_l2norm": (None, [_P, _P, _I, _I, _D]),
     "kv_matmul": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _I]),
     "kv_matmul_weights": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _I, _I, _I]),
     "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),

@@ -11,8 +11,9 @@ fixes:
   * `row_mm` (projections, experts, router, lm_head, the grouped output projection): every
     output is native.c's one `dot`, a fixed sequence of roundings that depends on K only, not
     on the row count, the row's place in its tile, the thread count or the vector width;
-  * `row_swiglu` and `route_rows` (the MoE's activations and routing): each row on its own,
-    transcendental functions as scalar libm calls;
+  * `row_swiglu` and `route_rows` (the MoE's activations and routing), `unary` and `l2norm`
+    (KDA's gates and normalisation): each row on its own, transcendental functions as scalar
+    libm calls;
   * RMSNorm, rope and the mHC collapse, head and expand are native per-row kernels already.
 The MoE combines its experts with elementwise IEEE adds and multiplies in ascending expert
 order, which are exact whatever kernel runs them. What runs per sequence (compressor folds,
@@ -36,6 +37,7 @@ from ..errors import ConfigError
 from . import native
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
+_FIXED_MM: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_fixed_order_matmuls", default=False)
 _F32 = torch.float32
 _SERIAL_MACS = 1 << 17  # below this a matmul runs on one thread (the thread count changes no bits)
 
@@ -53,6 +55,27 @@ def invariant_rows(on: bool = True):
 def rows_invariant() -> bool:
     """Whether the current model call runs in batch-invariant mode (inside `invariant_rows()`)."""
     return _ON.get()
+
+
+@contextlib.contextmanager
+def fixed_order_matmuls(on: bool = True):
+    """Within: every weight matmul takes native.c's fixed-order dot (fp32 accumulation, whatever
+    the row count), and `unary`'s functions of fp32 rows native.c's scalar code; the rest of the
+    arithmetic is unchanged. Reference numerics (bf16) runs in it, so that decode and any chunking
+    of a prefill see the same bits: torch's GEMMs pick other kernels, with other accumulation
+    orders, by row count and instruction set (AMX, AVX512-BF16), and its vectorised elementwise
+    loops compute a call's tail with other code than its body."""
+    token = _FIXED_MM.set(bool(on) and native.library() is not None)
+    try:
+        yield
+    finally:
+        _FIXED_MM.reset(token)
+
+
+def matmuls_fixed() -> bool:
+    """Whether every weight matmul takes the fixed-order native dot (batch-invariant mode, or
+    inside `fixed_order_matmuls()`)."""
+    return _ON.get() or _FIXED_MM.get()
 
 
 def invariance_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -100,8 +123,9 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T: `invariant_mm` inside `invariant_rows()`, else torch's GEMM."""
-    if _ON.get():
+    """x [..., K] @ weight[N, K]^T: `invariant_mm` inside `invariant_rows()` (and, for fp32 CPU
+    operands, `fixed_order_matmuls()`), else torch's GEMM."""
+    if _ON.get() or (_FIXED_MM.get() and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu):
         return invariant_mm(x, weight)
     return F.linear(x, weight)
 
@@ -133,6 +157,38 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     _lib().kv_swiglu(g2.data_ptr(), u2.data_ptr(), g2.stride(0) if g2.shape[0] > 1 else n, out.data_ptr(),
                      g2.shape[0], n, limit)
     return out.view(*gate.shape)
+
+
+_UNARY = {"sigmoid": (0, torch.sigmoid), "silu": (1, F.silu),
+          "softplus": (2, lambda x: torch.where(x > 20.0, x, torch.log1p(torch.exp(x))))}
+
+
+def unary(name: str, x: torch.Tensor) -> torch.Tensor:
+    """sigmoid / silu / softplus (linear past 20) of x, elementwise; inside `invariant_rows()` or
+    `fixed_order_matmuls()`, for fp32 CPU tensors, in native.c with scalar libm, so no element depends on its place in the call
+    (ATen computes a vectorised loop's tail with scalar code, whose rounding differs from the
+    body's: a row's values would move with the call's length)."""
+    op, torch_fn = _UNARY[name]
+    if not matmuls_fixed() or x.dtype != torch.float32 or not x.is_cpu:
+        return torch_fn(x)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _lib().kv_unary(x.data_ptr(), out.data_ptr(), x.numel(), op)
+    return out
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim; where `unary` runs natively, each row in
+    native.c with a fixed order of additions, whatever the row count (see `unary`)."""
+    if not matmuls_fixed() or x.dtype != torch.float32 or not x.is_cpu:
+        return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    if x.numel():
+        _lib().kv_l2norm(x.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+    return out
 
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...layers.basic import _param, fp32_native_weights
@@ -16,15 +15,15 @@ from ...layers.native_cache import NativeCache
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
 from ...numerics.reference import release_swiglu
-from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant
+from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant, unary
 from .config import Dsv4Config
 
 
 def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
+        return unary("softplus", logits).sqrt()
     if kind == "sigmoid":
-        return torch.sigmoid(logits)
+        return unary("sigmoid", logits)
     return torch.softmax(logits, dim=-1)
 
 

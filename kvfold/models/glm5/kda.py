@@ -25,23 +25,23 @@ tokens, from the state at that chunk's start, computes what the forward computed
 equal tensors), so the forward hands out the per-token inputs of the recurrence (`KdaStep`) and
 the states at chunk starts, and keeps no per-token state. Every chunk's inputs are copied into
 fresh tensors before use, in the forward and in a replay alike, so the two hand each op operands
-of the same shape, strides and allocation, not views at different offsets.
+of the same shape, strides and allocation, not views at different offsets. In batch-invariant
+mode the token-parallel part (the conv, the gates, the L2 normalisation) computes each token's
+inputs of the recurrence on its own (`numerics.rows.unary` / `l2norm`), so they do not depend on
+the call's length either.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...layers.basic import Linear, _param
+from ...numerics.norms import unweighted_rms_norm
+from ...numerics.rows import l2norm, unary
 
 KDA_CHUNK = 64
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def kda_recurrent(q, k, v, g, beta, s0: torch.Tensor, keep_states: bool = False):
@@ -139,9 +139,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight.float() * h * torch.sigmoid(gate.float())
+        h = unweighted_rms_norm(x.float(), self.eps)
+        h = self.weight.float() * h * unary("sigmoid", gate.float())
         return h.to(x.dtype)
 
 
@@ -181,8 +180,8 @@ class KdaAttention(nn.Module):
         f = f.view(x.shape[0], self.nh, self.dk)
         rate = self.A_log.float().exp()[None, :, None]
         if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * torch.where(f > 20.0, f, torch.log1p(torch.exp(f)))
+            return self.lower_bound * unary("sigmoid", rate * f)
+        return -rate * unary("softplus", f)
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, starts=None,
                 keep_at=()):
@@ -195,13 +194,16 @@ class KdaAttention(nn.Module):
         full = torch.cat([conv_state.to(mixed.dtype), mixed])  # [K-1+T, 3C]
         w = self.conv_weight()
         win = full.float().unfold(0, self.kw, 1)  # [T, 3C, K]: taps of token t are full[t .. t+K-1]
-        conv = F.silu((win * w).sum(-1)).to(x.dtype)
+        taps = win[..., 0] * w[:, 0]  # the K taps summed in order: elementwise IEEE ops, exact in any kernel
+        for j in range(1, self.kw):
+            taps = taps + win[..., j] * w[:, j]
+        conv = unary("silu", taps).to(x.dtype)
         q, k, v = (z.float().view(t, self.nh, self.dk) for z in conv.split(self.c, dim=-1))
         q = l2norm(q) * self.dk ** -0.5
         # contiguous, as the replay's copies are: the recurrence sees the same tensors either way
         k, v = l2norm(k).contiguous(), v.contiguous()
         g = self.forget_gate(x).contiguous()
-        beta = torch.sigmoid(self.b_proj(x)).float().contiguous()
+        beta = unary("sigmoid", self.b_proj(x).float()).contiguous()
         starts = kda_chunk_starts(t) if starts is None else list(starts)
         o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), starts=starts, keep_at=keep_at)
 
