@@ -221,7 +221,7 @@ print(json.dumps(rec))
 
 _FAKE_CONVERTER = '''
 # a stand-in for convert_hf_to_gguf.py: checks the directory it is given as the DeepSeek-V4 converter
-# needs it (official names, FP4 experts with scales, float32 rest, legacy config keys, a tokenizer of
+# needs it (official names, FP4 experts with scales, bf16 matrices, fp32 biases, legacy config keys, a tokenizer of
 # vocab_size tokens, the pre-tokenizer patched by the driver) and writes a GGUF-magic file
 import argparse, json, sys
 from pathlib import Path
@@ -249,7 +249,10 @@ with safe_open(str(src / "model.safetensors"), "pt") as f:
     w = f.get_tensor("layers.1.ffn.experts.0.w1.weight")
     s = f.get_tensor("layers.1.ffn.experts.0.w1.scale")
     assert w.element_size() == 1 and s.element_size() == 1 and s.shape[-1] * 16 == w.shape[-1], (w.shape, s.shape)
-    assert str(f.get_tensor("layers.1.attn.wq_a.weight").dtype) == "torch.float32"
+    assert str(f.get_tensor("layers.1.attn.wq_a.weight").dtype) == "torch.bfloat16"
+    assert str(f.get_tensor("head.weight").dtype) == "torch.bfloat16"
+    assert str(f.get_tensor("hc_head_fn").dtype) == "torch.float32"
+    assert args.outtype == "bf16"
 Path(args.outfile).write_bytes(b"GGUF" + bytes(60))
 print("INFO:hf-to-gguf:Model successfully exported")
 '''

@@ -18,7 +18,7 @@ from kvfold.layers.moe import Experts
 from kvfold.numerics.quant import dequant_fp4_into, dequant_fp8_into, quantize_fp8_blocks, unpack_fp4
 from helpers import fp32_paths_bound
 from kvfold.numerics.rows import invariant_rows
-from test_official_checkpoint import E8M0, IDS, logits, official_tensors, slice_of, tiny_v4, write_official
+from test_official_checkpoint import BF16_KEY, E8M0, FP8_KEY, IDS, logits, official_tensors, slice_of, tiny_v4, write_official
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -65,14 +65,25 @@ def test_fp8_and_fp4_weights_stay_as_stored(both):
     experts = q.model.layers[2].mlp.experts
     assert experts.gate_up_proj.q.dtype == torch.uint8 and experts.gate_up_proj.q.shape == (8, 160, 128)
     assert experts.down_proj.scale.shape == (8, 256, 3)  # 80 columns: blocks of 32, 32, 16
-    # unquantized in the release: embed, head, norms, router, compressor projections stay float
-    assert isinstance(q.lm_head.weight, torch.nn.Parameter) and isinstance(q.model.layers[1].mlp.gate.weight,
-                                                                             torch.nn.Parameter)
+    # the release's bf16 matrices (embed, head, compressor and indexer projections) are held in
+    # bf16 too, except the router's (not a matmul weight: it stays an fp32 parameter); norms stay fp32
+    bf16 = {n for n, w in held.items() if w.fmt == "bf16"}
+    stored_bf16 = {n for n, _ in deq.named_parameters()
+                   if any(BF16_KEY.search(k) and not FP8_KEY.search(k)
+                          for k, _, _ in to_official_names(n, q.config.n_routed_experts))}
+    assert bf16 == {n for n in stored_bf16 if not n.endswith("mlp.gate.weight")}
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= bf16 and q.lm_head.weight.q.dtype == torch.bfloat16
+    assert isinstance(q.model.layers[1].mlp.gate.weight, torch.nn.Parameter)
+    assert not both[torch.bfloat16][1].quantized_weights().keys() & bf16  # a bf16 model keeps its parameters
+    assert set(held) == fp8 | fp4 | bf16
     # every held weight decodes to exactly the dequant model's parameter
     params = dict(deq.named_parameters())
     for name, w in held.items():
         assert w.dtype == params[name].dtype and torch.equal(w.dequant(), params[name]), name
     assert q.num_parameters() == deq.num_parameters()
+    ids = torch.tensor([0, 257, 5, 5, 130])  # the embedding decodes only the rows it looks up
+    assert torch.equal(q.model.embed_tokens(ids), deq.model.embed_tokens(ids))
+    assert torch.equal(q.model.embed_tokens(ids.view(1, 5)), deq.model.embed_tokens(ids.view(1, 5)))
 
 
 def test_fp32_logits_are_bit_identical(both):
@@ -119,7 +130,7 @@ def test_resident_bytes_are_a_quarter_for_fp8_and_under_a_seventh_for_fp4(both):
         saved = sum(w.numel() * esz - w.nbytes for w in held)
         assert deq.weight_bytes() - q.weight_bytes() == saved
     deq, q = both[torch.float32]
-    assert deq.weight_bytes() / q.weight_bytes() > 3  # embed / head stay float in this tiny model
+    assert deq.weight_bytes() / q.weight_bytes() > 3  # norms, router and hc parameters stay fp32
 
 
 def test_experts_read_only_the_experts_a_batch_uses(both, monkeypatch):

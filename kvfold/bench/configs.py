@@ -164,26 +164,34 @@ def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, seed: int 
     return target
 
 
+_OFFICIAL_FLOATS = "bfloat16"  # the unquantized matrices of the official checkpoint, as the release
+
+
 def ensure_official_checkpoint(checkpoint: Path, log: Callable[[str], None] | None = None) -> Path:
-    """`checkpoint` converted by `kvfold convert --to official` (the release's FP8 / FP4 formats) into
-    `<checkpoint>-official`, written on first use and reused while it was made from this checkpoint."""
+    """`checkpoint` converted by `kvfold convert --to official --floats bfloat16` (the release's
+    formats: FP8 / FP4, and bf16 for its unquantized matrices) into `<checkpoint>-official`, written
+    on first use and reused while it was made from this checkpoint in these formats."""
     checkpoint = Path(checkpoint)
     target = checkpoint.with_name(checkpoint.name + "-official")
     meta = json.loads((checkpoint / "bench-meta.json").read_text())
     meta_path = target / "bench-meta.json"
     try:
-        if json.loads(meta_path.read_text()).get("key") == meta["key"]:
+        made = json.loads(meta_path.read_text())
+        if made.get("key") == meta["key"] and made.get("floats") == _OFFICIAL_FLOATS:
             return target
     except (OSError, json.JSONDecodeError):
         pass
+    import torch
+
     from ..models.deepseek_v4.convert import convert
     if log:
         log(f"converting {checkpoint} to the official layout (FP8 / FP4) in {target}")
     tmp = checkpoint.with_name(f".{target.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    convert(checkpoint, tmp, "official")
-    (tmp / "bench-meta.json").write_text(json.dumps(dict(meta, layout="official"), indent=2))
+    convert(checkpoint, tmp, "official", floats=torch.bfloat16)
+    (tmp / "bench-meta.json").write_text(json.dumps(dict(meta, layout="official", floats=_OFFICIAL_FLOATS),
+                                                    indent=2))
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)

@@ -13,9 +13,11 @@ checkpoint in what the converter demands, and nothing else:
 
 * official release tensor names (`embed.weight`, `layers.N.attn.wq_a.weight`, ...);
 * routed experts in FP4 (e2m1 values, one e8m0 scale per 1x32 block): the converter only takes
-  them that way and repacks them, bit for bit, into MXFP4. Every other weight stays float32 (the
-  converter keeps float32 tensors float32). So llama.cpp runs the bench model with its experts
-  rounded to FP4: the same shapes and cost structure, not bit-identical weights;
+  them that way and repacks them, bit for bit, into MXFP4. Every other weight matrix is bf16, as
+  the release stores its unquantized tensors and as kvfold's `--weights quantized` checkpoint holds
+  them (the converter runs with `--outtype bf16`, and keeps norms and 1-D tensors float32). So
+  llama.cpp runs the bench model with its experts rounded to FP4 and its other matrices to bf16:
+  the same shapes and cost structure, not bit-identical weights;
 * a transformers-style `config.json` plus the legacy keys the converter reads (`compress_ratios`,
   `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`);
 * a tokenizer: the bench checkpoint has none. A byte-level BPE tokenizer of exactly `vocab_size`
@@ -59,7 +61,8 @@ ENGINE = "llama.cpp"
 ENV_VAR = "KVFOLD_LLAMA_CPP"
 UNAVAILABLE = "unavailable"
 # Bump when the GGUF source directory written below changes: cached GGUFs are then rebuilt.
-RECIPE_VERSION = 1
+GGUF_OUTTYPE = "bf16"
+RECIPE_VERSION = 2  # 2: bf16 matrices besides the FP4 experts (1: float32)
 PRE_TOKENIZER = "deepseek-v3"
 _BENCH_NAMES = ("llama-bench", "llama-bench.exe")
 
@@ -216,14 +219,15 @@ def write_gguf_source(checkpoint: Path, dst: Path) -> Path:
     if hash_layers and any(t != "hash_moe" for t in cfg.mlp_layer_types[:hash_layers]):
         raise ValueError("llama.cpp's DeepSeek-V4 path needs the hash-routed layers first")
     off = dst / "official"
-    convert(checkpoint, off, "official", quantize=False, dtype=torch.float32, progress=False)
+    convert(checkpoint, off, "official", quantize=False, dtype=torch.float32, floats=torch.bfloat16,
+            progress=False)
     tensors: dict[str, torch.Tensor] = {}
     expert = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
     e8m0 = getattr(torch, "float8_e8m0fnu", None)
     for f in sorted(off.glob("*.safetensors")):
         for k, v in load_file(str(f)).items():
             if expert.match(k):
-                q, exps = quantize_fp4_blocks(v)
+                q, exps = quantize_fp4_blocks(v.float())
                 tensors[k] = q
                 tensors[k[: -len(".weight")] + ".scale"] = exps.view(e8m0) if e8m0 is not None else exps
             else:
@@ -334,7 +338,7 @@ def ensure_gguf(checkpoint: str | os.PathLike, llama: LlamaCpp, *, time_limit: f
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         cmd = [python or sys.executable, "-c", _DRIVER, str(llama.source), PRE_TOKENIZER,
-               str(work / "src"), "--outfile", str(out), "--outtype", "f32"]
+               str(work / "src"), "--outfile", str(out), "--outtype", GGUF_OUTTYPE]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=time_limit)
         except subprocess.TimeoutExpired:

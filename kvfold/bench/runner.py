@@ -102,9 +102,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "bfloat16 reports its logits drift in the sanity check (default float32)")
     p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
                    help="kvfold's weight residency. quantized: the checkpoint is converted once with `kvfold "
-                        "convert --to official` (FP8 attention and shared experts, FP4 routed experts, as the "
-                        "release stores them) and loaded with weights='quantized'; llama.cpp's GGUF has the "
-                        "same FP4 experts either way (default dequant)")
+                        "convert --to official --floats bfloat16` (FP8 attention and shared experts, FP4 routed "
+                        "experts, bf16 embedding, lm_head and compressors, as the release stores them) and "
+                        "loaded with weights='quantized'; llama.cpp's GGUF has the same FP4 experts and bf16 "
+                        "matrices either way (default dequant)")
     p.add_argument("--no-sanity", action="store_true",
                    help="skip the kvfold-vs-transformers logits check (run once when --vs transformers)")
     return p

@@ -1,5 +1,6 @@
 """Weight holders named like the checkpoint: `Linear.weight`, `Norm.weight`, and `QuantizedWeight`,
-which a weight becomes when it is kept in memory in its checkpoint format (FP8 / packed FP4)."""
+which a weight becomes when it is kept in memory in its checkpoint format (FP8 / packed FP4, or
+bf16 in an fp32 model)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from ..numerics import rms_norm
 from ..numerics.rows import matmuls_fixed, row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
 from ..numerics.weights_mm import describe, native_mm, row_groups
-from ..models.deepseek_v4.quant_formats import FP4, FP8
+from ..models.deepseek_v4.quant_formats import BF16, FP4, FP8
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -25,7 +26,11 @@ class QuantizedWeight(nn.Module):
       (128 x 128 in the release; (1, 128) for stacked expert halves whose rows do not fall on 128-row
       blocks, each row then carrying its own copy of its block's scale);
     * "fp4": `q` uint8 [..., R, C/2] (two e2m1 codes a byte, the low nibble the even column) with
-      `scale` [..., R, ceil(C/32)], `block` = (1, 32).
+      `scale` [..., R, ceil(C/32)], `block` = (1, 32);
+    * "bf16": `q` bfloat16 [..., R, C] and no scale (`scale` is empty): a float tensor the release
+      stores in bf16 (the embedding, the lm_head, the compressors), held so in an fp32 model. Its
+      fp32 value is the bf16 bits shifted up 16, so every matmul sees the values an fp32 load
+      writes, at half the bytes.
     `scale` holds e8m0 exponent bytes (uint8), or float32 multipliers for checkpoints with float scales.
 
     `shape` is the logical (dequantized) shape and `dtype` the dtype `dequant` returns: the dtype of the
@@ -35,17 +40,18 @@ class QuantizedWeight(nn.Module):
     def __init__(self, fmt: str, shape, dtype: torch.dtype, block: tuple[int, int],
                  scale_dtype: torch.dtype = torch.uint8, device=None):
         super().__init__()
-        if fmt not in (FP8, FP4):
-            raise ValueError(f"format must be {FP8!r} or {FP4!r}, got {fmt!r}")
+        if fmt not in (FP8, FP4, BF16):
+            raise ValueError(f"format must be {FP8!r}, {FP4!r} or {BF16!r}, got {fmt!r}")
         *lead, r, c = shape
         br, bc = block
         if fmt == FP4 and (br != 1 or c % 2):
             raise ValueError(f"FP4 needs 1 x n blocks and an even number of columns; got {block}, {tuple(shape)}")
         self.fmt, self.shape, self.dtype, self.block = fmt, torch.Size(shape), dtype, (br, bc)
-        q_shape, q_dtype = (shape, torch.float8_e4m3fn) if fmt == FP8 else ((*lead, r, c // 2), torch.uint8)
+        q_shape, q_dtype = {FP8: (shape, torch.float8_e4m3fn), FP4: ((*lead, r, c // 2), torch.uint8),
+                            BF16: (shape, torch.bfloat16)}[fmt]
+        scale_shape = (0,) if fmt == BF16 else (*lead, math.ceil(r / br), math.ceil(c / bc))
         self.register_buffer("q", torch.empty(q_shape, dtype=q_dtype, device=device))
-        self.register_buffer("scale", torch.empty(*lead, math.ceil(r / br), math.ceil(c / bc),
-                                                  dtype=scale_dtype, device=device))
+        self.register_buffer("scale", torch.empty(scale_shape, dtype=scale_dtype, device=device))
 
     @property
     def device(self) -> torch.device:
@@ -62,12 +68,28 @@ class QuantizedWeight(nn.Module):
     def dequant(self, dtype: torch.dtype | None = None, index: int | None = None) -> torch.Tensor:
         """The float weight (or, with `index`, its slice `[index]`, e.g. one expert) in `dtype`
         (default `self.dtype`), in a new tensor: the same values a load-time dequantization writes."""
+        if self.fmt == BF16:
+            q = self.q if index is None else self.q[index]
+            return torch.empty(q.shape, dtype=dtype or self.dtype, device=q.device).copy_(q)
         q, s = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
+        return self._decode(q, s, self.block)
+
+    def _decode(self, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
         shape = q.shape if self.fmt == FP8 else (*q.shape[:-1], 2 * q.shape[-1])
-        out = torch.empty(shape, dtype=dtype or self.dtype, device=q.device)
+        out = torch.empty(shape, dtype=self.dtype, device=q.device)
         if self.fmt == FP8:
-            return dequant_fp8_into(out, q, s, self.block)
-        return dequant_fp4_into(out, q, s, self.block[1])
+            return dequant_fp8_into(out, q, s, block)
+        return dequant_fp4_into(out, q, s, block[1])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of a 2-D weight, decoded (an embedding lookup): the same values as
+        `dequant()[ids]`, decoding only those rows (each with its own row of scales)."""
+        q = torch.index_select(self.q, 0, ids)
+        if self.fmt == BF16:
+            return q.to(self.dtype)
+        br, bc = self.block
+        return self._decode(q, torch.index_select(self.scale, 0, torch.div(ids, br, rounding_mode="floor")),
+                            (1, bc))
 
     def native(self, groups: int | None = None):
         """(descriptor, n, k) for native.c's format-reading matmul (with `groups`: one per group of
@@ -76,7 +98,8 @@ class QuantizedWeight(nn.Module):
         key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups)
         hit = self.__dict__.get("_native")
         if hit is None or hit[0] != key:
-            found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4)
+            found = describe(self.q) if self.fmt == BF16 else describe(self.q, self.scale, self.block,
+                                                                       packed_fp4=self.fmt == FP4)
             if found is not None and groups is not None:
                 found = row_groups(found, groups) if self.q.dim() == 2 else None
             hit = self.__dict__["_native"] = (key, found)
@@ -89,8 +112,12 @@ class QuantizedWeight(nn.Module):
         and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
         block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc)."""
         self.__dict__.pop("_native", None)  # its NaN-code scan is of the old bytes
-        dq, ds = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
+        dq = self.q if index is None else self.q[index]
         start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
+        if self.fmt == BF16:
+            dq[..., start:stop, :].copy_(q)
+            return
+        ds = self.scale if index is None else self.scale[index]
         dq[..., start:stop, :].copy_(q if self.fmt == FP8 else q.view(torch.uint8))
         if self.scale.dtype == torch.uint8:
             scale = scale.view(torch.uint8)  # e8m0 exponent bytes stay bytes

@@ -48,14 +48,22 @@ def as_token_ids(token_ids, vocab_size: int, device: torch.device) -> torch.Tens
 
 
 class Embedding(nn.Module):
+    """Token rows of `weight`: a float parameter, or a `QuantizedWeight` (bf16 in an fp32 model, as
+    the release stores the embedding) of which only the looked-up rows are decoded."""
+
+    quantizable = ("weight",)
+
     def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device=None):
         super().__init__()
         self.weight = _param(vocab, hidden, dtype=dtype, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self._parameters.get("weight")
+        if w is None:
+            return self.weight.rows(ids.reshape(-1)).view(*ids.shape, -1)
         if ids.dim() == 1:
-            return torch.index_select(self.weight, 0, ids)  # the same rows as indexing, with less overhead
-        return self.weight[ids]
+            return torch.index_select(w, 0, ids)  # the same rows as indexing, with less overhead
+        return w[ids]
 
 
 class CausalLM(nn.Module):

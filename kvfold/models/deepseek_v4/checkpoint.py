@@ -7,8 +7,10 @@ scales, or as packed FP4 e2m1 with 1x32 scales (the official release), are dequa
 time into the model's dtype (see `quantized`).
 
 With `weights="quantized"` the FP8 / FP4 weights are not decoded: the parameter they fill is
-replaced by a `QuantizedWeight` (the stored bytes and scales, decoded per matmul); every other
-tensor loads as before. A checkpoint without quantized weights then loads exactly as with "dequant".
+replaced by a `QuantizedWeight` (the stored bytes and scales, decoded per matmul). So are the bf16
+matrices of an fp32 model (the release's embedding, lm_head and compressors): held in bf16, whose
+fp32 values are exact, at half the bytes. Every other tensor loads as before. A checkpoint without
+quantized or bf16 weights then loads exactly as with "dequant".
 
 Tensors are read one at a time from memory-mapped safetensors files straight into the model's
 parameters (a quantized one is decoded in place into its parameter), so a checkpoint is never held
@@ -32,7 +34,7 @@ from .sharding import tp_slice
 from ...parallel import local_expert, skips_shared_expert
 from ...errors import CheckpointError
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
-from .quant_formats import (FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
+from .quant_formats import (BF16, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
                         read_config_dict, scale_keys, stored_format)
 
 _PREFIX = "model."
@@ -162,17 +164,26 @@ def _expert_rows(target: Target, inter: int) -> slice | None:
     return slice(0, inter) if target.part == "w1" else slice(inter, 2 * inter)
 
 
+def _held_format(dtype: str, has_scale: bool, model_dtype: torch.dtype) -> str | None:
+    """The format a checkpoint tensor of safetensors `dtype` is held in with weights="quantized":
+    FP8 / FP4 (with a scale), BF16 (bf16 in an fp32 model: exact, half the bytes), else None."""
+    if has_scale:
+        return stored_format(dtype)
+    return BF16 if dtype == "BF16" and model_dtype == torch.float32 else None
+
+
 def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings) -> None:
     """Replace every parameter whose checkpoint tensors are all FP8 (or all packed FP4) with scales,
-    and whose module lists it in `quantizable`, by an empty `QuantizedWeight` of the stored format.
-    Only the file headers are read; the float parameters given up were never written to."""
+    or all bf16 in an fp32 model, and whose module lists it in `quantizable`, by an empty
+    `QuantizedWeight` of the stored format. Only the file headers are read; the float parameters
+    given up were never written to."""
     parts: dict[str, list[tuple[str | None, Target, str | None]]] = {}
     for key in reader.weight_keys:
         target = _resolve(key)
         if target is None:
             continue
         scale_key = reader.scales.get(key)
-        fmt = stored_format(reader.entries[key].dtype) if scale_key is not None else None
+        fmt = _held_format(reader.entries[key].dtype, scale_key is not None, model.dtype)
         parts.setdefault(target.name, []).append(
             (fmt, target, reader.entries[scale_key].dtype if scale_key is not None else None))
     inter = model.config.moe_intermediate_size
@@ -181,6 +192,9 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
         if len(fmts) != 1 or None in fmts:
             continue  # unquantized, or a mix of formats: loaded as floats
         fmt = fmts.pop()
+        if fmt == BF16:
+            hold_quantized(model, name, fmt, (1, 1), [])
+            continue
         block = _stored_block(fmt, settings)
         if fmt == FP8 and block[0] > 1:
             # per-expert halves of gate_up_proj share the stored row blocks only if I is a multiple of br
@@ -324,7 +338,8 @@ class _WeightLoader:
     def _write(self, slot, target: Target, rows: slice | None, fmt: str | None, has_scale: bool,
                read, read_scale, cut=None, whole=None) -> None:
         if isinstance(slot, QuantizedWeight):  # the stored bytes and scale, as they are
-            slot.load_(read(), read_scale(), _stored_block(fmt, self.settings), target.expert, rows)
+            block = None if slot.fmt == BF16 else _stored_block(fmt, self.settings)
+            slot.load_(read(), read_scale() if has_scale else None, block, target.expert, rows)
             return
         dest = slot.data
         if target.expert is not None:
@@ -351,7 +366,9 @@ class _WeightLoader:
                 self.seen.add(name)
         missing = sorted(self.expected - self.seen)
         if getattr(self.model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
-            self.params["lm_head.weight"].data.copy_(self.params[_PREFIX + "embed_tokens.weight"].data)
+            embed = self.params[_PREFIX + "embed_tokens.weight"]
+            self.params["lm_head.weight"].data.copy_(embed.dequant() if isinstance(embed, QuantizedWeight)
+                                                     else embed.data)
             missing.remove("lm_head.weight")
         _raise_mismatch(directory, missing, self.unexpected, self.misshaped)
 

@@ -15,8 +15,12 @@ Layouts written:
 indexer wq_b, shared experts and MTP e_proj/h_proj; FP4 for routed experts, as the official release stores them) and
 keeps the source's formats for `hf`; True quantizes that same set for either layout; False writes every
 weight dequantized. Dequantized weights are written in `dtype` (default bfloat16); unquantized source
-tensors are copied in their stored dtype. A source tensor already quantized in the wanted format
-(128x128 FP8 or 1x32 FP4 with power-of-two scales) is copied bit for bit, never requantized.
+tensors are copied in their stored dtype, except that `floats` (e.g. bfloat16, the release's dtype)
+rewrites every float `*.weight` tensor written unquantized (embedding, lm_head, norms, compressor
+projections, the indexer's weights_proj, the router) in that dtype; the hc parameters, biases,
+position biases and sinks, which the release keeps in fp32, are copied as they are. A source tensor
+already quantized in the wanted format (128x128 FP8 or 1x32 FP4 with power-of-two scales) is copied
+bit for bit, never requantized.
 """
 from __future__ import annotations
 
@@ -171,10 +175,10 @@ class _Piece:
 
 
 def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None = None,
-            dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 4 << 30,
-            progress: bool | None = None) -> Path:
+            dtype: torch.dtype = torch.bfloat16, floats: torch.dtype | None = None,
+            max_shard_bytes: int = 4 << 30, progress: bool | None = None) -> Path:
     """Convert checkpoint directory `src` into a new directory `dst` in layout `to` ("hf" or "official").
-    Returns `dst`. See the module docstring for `quantize` and `dtype`."""
+    Returns `dst`. See the module docstring for `quantize`, `dtype` and `floats`."""
     if to not in LAYOUTS:
         raise ValueError(f"to must be one of {LAYOUTS}, got {to!r}")
     src, dst = Path(src), Path(dst)
@@ -182,7 +186,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
     reader = CheckpointReader(src)
     _refuse_unknown_tensors(src, reader, cfg)
     dst.mkdir(parents=True, exist_ok=True)
-    emitter = _Emitter(_ShardWriter(dst, max_shard_bytes), to, _quant_mode(to, quantize), dtype)
+    emitter = _Emitter(_ShardWriter(dst, max_shard_bytes), to, _quant_mode(to, quantize), dtype, floats)
     _write_tensors(reader, cfg, settings, emitter, dst, progress)
     config = _output_config(cfg, to, emitter.written_fmts)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -228,8 +232,9 @@ def _refuse_unknown_tensors(src: Path, reader: CheckpointReader, cfg: Dsv4Config
 class _Emitter:
     """Writes each converted tensor under its name in the target layout, in the format `mode` wants."""
 
-    def __init__(self, writer: _ShardWriter, to: str, mode: str, dtype: torch.dtype):
-        self.writer, self.to, self.mode, self.dtype = writer, to, mode, dtype
+    def __init__(self, writer: _ShardWriter, to: str, mode: str, dtype: torch.dtype,
+                 floats: torch.dtype | None = None):
+        self.writer, self.to, self.mode, self.dtype, self.floats = writer, to, mode, dtype, floats
         self.written_fmts: set[str] = set()  # quantized formats written: they decide the config's quantization
 
     def out_keys(self, official_key: str) -> tuple[str, str]:
@@ -252,7 +257,10 @@ class _Emitter:
         want = self.wanted_format(param_name, source_fmt)
         key, skey = self.out_keys(official_key)
         if want is None:
-            self.writer.add(key, piece.floats().to(self.dtype) if piece.fmt else piece.value)
+            value = piece.floats().to(self.dtype) if piece.fmt else piece.value
+            if self.floats is not None and value.is_floating_point() and official_key.endswith(".weight"):
+                value = value.to(self.floats)
+            self.writer.add(key, value)
             return
         self.written_fmts.add(want)
         q, exps = _quantized(official_key, piece, want)

@@ -53,7 +53,7 @@ class MtpModule(nn.Module):
         return (self.cfg.sliding_window + max_rewind) * self.cfg.head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed: nn.Module,
                 lm_head: nn.Module, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hc, d] (main streams at positions pos..pos+T-1), next_ids [T] (the tokens one
         position later) -> (logits [T, vocab] predicting two positions ahead, output streams [T, hc, d])."""
@@ -62,7 +62,7 @@ class MtpModule(nn.Module):
         t = next_ids.numel()
         if state.pos + t > state.capacity:
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {state.pos} + {t}")
-        e = self.e_proj(self.enorm(embed[next_ids]))
+        e = self.e_proj(self.enorm(embed(next_ids)))
         x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype)))
         batch = RowBatch.build([(next_ids, state)], self.device)
         batch.rope[SLIDING] = (rope, *rope.cos_sin(batch.positions))
@@ -78,7 +78,7 @@ class MtpModule(nn.Module):
         """`forward` with the embedding, lm_head and RoPE of `main`, the Dsv4Model this block
         belongs to (the body of `Dsv4Model.mtp_step`); `token_ids`: a list or a LongTensor."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=main.device)
-        return self(hidden, ids, state, main.model.embed_tokens.weight, main.lm_head, main.rope_main)
+        return self(hidden, ids, state, main.model.embed_tokens, main.lm_head, main.rope_main)
 
 
 def official_mtp_weights(mtp: MtpModule) -> dict[str, torch.Tensor]:

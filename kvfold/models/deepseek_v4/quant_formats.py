@@ -22,6 +22,7 @@ import torch
 from ...numerics.quant import FP4_BLOCK, FP8_BLOCK, dequant_fp4_into, dequant_fp8_into
 
 FP8, FP4 = "fp8", "fp4"
+BF16 = "bf16"  # a float tensor held as the release stores it (`QuantizedWeight`), not quantized
 _FP8_STORED = {"F8_E4M3", "float8_e4m3fn"}
 _FP4_STORED = {"I8", "U8", "F4", "int8", "uint8", "float4_e2m1fn_x2"}
 
