@@ -301,6 +301,25 @@ def test_convert_unquantized_to_official_quantizes_like_the_release(original, st
     assert cfg["expert_dtype"] == "fp4" and len(cfg["compress_ratios"]) == original.config.num_hidden_layers + 1
 
 
+def test_convert_floats_writes_the_release_bf16_matrices_and_keeps_fp32_vectors(original, stored, tmp_path):
+    """--floats bfloat16: every unquantized float `*.weight` tensor in bf16, as the release (this
+    file's BF16_KEY set, and the norms), the hc parameters, biases and sinks as stored (fp32), the
+    quantized bytes unchanged."""
+    src = save_checkpoint(original, tmp_path / "hf")
+    got = load_file(str(convert(src, tmp_path / "off", "official", floats=torch.bfloat16) / "model.safetensors"))
+    for k, v in got.items():
+        if stored[k].dtype in (torch.float8_e4m3fn, torch.int8, E8M0):  # quantized, and their scales
+            assert v.dtype == stored[k].dtype and torch.equal(v.view(torch.uint8), stored[k].view(torch.uint8)), k
+        elif not v.is_floating_point():  # the hash table
+            assert torch.equal(v.long(), stored[k].long()), k
+        elif k.endswith(".weight"):
+            assert v.dtype == torch.bfloat16 and torch.equal(v, stored[k].to(torch.bfloat16)), k
+        else:
+            assert v.dtype == torch.float32 and torch.equal(v, stored[k]), k
+    assert {"embed.weight", "head.weight", "norm.weight"} <= {k for k, v in got.items() if v.dtype == torch.bfloat16}
+    assert got["hc_head_fn"].dtype == torch.float32
+
+
 def test_convert_between_layouts_keeps_quantized_bytes_and_the_model(loaded, official_dir, tmp_path):
     hf = convert(official_dir, tmp_path / "hf", "hf", max_shard_bytes=1 << 20)
     assert (hf / "model.safetensors.index.json").exists() and len(list(hf.glob("*.safetensors"))) > 1

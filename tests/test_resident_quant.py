@@ -86,6 +86,20 @@ def test_fp8_and_fp4_weights_stay_as_stored(both):
     assert torch.equal(q.model.embed_tokens(ids.view(1, 5)), deq.model.embed_tokens(ids.view(1, 5)))
 
 
+def test_row_lookups_decode_exactly_the_rows_of_every_format(both):
+    """`QuantizedWeight.rows` (an embedding lookup) gives `dequant()[ids]` in each format, block
+    rows included (FP8's 128-row scale blocks), and `dequant(dtype)` decodes into the dtype asked."""
+    from kvfold.numerics.quant import quantize_fp4_blocks
+    _, q = both[torch.float32]
+    ids = torch.tensor([0, 191, 128, 127, 5, 5])
+    fp4 = QuantizedWeight("fp4", (200, 64), torch.float32, (1, 32))
+    fp4.load_(*quantize_fp4_blocks(torch.randn(200, 64, generator=torch.Generator().manual_seed(1))), (1, 32))
+    for w in (q.model.layers[1].self_attn.q_b_proj.weight, fp4, q.lm_head.weight):
+        assert torch.equal(w.rows(ids), w.dequant()[ids]), w.fmt
+        assert w.dequant(torch.bfloat16).dtype == torch.bfloat16
+        assert torch.equal(w.dequant(torch.bfloat16), w.dequant().to(torch.bfloat16))
+
+
 def test_fp32_logits_are_bit_identical(both):
     # batch-invariant fp32 (the default): every matmul is native.c's dot over the same values
     deq, q = both[torch.float32]

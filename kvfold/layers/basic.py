@@ -72,11 +72,11 @@ class QuantizedWeight(nn.Module):
             q = self.q if index is None else self.q[index]
             return torch.empty(q.shape, dtype=dtype or self.dtype, device=q.device).copy_(q)
         q, s = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
-        return self._decode(q, s, self.block)
+        return self._decode(q, s, self.block, dtype or self.dtype)
 
-    def _decode(self, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         shape = q.shape if self.fmt == FP8 else (*q.shape[:-1], 2 * q.shape[-1])
-        out = torch.empty(shape, dtype=self.dtype, device=q.device)
+        out = torch.empty(shape, dtype=dtype, device=q.device)
         if self.fmt == FP8:
             return dequant_fp8_into(out, q, s, block)
         return dequant_fp4_into(out, q, s, block[1])
@@ -89,7 +89,7 @@ class QuantizedWeight(nn.Module):
             return q.to(self.dtype)
         br, bc = self.block
         return self._decode(q, torch.index_select(self.scale, 0, torch.div(ids, br, rounding_mode="floor")),
-                            (1, bc))
+                            (1, bc), self.dtype)
 
     def native(self, groups: int | None = None):
         """(descriptor, n, k) for native.c's format-reading matmul (with `groups`: one per group of
