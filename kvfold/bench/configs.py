@@ -185,7 +185,7 @@ def ensure_official_checkpoint(checkpoint: Path, log: Callable[[str], None] | No
 
     from ..models.deepseek_v4.convert import convert
     if log:
-        log(f"converting {checkpoint} to the official layout (FP8 / FP4) in {target}")
+        log(f"converting {checkpoint} to the official layout (FP8 / FP4, bf16 floats) in {target}")
     tmp = checkpoint.with_name(f".{target.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)

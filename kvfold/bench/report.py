@@ -197,7 +197,7 @@ def _llama_line(result: dict[str, Any], lc: dict[str, Any]) -> str:
     build = next((c.get("llama_bench") for c in result["cells"] if c.get("llama_bench")), None) or {}
     line = (f"llama.cpp: {lc.get('llama_bench')} (build {build.get('build_commit') or '?'}"
             f"{', ' + build['backends'] if build.get('backends') else ''}), GGUF {lc.get('gguf')} "
-            f"(routed experts MXFP4, everything else F32; converted by {lc.get('converter')}"
+            f"(routed experts MXFP4, other matrices BF16, norms and vectors F32; converted by {lc.get('converter')}"
             f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r {LLAMA_REPETITIONS} (median)"
             f"{' ' + ' '.join(lc['llama_bench_args']) if lc.get('llama_bench_args') else ''}, "
             f"KV cache {build.get('type_k') or '?'}/{build.get('type_v') or '?'}, its own warm-up "
