@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError
 from ..layers.basic import QuantizedWeight, _param
 from ..layers.rows import RowBatch
-from ..numerics.rows import fixed_order_matmuls, invariance_unsupported, invariant_rows
+from ..numerics.rows import fixed_order, invariance_unsupported, invariant_rows
 from .chunks import run_batch_in_rounds, run_in_chunks
 
 
@@ -152,7 +152,7 @@ class CausalLM(nn.Module):
     def _forward_rows(self, pieces: list, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams)."""
-        with invariant_rows(self.batch_invariant), fixed_order_matmuls(self.numerics == "reference"):
+        with invariant_rows(self.batch_invariant), fixed_order(self.numerics == "reference"):
             return self._run_rows(RowBatch.build(pieces, self.device), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from . import native
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
-_FIXED_MM: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_fixed_order_matmuls", default=False)
+_FIXED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_fixed_order", default=False)
 _F32 = torch.float32
 _SERIAL_MACS = 1 << 17  # below this a matmul runs on one thread (the thread count changes no bits)
 
@@ -58,24 +58,24 @@ def rows_invariant() -> bool:
 
 
 @contextlib.contextmanager
-def fixed_order_matmuls(on: bool = True):
+def fixed_order(on: bool = True):
     """Within: every weight matmul takes native.c's fixed-order dot (fp32 accumulation, whatever
     the row count), and `unary`'s functions of fp32 rows native.c's scalar code; the rest of the
     arithmetic is unchanged. Reference numerics (bf16) runs in it, so that decode and any chunking
     of a prefill see the same bits: torch's GEMMs pick other kernels, with other accumulation
     orders, by row count and instruction set (AMX, AVX512-BF16), and its vectorised elementwise
     loops compute a call's tail with other code than its body."""
-    token = _FIXED_MM.set(bool(on) and native.library() is not None)
+    token = _FIXED.set(bool(on) and native.library() is not None)
     try:
         yield
     finally:
-        _FIXED_MM.reset(token)
+        _FIXED.reset(token)
 
 
-def matmuls_fixed() -> bool:
-    """Whether every weight matmul takes the fixed-order native dot (batch-invariant mode, or
-    inside `fixed_order_matmuls()`)."""
-    return _ON.get() or _FIXED_MM.get()
+def order_fixed() -> bool:
+    """Whether weight matmuls take the fixed-order native dot and `unary` / `l2norm` native.c's
+    per-element code (batch-invariant mode, or inside `fixed_order()`)."""
+    return _ON.get() or _FIXED.get()
 
 
 def invariance_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -124,8 +124,8 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T: `invariant_mm` inside `invariant_rows()` (and, for fp32 CPU
-    operands, `fixed_order_matmuls()`), else torch's GEMM."""
-    if _ON.get() or (_FIXED_MM.get() and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu):
+    operands, `fixed_order()`), else torch's GEMM."""
+    if _ON.get() or (_FIXED.get() and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu):
         return invariant_mm(x, weight)
     return F.linear(x, weight)
 
@@ -165,11 +165,11 @@ _UNARY = {"sigmoid": (0, torch.sigmoid), "silu": (1, F.silu),
 
 def unary(name: str, x: torch.Tensor) -> torch.Tensor:
     """sigmoid / silu / softplus (linear past 20) of x, elementwise; inside `invariant_rows()` or
-    `fixed_order_matmuls()`, for fp32 CPU tensors, in native.c with scalar libm, so no element depends on its place in the call
-    (ATen computes a vectorised loop's tail with scalar code, whose rounding differs from the
-    body's: a row's values would move with the call's length)."""
+    `fixed_order()`, for fp32 CPU tensors, in native.c with scalar libm, so no element depends on
+    its place in the call (ATen computes a vectorised loop's tail with scalar code, whose rounding
+    differs from the body's: a row's values would move with the call's length)."""
     op, torch_fn = _UNARY[name]
-    if not matmuls_fixed() or x.dtype != torch.float32 or not x.is_cpu:
+    if not order_fixed() or x.dtype != torch.float32 or not x.is_cpu:
         return torch_fn(x)
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -181,7 +181,7 @@ def unary(name: str, x: torch.Tensor) -> torch.Tensor:
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim; where `unary` runs natively, each row in
     native.c with a fixed order of additions, whatever the row count (see `unary`)."""
-    if not matmuls_fixed() or x.dtype != torch.float32 or not x.is_cpu:
+    if not order_fixed() or x.dtype != torch.float32 or not x.is_cpu:
         return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
     x = x.contiguous()
     out = torch.empty_like(x)

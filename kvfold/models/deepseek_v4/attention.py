@@ -17,7 +17,7 @@ from torch import nn
 from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, triton_ops, unweighted_rms_norm
 from ...numerics.reference import release_q_norm, release_sparse_attn
-from ...numerics.rows import grouped_row_mm, matmuls_fixed, own_rows, rows_invariant
+from ...numerics.rows import grouped_row_mm, order_fixed, own_rows, rows_invariant
 from ...numerics.weights_mm import native_mm
 from ...profiling import scope
 from .state import LayerState
@@ -51,7 +51,7 @@ class GroupedLinear(nn.Module):
         if rows_invariant():
             weight = self.weight.dequant() if isinstance(self.weight, QuantizedWeight) else self.weight
             return grouped_row_mm(x.to(weight.dtype), weight, self.groups)
-        if matmuls_fixed() and self.weight.dtype == torch.bfloat16:  # reference numerics: each group's
+        if order_fixed() and self.weight.dtype == torch.bfloat16:  # reference numerics: each group's
             per = self.weight.shape[0] // self.groups  # rows one fixed-order matmul, as weight_mm's
             return torch.cat([weight_mm(x[:, i], self.weight[i * per:(i + 1) * per]) for i in range(self.groups)], -1)
         w_t = self._grouped_t()  # [G, in, R]
