@@ -282,3 +282,16 @@ def test_float_checkpoints_stay_float_and_quantized_models_are_not_saved(both, o
         save_checkpoint(q, tmp_path / "q")
     with pytest.raises(ConfigError, match="weights must be one of"):
         kvfold.load_model(plain, weights="fp16")
+
+
+def test_serve_weights_quantized_holds_the_checkpoint_formats(official_dir, both):
+    import argparse
+    from kvfold.server import add_serve_parser, build_app
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    for flag, want in (([], set()), (["--weights", "quantized"], set(both[torch.float32][1].quantized_weights()))):
+        args = parser.parse_args(["serve", "--model", str(official_dir), "--max-seq-len", "256", *flag])
+        served = build_app(args).state.engine.engine.model
+        assert set(served.quantized_weights()) == want
+    assert want  # the quantized load holds FP8 / FP4 / bf16 matrices
+    assert torch.equal(logits(served, IDS), logits(both[torch.float32][0], IDS))

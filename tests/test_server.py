@@ -673,3 +673,24 @@ def test_metrics_read_right_after_a_streamed_answer_count_all_its_tokens(server)
     m = metrics(url)
     assert n == 40
     assert m["kvfold_generation_tokens_total"] - before["kvfold_generation_tokens_total"] == 40
+
+
+def test_serving_threads_leave_the_http_front_end_a_core(monkeypatch):
+    """kvfold serve's kernel threads: torch's count, but at most one fewer than the usable CPUs (at
+    least 1), the same on a second call; an explicit --threads wins."""
+    import os
+    import torch
+    from kvfold.server import serving_threads
+    for cpus, torch_threads, want in ((2, 2, 1), (1, 1, 1), (8, 4, 4), (8, 8, 7), (16, 1, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=torch_threads: t)
+        assert serving_threads() == want
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=want: t)  # as if it had been applied
+        assert serving_threads() == want
+    assert serving_threads(3) == 3
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--threads", "3", "--weights", "quantized"])
+    assert (args.threads, args.weights) == (3, "quantized")
+    assert parser.parse_args(["serve"]).threads is None

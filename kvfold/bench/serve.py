@@ -119,8 +119,10 @@ def add_serve_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--device", default="cpu", help="torch device (default cpu)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weight dtype (default float32)")
+    g.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
+                   help="as kvfold serve --weights (default dequant)")
     g.add_argument("--threads", type=_bounded_int(1, 1024), default=None,
-                   help="torch threads (default: torch's own choice)")
+                   help="the server's kernel threads (default: as kvfold serve, one fewer than torch's count)")
     return p
 
 
@@ -362,7 +364,7 @@ def in_process_server(args: argparse.Namespace, api_key: str | None,
     argv = ["serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
             "--max-seq-len", str(max(4096, args.prompt_tokens + args.max_tokens)),
             "--max-running", str(args.max_running), "--max-queue", str(max(256, args.concurrency)),
-            "--device", args.device, "--dtype", args.dtype]
+            "--device", args.device, "--dtype", args.dtype, "--weights", args.weights]
     if api_key is not None:
         argv += ["--api-key", api_key]
     serve_args = parser.parse_args(argv)
@@ -463,9 +465,10 @@ def run_bench_serve(args: argparse.Namespace, log: Callable[[str], None] | None 
     api_key = args.api_key if args.api_key is not None else (os.environ.get("KVFOLD_API_KEY") or None)
     started = _dt.datetime.now(_dt.timezone.utc)
     machine = _machine()
-    if args.threads is not None:
+    if args.url is None:  # the in-process server's kernels, as kvfold serve sets them
         import torch
-        torch.set_num_threads(args.threads)
+        from ..server import serving_threads
+        torch.set_num_threads(serving_threads(args.threads))
 
     def go(base_url: str, vocab: int) -> dict[str, Any]:
         prompts = make_prompts(args.requests + args.warmup, args.prompt_tokens, vocab, args.seed)
@@ -482,7 +485,8 @@ def run_bench_serve(args: argparse.Namespace, log: Callable[[str], None] | None 
         with in_process_server(args, api_key, log=log) as (url, model_vocab):
             vocab = args.vocab_size or model_vocab
             server_desc = (f"in-process kvfold serve --model {args.model} on {url} (max-running {args.max_running}, "
-                           f"{args.device}, {args.dtype}; client and server share one process)")
+                           f"{args.device}, {args.dtype}, {args.weights} weights, {torch.get_num_threads()} kernel "
+                           "threads; client and server share one process)")
             run = go(check_loopback_url(url), vocab)
 
     return _write_result(args, run, started=started, machine=machine, server_desc=server_desc, vocab=vocab)

@@ -36,6 +36,9 @@ _HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_w
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11", "-ffp-contract=off"]
 # tried in order: a compiler without -march=native or OpenMP still builds the kernels (single-threaded)
 _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
+# KVFOLD_NATIVE_ISA=avx2 builds without AVX-512, as an AVX2 machine would: the kernels promise the
+# same bits with and without it (native_weights.h), and `make test` checks that on one machine.
+_ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -80,10 +83,18 @@ def _cpu_key() -> str:
     return platform.processor() or platform.machine()
 
 
+def _isa_flags() -> list[str]:
+    isa = os.environ.get("KVFOLD_NATIVE_ISA", "native")
+    if isa not in _ISA_FLAGS:
+        raise ValueError(f"KVFOLD_NATIVE_ISA={isa!r}: use one of {', '.join(_ISA_FLAGS)}")
+    return _ISA_FLAGS[isa]
+
+
 def _build(compiler: str) -> Path:
+    isa = _isa_flags()
     for extra in _VARIANTS[:-1]:
         try:
-            return _build_with(compiler, _FLAGS + extra)
+            return _build_with(compiler, _FLAGS + extra + isa)
         except subprocess.CalledProcessError:
             pass
     return _build_with(compiler, _FLAGS + _VARIANTS[-1])

@@ -59,7 +59,28 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "... --tp N; rank 0 serves HTTP and schedules, the others follow")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=_DTYPES, default="float32", help="weight dtype (default float32)")
+    p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
+                   help="dequant: decode FP8/FP4 weights at load; quantized: keep them as stored, read by the "
+                        "native kernels (default dequant)")
+    p.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="threads of the model's kernels (default: one fewer than torch's count, at least 1, so "
+                        "the HTTP front end keeps a core; see serving_threads)")
     return p
+
+
+def serving_threads(requested: int | None = None) -> int:
+    """The kernels' thread count in a serving process: `requested`, else torch's count but at
+    most one fewer than the CPUs this process may run on (at least 1). The HTTP front end
+    (uvicorn, detokenisation, SSE framing) needs a core of its own: OpenMP's workers spin between
+    kernel calls, so a pool as wide as the machine keeps that core busy and every streamed token
+    then waits for the scheduler (bench/RESULTS.md has the measurements). Calling it again gives
+    the same count. The count changes no bits: the kernels split output columns, never a
+    reduction."""
+    import torch
+    if requested is not None:
+        return requested
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cpus - 1))
 
 
 def build_engine(args: argparse.Namespace):
@@ -74,7 +95,7 @@ def build_engine(args: argparse.Namespace):
         from ..parallel.group import join_group
         join_group(tp, args.device)
     model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                              **({"tp": tp} if tp > 1 else {}))
+                              weights=getattr(args, "weights", "dequant"), **({"tp": tp} if tp > 1 else {}))
     try:
         return Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
                       max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
@@ -104,8 +125,10 @@ def build_app(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace) -> int:
     """`kvfold serve`: run until interrupted. Returns the exit status."""
+    import torch
     import uvicorn
 
+    torch.set_num_threads(serving_threads(args.threads))
     if getattr(args, "tp", 1) > 1:
         import torch.distributed as dist
         from ..parallel.group import join_group
