@@ -184,6 +184,22 @@ def test_a_build_without_avx2_decodes_to_the_same_bits(tmp_path):
     assert native.available()
 
 
+def test_a_build_without_avx512_decodes_to_the_same_bits(tmp_path):
+    """KVFOLD_NATIVE_ISA=avx2 builds the kernels as an AVX2 machine does (`make test` runs the
+    batch-invariance tests with it): on an AVX-512 machine the compiler's vectorised loops then use
+    other instructions, and the bits must not move."""
+    env = dict(__import__("os").environ, KVFOLD_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
+                           env={**env, "KVFOLD_NATIVE_ISA": isa}) for isa in ("avx2", "native")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    assert runs[0].stdout.split()[0] == "True" and runs[0].stdout == runs[1].stdout
+    assert len(list((tmp_path / "cache").glob("native-*.so"))) == 2  # two builds, not one reused
+    bad = subprocess.run([sys.executable, "-c", "from kvfold.numerics import native; native.library()"],
+                         capture_output=True, text=True, timeout=300, env={**env, "KVFOLD_NATIVE_ISA": "avx9"})
+    assert bad.returncode != 0 and "KVFOLD_NATIVE_ISA='avx9': use one of native, avx2" in bad.stderr
+
+
 def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
     from kvfold.layers.basic import NATIVE_ROWS, Linear
     lin = Linear(136, 40, torch.bfloat16)

@@ -9,7 +9,7 @@ The library builds native.c with the system C compiler (`cc`, or $CC) into a per
 ($KVFOLD_CACHE_DIR, else $XDG_CACHE_HOME/kvfold, else ~/.cache/kvfold) on first use, keyed by the
 source, flags and CPU, and falls back to the torch formulas when no compiler is found, with one
 warning. KVFOLD_NATIVE=0 turns the kernels off (for A/B runs); `use_native(False)` does the same
-in-process. Only fp32 CPU tensors reach the kernels; other dtypes and devices keep torch.
+in-process. KVFOLD_NATIVE_ISA=avx2 builds them without AVX-512 (the same bits, checked by the tests). Only fp32 CPU tensors reach the kernels; other dtypes and devices keep torch.
 """
 from __future__ import annotations
 
