@@ -41,6 +41,11 @@ def scope(name: str):
     return _QUIET if _listener is None else _Scope(_listener, name)
 
 
+def quiet() -> bool:
+    """Whether no profiler listens (fused paths that would hide the scopes run only then)."""
+    return _listener is None
+
+
 @contextlib.contextmanager
 def listening(listener: Any) -> Iterator[Any]:
     """Within: every `scope(name)` calls listener.enter(name) on entry and listener.exit() on exit."""

@@ -207,15 +207,33 @@ def test_a_decode_row_in_one_native_call_gives_the_per_op_bits_and_state(tiny, m
     write) against the per-op `_one_sequence`: the same logits at every step and the same state
     bytes, through window and compressor ring wrap-around, emitted entries in private and paged
     pools, and a rewind."""
-    from kvfold.models.deepseek_v4 import attention
+    from kvfold.models.deepseek_v4 import attention, model
+    monkeypatch.setattr(model, "block_row", lambda *a: None)  # the block op by op, its attention row fused
+    _fused_against_per_op(tiny, monkeypatch, attention, "sequence_row", paged, on)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("on", [False, True])
+def test_a_decode_block_in_one_native_call_gives_the_per_op_bits_and_state(tiny, monkeypatch, paged, on):
+    """native_block.h's one-call block (mHC collapses and expands, norms, the attention's three
+    fused calls, the MoE row) against Block.forward op by op: the same logits at every step and
+    the same state bytes, through ring wrap-around, emitted entries and a rewind."""
+    from kvfold.models.deepseek_v4 import model
+    _fused_against_per_op(tiny, monkeypatch, model, "block_row", paged, on)
+
+
+def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on: bool) -> None:
+    """A 37-token prefill, then 90 decode steps with a rewind of 5 at step 60, with `module.name`
+    (a fused decode path) on and then returning None (the per-op path): every decode row must take
+    it, and the logits and the final state's snapshot must be the same bytes."""
     from test_pages import fragmented_pool
-    fused = attention.sequence_row
+    fused = getattr(module, name)
     used = []
     v = tiny.config.vocab_size
     prompt, steps = random_ids(37, v, seed=3), random_ids(90, v, seed=4)
 
     def run(native_row: bool):
-        monkeypatch.setattr(attention, "sequence_row", (lambda *a: used.append(fused(*a)) or used[-1])
+        monkeypatch.setattr(module, name, (lambda *a: used.append(fused(*a)) or used[-1])
                             if native_row else (lambda *a: None))
         pool = fragmented_pool(tiny, 8) if paged else None
         st = tiny.new_state(capacity=300, max_rewind=6, pages=pool)
@@ -229,7 +247,8 @@ def test_a_decode_row_in_one_native_call_gives_the_per_op_bits_and_state(tiny, m
     with batch_invariance(tiny, on):
         native_logits, native_blob = run(True)
         per_op_logits, per_op_blob = run(False)
-    assert used and all(o is not None for o in used)  # every decode row took the native call
+    decode_calls = [o for o in used if o is not None]
+    assert len(decode_calls) == 90 * tiny.config.num_hidden_layers  # every layer of every decode row
     assert torch.equal(native_logits, per_op_logits) and native_blob == per_op_blob
 
 
@@ -346,3 +365,31 @@ def test_a_refused_batch_changes_no_state(tiny):
     with pytest.raises(CapacityError):
         tiny.forward_batch([([1], ok), ([2], full)])
     assert (ok.snapshot(), full.snapshot()) == before and ok.pos == 10
+
+
+def test_a_forward_hook_on_a_block_sub_module_sees_every_decode_row(tiny):
+    """The one-call block would skip its sub-modules' __call__: a hook on one of them (or a global
+    one) makes the block run op by op, so the hook sees every row, and the logits are unchanged."""
+    from torch.nn.modules.module import register_module_forward_hook
+    v = tiny.config.vocab_size
+    prompt, steps = random_ids(20, v, seed=5), random_ids(6, v, seed=6)
+
+    def run():
+        st = tiny.new_state(capacity=64)
+        return torch.cat([tiny.forward(prompt, st)] + [tiny.forward([t], st) for t in steps])
+
+    plain = run()
+    seen = []
+    handle = tiny.model.layers[1].mlp.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+    try:
+        hooked = run()
+    finally:
+        handle.remove()
+    assert seen == [20] + [1] * len(steps) and torch.equal(hooked, plain)
+    calls = []
+    handle = register_module_forward_hook(lambda mod, args, out: calls.append(type(mod).__name__))
+    try:
+        assert torch.equal(run(), plain)
+    finally:
+        handle.remove()
+    assert calls.count("MoE") == tiny.config.num_hidden_layers * (1 + len(steps))

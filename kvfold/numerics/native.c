@@ -501,3 +501,4 @@ int kv_pool_windows(const float *kv, const float *score, int64_t n_w, int64_t ra
 }
 
 #include "native_attention.h" /* the attention layer's fused halves, composed of the kernels above */
+#include "native_block.h"     /* a V4 block's decode row, composed of the attention's halves and the MoE row */

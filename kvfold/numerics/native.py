@@ -30,7 +30,8 @@ import torch
 from ..paths import cache_root
 
 _SOURCE = Path(__file__).with_name("native.c")
-_HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_weights.h", "native_attention.h"))  # included by native.c
+_HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_weights.h", "native_attention.h",
+                                                         "native_block.h"))  # included by native.c
 # -ffp-contract=off: every C expression is evaluated as written (no fused multiply-adds chosen by the
 # compiler), so the kernels' arithmetic is fixed by the source (native.c's header).
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11", "-ffp-contract=off"]
@@ -63,6 +64,7 @@ _SIGNATURES = {
     "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "kv_attn_output": (ctypes.c_int, [_P, _P, _I, _P, _P, _P]),
     "kv_attn_sequence_one": (ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "kv_block_decode_one": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P]),
 }
 
 _lock = threading.Lock()

@@ -305,7 +305,17 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     if (block < 4) block = 4;
     int64_t n_blocks = (n + block - 1) / block;
     int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS), failed = 0;
-    #pragma omp parallel num_threads(threads) if(threads > 1 && n_blocks > 1) reduction(|:failed)
+    if (threads <= 1 || n_blocks <= 1) {
+        float *panel = need_panel ? malloc(sizeof(float) * (size_t)(block * k)) : NULL;
+        if (need_panel && !panel) return -1;
+        for (int64_t b = 0; b < n_blocks; b++) {
+            int64_t n0 = b * block, n1 = n0 + block < n ? n0 + block : n;
+            weights_cols(x, ldx, w, index, out, ldo, m, n0, n1, panel, block);
+        }
+        free(panel);
+        return 0;
+    }
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *panel = need_panel ? malloc(sizeof(float) * (size_t)(block * k)) : NULL;
         if (need_panel && !panel) failed = 1;

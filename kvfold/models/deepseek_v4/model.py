@@ -16,6 +16,7 @@ from .attention import Attention
 from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperConnection, HyperHead
 from .moe import MoE
+from .native_block import block_row
 from ...layers.rows import RowBatch
 from ...numerics import RopeTable
 from .state import Dsv4State, LayerState, compressor_state
@@ -40,6 +41,9 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, batch: RowBatch) -> torch.Tensor:
         """streams [R, hc, hidden] of the batch's rows -> the same after this layer."""
+        fused = block_row(self, streams, batch)  # a lone decode row: the calls below as one native call
+        if fused is not None:
+            return fused
         x, post, comb = self.attn_hc.collapse(streams)
         y = self.self_attn(self.input_layernorm(x), batch)
         streams = HyperConnection.expand(streams, y, post, comb)

@@ -156,7 +156,7 @@ def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torc
     out = torch.empty(m, h, dtype=torch.float32)
     ptr = lambda d: None if d is None else ctypes.addressof(d[0])  # noqa: E731
     is_hash = moe.gate.is_hash
-    threads = torch.get_num_threads() if 4 * m * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
+    threads = moe_threads(m, h, k, inter, s_inter)
     rc = lib.kv_moe_rows(x.data_ptr(), m, h, router.data_ptr(), e, SCORING[moe.gate.scoring],
                          None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
                          token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, ptr(w13), ptr(w2), inter,
@@ -164,7 +164,42 @@ def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torc
     return out if rc == 0 else None
 
 
+class MoeLayer(ctypes.Structure):
+    """native.c's moe_layer, field for field: what kv_moe_rows passes moe_row."""
+    _fields_ = [("h", ctypes.c_int64), ("e", ctypes.c_int64), ("k", ctypes.c_int64), ("n_group", ctypes.c_int64),
+                ("topk_group", ctypes.c_int64), ("inter", ctypes.c_int64), ("shared_inter", ctypes.c_int64),
+                ("scoring", ctypes.c_int), ("renorm", ctypes.c_int), ("route_scale", ctypes.c_double),
+                ("limit", ctypes.c_float), ("router_w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("tid2eid", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
+                ("shared_gate", ctypes.c_void_p), ("shared_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p)]
+
+
+def native_moe_layer(moe: MoE) -> tuple[MoeLayer, int] | None:
+    """The layer as one decode row's moe_row reads it (the arguments `_native_moe_rows` passes
+    kv_moe_rows), with its thread count for one row; None where the kernels cannot serve it."""
+    ws = _cached_native_weights(moe)
+    if ws is None:
+        return None
+    hit = moe.__dict__.get("_native_layer")
+    if hit is None or hit[0] is not ws:
+        router, table, w13, w2, sg, su, sd = ws
+        e, h = router.shape
+        ptr = lambda d: None if d is None else ctypes.addressof(d[0])  # noqa: E731
+        is_hash = moe.gate.is_hash
+        layer = MoeLayer(h, e, moe.gate.k, 1, 1, w2[2], 0 if sg is None else sg[1], SCORING[moe.gate.scoring], 1,
+                         moe.gate.scale, moe.experts.limit, router.data_ptr(), None if is_hash else table.data_ptr(),
+                         table.data_ptr() if is_hash else None, ptr(w13), ptr(w2), ptr(sg), ptr(su), ptr(sd))
+        hit = moe.__dict__["_native_layer"] = (ws, layer)
+    layer = hit[1]
+    return layer, moe_threads(1, layer.h, layer.k, layer.inter, layer.shared_inter)
+
+
 _SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one thread (the count changes no bits)
+
+
+def moe_threads(m: int, h: int, k: int, inter: int, s_inter: int) -> int:
+    """The native MoE's thread count for m rows: one below _SERIAL_BYTES of weights, else torch's."""
+    return torch.get_num_threads() if 4 * m * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
 # Past this many rows a batch's rows share experts, and the grouped path (layers/moe.py) reads each
 # expert once for all its rows; below it each row reads its own k experts, in one native call.
 NATIVE_MOE_ROWS = 16

@@ -192,6 +192,17 @@ def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return out
 
 
+def fused_halves(attn) -> tuple[_ProjectLayer, _OutputLayer] | None:
+    """The layer's attn_project_layer and attn_output_layer as `project_rows` and `output_rows` use
+    them (threads: torch's count now), or None where either cannot run."""
+    project = _cached(attn, "_native_project", _projection_paths, _build_projection)
+    output = _cached(attn, "_native_output", lambda _: ["o_a_proj.weight", "o_b_proj.weight"], _build_output)
+    if project is None or output is None:
+        return None
+    project[0].threads = output[0].threads = torch.get_num_threads()
+    return project[0], output[0]
+
+
 class _FoldState(ctypes.Structure):
     _fields_ = [("kv", _P), ("score", _P), ("rows", _I), ("cols", _I), ("ratio", _I), ("overlap", _I),
                 ("pool", _P), ("phys", _P), ("width", _I), ("norm", _P), ("eps", _D)]
@@ -228,42 +239,58 @@ def _fold_state(comp, st, w: int | None) -> _FoldState | None:
                       comp.kv_norm.eps)
 
 
-def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor | None:
-    """`Attention._one_sequence` for one decode row in one native call (folds, selection,
-    attention, window write; native_attention.h), or None where its state or numerics are not
-    what the kernel reads (then nothing has been written)."""
-    if attn.simulate_kv or attn.sinks.dtype is not _F32:
+def sequence_layer(attn, ls, start: int, rope) -> tuple[_SequenceLayer, torch.Tensor | None,
+                                                         torch.Tensor | None] | None:
+    """What native.c's decode row reads and writes of `ls` at position `start` (a sequence_layer),
+    with the rope (cos, sin) of the entry a closing window emits (None, None when none closes);
+    None where the state or the numerics are not what the kernel reads. A shared page under the
+    entry the row would write refuses here (PageError), before any write."""
+    if attn.simulate_kv or not native.fp32_cpu(attn.sinks):
         return None
-    q, kv = take(rows["q"]), take(rows["kv"])
     window = _ring(ls.window)
-    lib = native.serving(q, kv, attn.sinks)
-    if lib is None or window is None:
+    if window is None:
         return None
     c = attn.compressor
     emits = c is not None and (start + 1) % c.ratio == 0
     w = start // c.ratio if emits else None
     layer = _SequenceLayer(window.data_ptr(), ls.window.rows, attn.window, attn.n_heads, attn.head_dim,
                            attn.rope_dim // 2, 0, _KINDS[attn.kind], attn.head_dim ** -0.5, attn.sinks.data_ptr())
-    parts = [q, kv]
     if c is not None:
         comp = _fold_state(c, ls.compressor, w)
         if comp is None:
             return None
         layer.comp = comp
-        parts += [take(rows["comp"][0]), take(rows["comp"][1])]
         if attn.kind == CSA:
             ix = c.indexer
             index = _fold_state(ix, ls.indexer, w)
             if index is None:
                 return None
             layer.index, layer.topk, layer.index_heads, layer.index_dim = index, ix.topk, ix.n_heads, ix.head_dim
+    if not emits:
+        return layer, None, None
+    return (layer, *rope.cos_sin(torch.tensor([w * c.ratio])))
+
+
+def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor | None:
+    """`Attention._one_sequence` for one decode row in one native call (folds, selection,
+    attention, window write; native_attention.h), or None where its state or numerics are not
+    what the kernel reads (then nothing has been written)."""
+    q, kv = take(rows["q"]), take(rows["kv"])
+    lib = native.serving(q, kv)
+    if lib is None:
+        return None
+    parts = [q, kv]
+    if attn.compressor is not None:
+        parts += [take(rows["comp"][0]), take(rows["comp"][1])]
+        if attn.kind == CSA:
             parts += [take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), take(rows["idx_q"][0]),
                       take(rows["idx_q"][1])]
     if not native.fp32_cpu(*parts):
         return None
-    cos = sin = None
-    if emits:
-        cos, sin = rope.cos_sin(torch.tensor([w * c.ratio]))
+    found = sequence_layer(attn, ls, start, rope)
+    if found is None:
+        return None
+    layer, cos, sin = found
     ptrs = [t.data_ptr() for t in parts] + [None] * (8 - len(parts))
     out = torch.empty(1, attn.n_heads, attn.head_dim, dtype=_F32)
     if lib.kv_attn_sequence_one(ctypes.addressof(layer), start, *ptrs, None if cos is None else cos.data_ptr(),
