@@ -479,6 +479,34 @@ def _case_attn_sequence_one(g):
     return got, want
 
 
+def _case_block_decode_one(g):
+    """A CSA block's decode row at a position that closes a compressor window: the one native call
+    (native_block.h) against Block.forward in torch, the native kernels off, on a copy of the state."""
+    import kvfold
+    from kvfold.layers.rows import RowBatch, Segment
+    from kvfold.models.deepseek_v4.config import SLIDING
+    from kvfold.models.deepseek_v4.native_block import block_row
+    model = kvfold.load_model("tiny-random")
+    model.set_batch_invariant(False)
+    ids = torch.randint(0, model.config.vocab_size, (63,), generator=g).tolist()
+
+    def batch(state):
+        b = RowBatch(torch.tensor([ids[5]]), torch.tensor([63]), [Segment(0, 1, 63, state)])
+        b.rope[SLIDING] = (model.rope_main, *model.rope_main.cos_sin(b.positions))
+        b.rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(b.positions))
+        return b
+    with torch.inference_mode():
+        st = model.new_state(capacity=128)
+        model.forward(ids, st)  # position 63 closes window 15 (ratio 4)
+        twin = model.new_state(capacity=128)
+        twin.restore(st.snapshot())
+        block = model.model.layers[1]
+        streams = torch.randn(1, model.config.hc_mult, model.config.hidden_size, generator=g)
+        got = block_row(block, streams, batch(st))
+        want = torch_path(block.forward, streams, batch(twin))
+    return got, want
+
+
 NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
@@ -487,7 +515,7 @@ NATIVE_CASES = {
     "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
     "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,
-    "kv_attn_sequence_one": _case_attn_sequence_one,
+    "kv_attn_sequence_one": _case_attn_sequence_one, "kv_block_decode_one": _case_block_decode_one,
 }
 
 
