@@ -166,6 +166,15 @@ static inline float block_factor(int64_t fmt, float scale) {
     return isinf(f) && !isinf(scale) ? 0.0f : f;
 }
 
+/* Start loading one cache line of each of `n` rows of `row_bytes` from `at`. A tile reads its
+ * rows' bytes in order, but a decode row's matrix streams from L3 or memory, and the hardware
+ * prefetcher learns each new 4 KiB page afresh (a tile of four 1 KiB rows is one page): asking
+ * for the lines of the tile after next while this one computes hides that wait (bench/RESULTS.md
+ * has the distances tried). A prefetch loads nothing into a register, so no result changes. */
+static inline void prefetch_rows(const uint8_t *at, int64_t row_bytes, int n) {
+    for (int c = 0; c < n; c++) _mm_prefetch((const char *)(at + c * row_bytes), _MM_HINT_T0);
+}
+
 /* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
  * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
  * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail) */
@@ -175,6 +184,7 @@ static inline float block_factor(int64_t fmt, float scale) {
         const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
         const int64_t rb = weights_row_bytes(w);                                                      \
         const int nan_codes = (int)w->nan_codes;                                                      \
+        const int64_t values_per_line = 64 * k / rb; /* values of a row in one 64-byte cache line */  \
         __m256 acc[NR];                                                                               \
         int64_t srow[NR];                                                                             \
         for (int c = 0; c < NR; c++) {                                                                \
@@ -197,6 +207,8 @@ static inline float block_factor(int64_t fmt, float scale) {
             }                                                                                         \
             for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                             \
                 __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);              \
+                if (i % values_per_line == 0) /* two tiles on, a line of each row: see prefetch_rows */ \
+                    prefetch_rows(data + (j0 + 2 * NR) * rb + i * rb / k, rb, NR);                      \
                 for (int c = 0; c < NR; c++) {                                                        \
                     __m256 lo, hi;                                                                    \
                     codes16(FMT, nan_codes, data + (j0 + c) * rb, i, &lo, &hi);                       \
