@@ -122,7 +122,7 @@ def add_serve_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--weights", choices=("dequant", "quantized"), default="dequant",
                    help="as kvfold serve --weights (default dequant)")
     g.add_argument("--threads", type=_bounded_int(1, 1024), default=None,
-                   help="the server's kernel threads (default: as kvfold serve, one fewer than torch's count)")
+                   help="the server's kernel threads (default: as kvfold serve, at most one fewer than the CPUs)")
     return p
 
 

@@ -28,7 +28,8 @@ from .rows import row_mm, rows_invariant
 _NATIVE_SERIAL_MACS = 1 << 24
 
 
-def _native_hc(t: int, fn: torch.Tensor) -> bool:
+def native_collapse_serves(t: int, fn: torch.Tensor) -> bool:
+    """Whether a collapse of t rows with this fn takes the native kernel (see above)."""
     return rows_invariant() or torch.get_num_threads() == 1 or t * fn.numel() <= _NATIVE_SERIAL_MACS
 
 
@@ -82,7 +83,7 @@ def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     """streams [T, hc, d] -> (sum_k pre_k * stream_k [T, d], post [T, hc], comb [T, hc, hc])."""
     t, hc, d = streams.shape
     lib = native.serving(streams, fn, base, scale)
-    if lib is not None and _native_hc(t, fn):
+    if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         post = torch.empty(t, hc, dtype=torch.float32)
         comb = torch.empty(t, hc, hc, dtype=torch.float32)
@@ -98,7 +99,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """The final collapse sum_k pre_k * stream_k [T, d], pre from `hc_head_weights`."""
     t, hc, d = streams.shape
     lib = native.serving(streams, fn, base, scale)
-    if lib is not None and _native_hc(t, fn):
+    if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         if lib.kv_hc_head(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
                           hc_eps, norm_eps, out.data_ptr()) == 0:

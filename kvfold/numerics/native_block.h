@@ -43,9 +43,9 @@ static int collapse_norm(const hc_entry *H, const float *streams, int64_t hc, in
 
 /* The block for the row at position `start` (token id *token): streams [hc, hid] -> out [hc, hid].
  * (cs, sn): the layer's rope at `start`; (emit_cs, emit_sn): the rope of the entry a closing
- * window emits (NULL when none closes). Every argument kv_attn_sequence_one or moe_row could
- * refuse is checked first, so a refusal (-2) writes nothing; -1: a buffer could not be allocated
- * (the state may then be part-written, as with kv_attn_sequence_one). */
+ * window emits (NULL when none closes). The routing arguments moe_row would refuse are checked
+ * first, so a refusal (-2) writes nothing; -1: a buffer could not be allocated (the state may
+ * then be part-written, as with kv_attn_sequence_one). */
 int kv_block_decode_one(const block_layer *B, const sequence_layer *S, int64_t start, const int64_t *token,
                         const float *cs, const float *sn, const float *emit_cs, const float *emit_sn,
                         const float *streams, float *out) {

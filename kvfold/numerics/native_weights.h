@@ -317,7 +317,7 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     if (block < 4) block = 4;
     int64_t n_blocks = (n + block - 1) / block;
     int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS), failed = 0;
-    if (threads <= 1 || n_blocks <= 1) {
+    if (threads <= 1 || n_blocks <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
         float *panel = need_panel ? malloc(sizeof(float) * (size_t)(block * k)) : NULL;
         if (need_panel && !panel) return -1;
         for (int64_t b = 0; b < n_blocks; b++) {

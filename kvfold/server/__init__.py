@@ -63,8 +63,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="dequant: decode FP8/FP4 weights at load; quantized: keep them as stored, read by the "
                         "native kernels (default dequant)")
     p.add_argument("--threads", type=_int_at_least(1), default=None,
-                   help="threads of the model's kernels (default: one fewer than torch's count, at least 1, so "
-                        "the HTTP front end keeps a core; see serving_threads)")
+                   help="threads of the model's kernels (default: torch's count, at most one fewer than the "
+                        "CPUs, so the HTTP front end keeps a core)")
     return p
 
 

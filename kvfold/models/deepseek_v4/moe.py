@@ -195,11 +195,11 @@ def native_moe_layer(moe: MoE) -> tuple[MoeLayer, int] | None:
 
 
 _SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one thread (the count changes no bits)
+# Past this many rows a batch's rows share experts, and the grouped path (layers/moe.py) reads each
+# expert once for all its rows; below it each row reads its own k experts, in one native call.
+NATIVE_MOE_ROWS = 16
 
 
 def moe_threads(m: int, h: int, k: int, inter: int, s_inter: int) -> int:
     """The native MoE's thread count for m rows: one below _SERIAL_BYTES of weights, else torch's."""
     return torch.get_num_threads() if 4 * m * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
-# Past this many rows a batch's rows share experts, and the grouped path (layers/moe.py) reads each
-# expert once for all its rows; below it each row reads its own k experts, in one native call.
-NATIVE_MOE_ROWS = 16

@@ -19,7 +19,7 @@ from torch.nn.modules import module as _module
 from ... import profiling
 from ...layers.native_cache import NativeCache
 from ...numerics import native, triton_ops
-from ...numerics.hc import _native_hc
+from ...numerics.hc import native_collapse_serves
 from .config import SLIDING
 from .moe import native_moe_layer
 from .native_attention import fused_halves, sequence_layer
@@ -50,7 +50,7 @@ def _paths(block) -> list[str]:
 
 def _entry(hc, norm) -> _HcEntry | None:
     p, w = hc._parameters, norm._parameters["weight"]
-    if not native.fp32_cpu(p["fn"], p["base"], p["scale"], w) or not _native_hc(1, p["fn"]):
+    if not native.fp32_cpu(p["fn"], p["base"], p["scale"], w):
         return None
     return _HcEntry(p["fn"].data_ptr(), p["base"].data_ptr(), p["scale"].data_ptr(), hc.iters, hc.hc_eps,
                     hc.norm_eps, w.data_ptr(), norm.eps)
@@ -90,8 +90,9 @@ def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
     if cache is None:
         cache = block.__dict__["_native_block"] = NativeCache(block, _paths(block), lambda: _build(block))
     layer, halves, moe_layer = cache.get(), fused_halves(attn), native_moe_layer(moe)
-    if layer is None or halves is None or moe_layer is None:
-        return None
+    if layer is None or halves is None or moe_layer is None or not all(
+            native_collapse_serves(1, hc._parameters["fn"]) for hc in (block.attn_hc, block.ffn_hc)):
+        return None  # (whether the collapse is native depends on the mode and threads of this call)
     seg = batch.segments[0]
     found = sequence_layer(attn, seg.state.layers[attn.layer_idx], seg.start, rope)
     if found is None:
