@@ -208,6 +208,7 @@ def test_a_decode_row_in_one_native_call_gives_the_per_op_bits_and_state(tiny, m
     bytes, through window and compressor ring wrap-around, emitted entries in private and paged
     pools, and a rewind."""
     from kvfold.models.deepseek_v4 import attention, model
+    monkeypatch.setattr(model, "model_row", lambda *a: None)
     monkeypatch.setattr(model, "block_row", lambda *a: None)  # the block op by op, its attention row fused
     _fused_against_per_op(tiny, monkeypatch, attention, "sequence_row", paged, on)
 
@@ -219,13 +220,27 @@ def test_a_decode_block_in_one_native_call_gives_the_per_op_bits_and_state(tiny,
     fused calls, the MoE row) against Block.forward op by op: the same logits at every step and
     the same state bytes, through ring wrap-around, emitted entries and a rewind."""
     from kvfold.models.deepseek_v4 import model
+    monkeypatch.setattr(model, "model_row", lambda *a: None)  # the model's glue op by op, each block fused
     _fused_against_per_op(tiny, monkeypatch, model, "block_row", paged, on)
 
 
-def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on: bool) -> None:
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("on", [False, True])
+def test_a_decode_row_of_the_whole_model_in_one_native_call_gives_the_per_op_bits_and_state(tiny, monkeypatch,
+                                                                                            paged, on):
+    """native_block.h's one-call model row (the embedding, every block, the mHC head, the norm and
+    the lm_head) against the per-op path: the same logits at every step and the same state
+    bytes. Outside batch invariance an fp32 lm_head runs torch's GEMM, so the row is not fused."""
+    from kvfold.models.deepseek_v4 import model
+    _fused_against_per_op(tiny, monkeypatch, model, "model_row", paged, on, per_step=1 if on else 0)
+
+
+def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on: bool,
+                          per_step: int | None = None) -> None:
     """A 37-token prefill, then 90 decode steps with a rewind of 5 at step 60, with `module.name`
     (a fused decode path) on and then returning None (the per-op path): every decode row must take
-    it, and the logits and the final state's snapshot must be the same bytes."""
+    it (`per_step` times; default once per layer), and the logits and the final state's snapshot
+    must be the same bytes."""
     from test_pages import fragmented_pool
     fused = getattr(module, name)
     used = []
@@ -248,7 +263,8 @@ def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on:
         native_logits, native_blob = run(True)
         per_op_logits, per_op_blob = run(False)
     decode_calls = [o for o in used if o is not None]
-    assert len(decode_calls) == 90 * tiny.config.num_hidden_layers  # every layer of every decode row
+    per_step = tiny.config.num_hidden_layers if per_step is None else per_step
+    assert len(decode_calls) == 90 * per_step  # every decode row took it
     assert torch.equal(native_logits, per_op_logits) and native_blob == per_op_blob
 
 

@@ -507,6 +507,34 @@ def _case_block_decode_one(g):
     return got, want
 
 
+def _case_model_decode_one(g):
+    """The whole model's decode row at a position that closes compressor windows (batch-invariant,
+    so the fp32 lm_head is native too): the one native call against the forward in torch (native
+    kernels and batch invariance off) on a copy of the state."""
+    import kvfold
+    from kvfold.models.deepseek_v4 import native_block
+    model = kvfold.load_model("tiny-random")
+    model.set_batch_invariant(True)
+    ids = torch.randint(0, model.config.vocab_size, (63,), generator=g).tolist()
+    used = []
+    fused = native_block.model_row
+    with torch.inference_mode():
+        st = model.new_state(capacity=128)
+        model.forward(ids, st)
+        twin = model.new_state(capacity=128)
+        twin.restore(st.snapshot())
+        from kvfold.models.deepseek_v4 import model as model_module
+        model_module.model_row = lambda *a: used.append(fused(*a)) or used[-1]
+        try:
+            got = model.forward([ids[7]], st)
+        finally:
+            model_module.model_row = fused
+        model.set_batch_invariant(False)  # the torch path's mode (it needs no native kernels)
+        want = torch_path(model.forward, [ids[7]], twin)
+    assert used and used[0] is not None  # the row took the one native call
+    return got, want
+
+
 NATIVE_CASES = {
     "kv_rms_norm": _case_rms_norm, "kv_rope": _case_rope, "kv_hc_collapse": _case_hc_collapse,
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
@@ -516,6 +544,7 @@ NATIVE_CASES = {
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
     "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,
     "kv_attn_sequence_one": _case_attn_sequence_one, "kv_block_decode_one": _case_block_decode_one,
+    "kv_model_decode_one": _case_model_decode_one,
 }
 
 

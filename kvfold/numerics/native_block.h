@@ -46,15 +46,21 @@ static int collapse_norm(const hc_entry *H, const float *streams, int64_t hc, in
  * window emits (NULL when none closes). The routing arguments moe_row would refuse are checked
  * first, so a refusal (-2) writes nothing; -1: a buffer could not be allocated (the state may
  * then be part-written, as with kv_attn_sequence_one). */
+/* whether kv_block_decode_one would refuse B before writing anything (the routing arguments
+ * moe_row checks, the mHC width) */
+static int block_refuses(const block_layer *B) {
+    const moe_layer *M = B->moe;
+    return B->hc < 1 || B->hc > HC_MAX || M->k < 1 || M->k > MOE_MAX_K || M->k > M->e || M->n_group < 1
+           || M->n_group > MOE_MAX_GROUPS || M->e % M->n_group || M->topk_group < 1 || M->topk_group > M->n_group;
+}
+
 int kv_block_decode_one(const block_layer *B, const sequence_layer *S, int64_t start, const int64_t *token,
                         const float *cs, const float *sn, const float *emit_cs, const float *emit_sn,
                         const float *streams, float *out) {
     const attn_project_layer *P = B->project;
     const moe_layer *M = B->moe;
     int64_t hc = B->hc, hid = B->hid, hd = P->heads * P->head_dim;
-    if (hc < 1 || hc > HC_MAX || M->k < 1 || M->k > MOE_MAX_K || M->k > M->e || M->n_group < 1
-        || M->n_group > MOE_MAX_GROUPS || M->e % M->n_group || M->topk_group < 1 || M->topk_group > M->n_group)
-        return -2;
+    if (block_refuses(B)) return -2;
     int64_t cc = P->comp.kv ? P->comp.cols : 0, ic = P->index.kv ? P->index.cols : 0;
     int64_t ih = P->index.kv ? P->index_heads : 0, iq = ih * P->index_dim;
     int64_t n = hid + hc + hc * hc + hd + P->head_dim + 2 * cc + 2 * ic + iq + ih + hd + hid + hc * hid;
@@ -76,6 +82,60 @@ int kv_block_decode_one(const block_layer *B, const sequence_layer *S, int64_t s
     if (!rc) rc = moe_row(M, x, token, B->moe_threads, y);
     if (!rc) kv_hc_expand(mid, y, post, comb, 1, hc, hid, out);
     free(x);
+    return rc ? -1 : 0;
+}
+
+/* The model around its blocks: the embedding, the mHC head, the final norm and the lm_head. */
+typedef struct {
+    int64_t hc, hid, vocab, layers;
+    const kv_weights *embed;                 /* [vocab, hid]: fp32, or as stored (bf16, ...) */
+    const float *head_fn, *head_base, *head_scale;
+    double head_hc_eps, head_norm_eps;
+    const float *norm;
+    double norm_eps;
+    const kv_weights *lm_head;               /* [vocab, hid] */
+    int64_t head_threads;
+} model_layer;
+
+/* CausalLM.forward's rows for one sequence's decode row (Dsv4Model._run_rows): the token's
+ * embedding row (an fp32 row as it is, another format through decode_row: the value a load-time
+ * decode writes) copied into the hc streams,
+ * each block as kv_block_decode_one runs it (block i with its state S[i] and its rope
+ * rope[4i .. 4i+3] = cs, sn, emit_cs, emit_sn), then the head's collapse (kv_hc_head), the norm
+ * and the lm_head (weights_matmul), in that order. Writes the final streams [hc, hid] and the
+ * logits [vocab]. Every block is checked for refusal before any is run, so -2 writes nothing;
+ * -1: a buffer could not be allocated (the state may then be part-written). */
+int kv_model_decode_one(const model_layer *M, const block_layer *const *B, const sequence_layer *const *S,
+                        const float *const *rope, int64_t start, const int64_t *token, float *streams,
+                        float *logits) {
+    int64_t hc = M->hc, hid = M->hid;
+    if (*token < 0 || *token >= M->vocab || hc < 1 || hc > HC_MAX) return -2;
+    for (int64_t i = 0; i < M->layers; i++)
+        if (B[i]->hc != hc || B[i]->hid != hid || block_refuses(B[i])) return -2;
+    float *cur = malloc(sizeof(float) * (size_t)(2 * hc * hid + hid));
+    if (!cur) return -1;
+    float *next = cur + hc * hid, *x = next + hc * hid;
+    if (M->embed->fmt == KV_F32) /* decode_row reads the other formats */
+        memcpy(x, (const float *)M->embed->data + *token * hid, sizeof(float) * (size_t)hid);
+    else
+        decode_row(M->embed, (const uint8_t *)M->embed->data, M->embed->scale, *token, x);
+    for (int64_t k = 0; k < hc; k++) memcpy(cur + k * hid, x, sizeof(float) * (size_t)hid);
+    int rc = 0;
+    for (int64_t i = 0; i < M->layers && !rc; i++) {
+        const float *const *r = rope + 4 * i;
+        rc = kv_block_decode_one(B[i], S[i], start, token, r[0], r[1], r[2], r[3], cur, next);
+        float *t = cur; cur = next; next = t;
+    }
+    if (!rc) {
+        memcpy(streams, cur, sizeof(float) * (size_t)(hc * hid));
+        rc = kv_hc_head(cur, M->head_fn, M->head_base, M->head_scale, 1, hc, hid, M->head_hc_eps,
+                        M->head_norm_eps, x);
+    }
+    if (!rc) {
+        kv_rms_norm(x, M->norm, x, 1, hid, M->norm_eps);
+        rc = weights_matmul(x, hid, M->lm_head, 0, logits, M->vocab, 1, M->vocab, M->head_threads);
+    }
+    free(cur < next ? cur : next);
     return rc ? -1 : 0;
 }
 

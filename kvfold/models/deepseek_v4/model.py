@@ -16,7 +16,7 @@ from .attention import Attention
 from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperConnection, HyperHead
 from .moe import MoE
-from .native_block import block_row
+from .native_block import block_row, model_row
 from ...layers.rows import RowBatch
 from ...numerics import RopeTable
 from .state import Dsv4State, LayerState, compressor_state
@@ -193,14 +193,19 @@ class Dsv4Model(CausalLM):
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
             batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))
-        streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
-        streams = streams.contiguous()
-        for block in self.model.layers:
-            streams = block(streams, batch)
+        fused = model_row(self, batch)  # a lone decode row: all of the below as one native call
+        if fused is not None:
+            logits, streams = fused
+        else:
+            streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
+            streams = streams.contiguous()
+            for block in self.model.layers:
+                streams = block(streams, batch)
         for seg in batch.segments:
             seg.state.pos = seg.state.written_until = seg.start + seg.length
-        h = streams[batch.scored_rows(last_only)]
-        logits = self.lm_head(self.model.norm(self.model.hc_head(h))).float()
+        if fused is None:
+            h = streams[batch.scored_rows(last_only)]
+            logits = self.lm_head(self.model.norm(self.model.hc_head(h))).float()
         return batch.split_scored(logits, last_only), streams
 
     # ---- accounting ----------------------------------------------------------------------------

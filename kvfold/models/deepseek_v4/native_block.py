@@ -17,9 +17,11 @@ import torch
 from torch.nn.modules import module as _module
 
 from ... import profiling
+from ...layers.basic import fp32_native_weights
 from ...layers.native_cache import NativeCache
 from ...numerics import native, triton_ops
 from ...numerics.hc import native_collapse_serves
+from ...numerics.rows import _threads, rows_invariant
 from .config import SLIDING
 from .moe import native_moe_layer
 from .native_attention import fused_halves, sequence_layer
@@ -71,17 +73,17 @@ def _hooked(block) -> bool:
     return any(subs[name]._forward_hooks or subs[name]._forward_pre_hooks for name in _CALLED)
 
 
-def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
-    """`Block.forward` for a batch of one decode row (streams [1, hc, hidden]) in one native call,
-    or None where any of its steps would not run natively (then nothing has been written)."""
+def _prepared(block, batch, hc: int, hid: int):
+    """What one block's native call needs for the batch's lone decode row: (lib, its block_layer,
+    its sequence_layer, (cos, sin, emit_cos, emit_sin)), or None where a step would not run
+    natively. A shared page under an entry the row would write refuses here (PageError), before
+    any write."""
     attn, moe = block.self_attn, block.mlp
-    if len(batch.segments) != 1 or streams.shape[0] != 1 or attn.tp is not None or moe.tp is not None \
-            or not profiling.quiet() or _hooked(block):
+    if attn.tp is not None or moe.tp is not None or _hooked(block):
         return None
     tokens = batch.token_ids
-    lib = native.serving(streams)
-    if lib is None or triton_ops.serving(streams.device) is not None or tokens.dtype != torch.int64 \
-            or not tokens.is_contiguous():
+    lib = native.library()
+    if lib is None or tokens.dtype != torch.int64 or not tokens.is_contiguous():
         return None
     rope, cos, sin = batch.rope[SLIDING if attn.kind == SLIDING else "compressed"]
     if not native.fp32_cpu(cos, sin) or cos.shape[0] != 1 or 2 * cos.shape[-1] != attn.rope_dim:
@@ -91,23 +93,102 @@ def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
         cache = block.__dict__["_native_block"] = NativeCache(block, _paths(block), lambda: _build(block))
     layer, halves, moe_layer = cache.get(), fused_halves(attn), native_moe_layer(moe)
     if layer is None or halves is None or moe_layer is None or not all(
-            native_collapse_serves(1, hc._parameters["fn"]) for hc in (block.attn_hc, block.ffn_hc)):
+            native_collapse_serves(1, hc_._parameters["fn"]) for hc_ in (block.attn_hc, block.ffn_hc)):
         return None  # (whether the collapse is native depends on the mode and threads of this call)
     seg = batch.segments[0]
     found = sequence_layer(attn, seg.state.layers[attn.layer_idx], seg.start, rope)
     if found is None:
         return None
     seq, emit_cos, emit_sin = found
-    layer.hc, layer.hid = streams.shape[1], streams.shape[2]
+    layer.hc, layer.hid = hc, hid
     layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
     layer.moe, layer.moe_threads = ctypes.addressof(moe_layer[0]), moe_layer[1]
+    return lib, layer, seq, (cos, sin, emit_cos, emit_sin)
+
+
+def _lone_decode_row(batch) -> bool:
+    return len(batch.segments) == 1 and batch.segments[0].length == 1 and profiling.quiet() \
+        and triton_ops.serving(batch.token_ids.device) is None
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
+    """`Block.forward` for a batch of one decode row (streams [1, hc, hidden]) in one native call,
+    or None where any of its steps would not run natively (then nothing has been written)."""
+    if streams.shape[0] != 1 or not _lone_decode_row(batch) or not native.fp32_cpu(streams):
+        return None
+    found = _prepared(block, batch, streams.shape[1], streams.shape[2])
+    if found is None:
+        return None
+    lib, layer, seq, rope = found
     out = torch.empty_like(streams)
-    rc = lib.kv_block_decode_one(ctypes.addressof(layer), ctypes.addressof(seq), seg.start, tokens.data_ptr(),
-                                 cos.data_ptr(), sin.data_ptr(), None if emit_cos is None else emit_cos.data_ptr(),
-                                 None if emit_sin is None else emit_sin.data_ptr(), streams.data_ptr(),
-                                 out.data_ptr())
+    rc = lib.kv_block_decode_one(ctypes.addressof(layer), ctypes.addressof(seq), batch.segments[0].start,
+                                 batch.token_ids.data_ptr(), *map(_ptr, rope), streams.data_ptr(), out.data_ptr())
     if rc == -2:
         return None  # refused before any write: the per-op path runs (and reports what it finds)
     if rc != 0:
         raise MemoryError("native decode block could not allocate its buffers")
     return out
+
+
+class _ModelLayer(ctypes.Structure):
+    """native_block.h's model_layer, field for field."""
+    _fields_ = [("hc", _I), ("hid", _I), ("vocab", _I), ("layers", _I), ("embed", _P), ("head_fn", _P),
+                ("head_base", _P), ("head_scale", _P), ("head_hc_eps", _D), ("head_norm_eps", _D), ("norm", _P),
+                ("norm_eps", _D), ("lm_head", _P), ("head_threads", _I)]
+
+
+def _head_weights(model):
+    """native.c's descriptors of the embedding and the lm_head where the per-op path reads them
+    natively too (an fp32 model: a QuantizedWeight, or an fp32 lm_head in batch-invariant mode),
+    else None."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    we = embed._parameters.get("weight")
+    e = fp32_native_weights(we if we is not None else embed._modules.get("weight"))
+    w = head._parameters.get("weight")
+    if head.act_quant or (w is not None and not rows_invariant()):
+        return None  # an fp32 parameter outside batch invariance: torch's GEMM (row_mm)
+    h = fp32_native_weights(w if w is not None else head._modules.get("weight"))
+    return None if e is None or h is None else (e, h)
+
+
+def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Dsv4Model._run_rows` for a batch of one decode row in one native call: the embedding, every
+    block, the mHC head, the norm and the lm_head (native_block.h). Returns (logits [1, vocab],
+    final streams [1, hc, hidden]), or None where any step would not run natively, a forward hook
+    would see one of the modules it skips, or a profiler listens (then nothing has been written)."""
+    body = model.model
+    outer = (body.embed_tokens, body.hc_head, body.norm, model.lm_head, *body.layers)
+    if not _lone_decode_row(batch) or model.tp is not None or any(m._forward_hooks or m._forward_pre_hooks
+                                                                  for m in outer):
+        return None
+    found = _head_weights(model)
+    p = body.hc_head._parameters
+    if found is None or not native.fp32_cpu(p["hc_fn"], p["hc_base"], p["hc_scale"], body.norm.weight) \
+            or not native_collapse_serves(1, p["hc_fn"]):
+        return None
+    (embed, vocab, hid), (head, _, _) = found
+    hc = model.config.hc_mult
+    calls = [_prepared(block, batch, hc, hid) for block in body.layers]
+    if any(c is None for c in calls):
+        return None
+    lib = calls[0][0]
+    n = len(calls)
+    blocks = (ctypes.c_void_p * n)(*(ctypes.addressof(c[1]) for c in calls))
+    seqs = (ctypes.c_void_p * n)(*(ctypes.addressof(c[2]) for c in calls))
+    rope = (ctypes.c_void_p * (4 * n))(*(_ptr(t) for c in calls for t in c[3]))
+    layer = _ModelLayer(hc, hid, vocab, n, ctypes.addressof(embed), p["hc_fn"].data_ptr(), p["hc_base"].data_ptr(),
+                        p["hc_scale"].data_ptr(), body.hc_head.hc_eps, body.hc_head.norm_eps, body.norm.weight.data_ptr(),
+                        body.norm.eps, ctypes.addressof(head), _threads(vocab * hid))
+    streams = torch.empty(1, hc, hid, dtype=torch.float32)
+    logits = torch.empty(1, vocab, dtype=torch.float32)
+    rc = lib.kv_model_decode_one(ctypes.addressof(layer), blocks, seqs, rope, batch.segments[0].start,
+                                 batch.token_ids.data_ptr(), streams.data_ptr(), logits.data_ptr())
+    if rc == -2:
+        return None  # refused before any write
+    if rc != 0:
+        raise MemoryError("native decode row could not allocate its buffers")
+    return logits, streams
