@@ -5,9 +5,9 @@ Builds the named bench config with its cached random checkpoint (as `kvfold benc
 
 1. plain, timed with `perf_counter` (the wall time per token a user sees);
 2. with exclusive-time probes on the model's pieces (the categories below). While probes are on,
-   a decode row's block runs op by op instead of as one native call (native_block.py yields to
-   hooks and listeners), so the categories split the per-op path, whose wall time is the
-   instrumented one; the plain run is the fused call. A piece's time
+   a decode row runs op by op instead of as one native call (native_block.py yields to hooks
+   and listeners), so the categories split the per-op path, whose wall time is the instrumented
+   one; the plain run is the fused call. A piece's time
    excludes the probed pieces it calls, so the categories never overlap; "other" is the probed
    run's wall time minus their sum (Python glue in `forward` outside the blocks, argmax, probe
    overhead);

@@ -1,4 +1,5 @@
-"""A V4 block for one sequence's decode row in one native call (native_block.h).
+"""A V4 block, and the whole model, for one sequence's decode row in one native call each
+(native_block.h).
 
 `Block.forward` on a lone decode row runs a fixed sequence of native calls when the model is fp32
 on the CPU: the attention's mHC collapse and input norm, its fused projections, its decode row
@@ -8,6 +9,8 @@ same values, so the streams and the state it writes are the per-op path's bit fo
 the Python between the calls. It runs only where every one of those calls would run natively, no
 forward hook is registered on the block's sub-modules (the fused call would skip them) and no
 profiler listens (`kvfold.profiling`); anywhere else it returns None and the block runs op by op.
+`model_row` does the same for `Dsv4Model._run_rows`: the embedding, every block, the mHC head,
+the norm and the lm_head in one call.
 """
 from __future__ import annotations
 
