@@ -145,27 +145,21 @@ def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torc
     lib = native.serving(x)
     if lib is None or token_ids.dtype != torch.int64 or not token_ids.is_contiguous() or not x.is_contiguous():
         return None
-    ws = _cached_native_weights(moe)
-    if ws is None:
+    L = native_moe_layer(moe)
+    if L is None:
         return None
-    router, table, w13, w2, sg, su, sd = ws
-    e, h = router.shape
-    k, inter = moe.gate.k, w2[2]
-    s_inter = 0 if sg is None else sg[1]
     m = x.shape[0]
-    out = torch.empty(m, h, dtype=torch.float32)
-    ptr = lambda d: None if d is None else ctypes.addressof(d[0])  # noqa: E731
-    is_hash = moe.gate.is_hash
-    threads = moe_threads(m, h, k, inter, s_inter)
-    rc = lib.kv_moe_rows(x.data_ptr(), m, h, router.data_ptr(), e, SCORING[moe.gate.scoring],
-                         None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None,
-                         token_ids.data_ptr(), k, moe.gate.scale, 1, 1, 1, ptr(w13), ptr(w2), inter,
-                         moe.experts.limit, ptr(sg), ptr(su), ptr(sd), s_inter, threads, out.data_ptr())
+    out = torch.empty(m, L.h, dtype=torch.float32)
+    rc = lib.kv_moe_rows(x.data_ptr(), m, L.h, L.router_w, L.e, L.scoring, L.bias, L.tid2eid, token_ids.data_ptr(),
+                         L.k, L.route_scale, L.n_group, L.topk_group, L.renorm, L.w13, L.w2, L.inter, L.limit,
+                         L.shared_gate, L.shared_up, L.shared_down, L.shared_inter, moe_threads(L, m),
+                         out.data_ptr())
     return out if rc == 0 else None
 
 
 class MoeLayer(ctypes.Structure):
-    """native.c's moe_layer, field for field: what kv_moe_rows passes moe_row."""
+    """native.c's moe_layer, field for field: the layer's routing and weights as moe_row reads
+    them (kv_moe_rows takes the same values as arguments)."""
     _fields_ = [("h", ctypes.c_int64), ("e", ctypes.c_int64), ("k", ctypes.c_int64), ("n_group", ctypes.c_int64),
                 ("topk_group", ctypes.c_int64), ("inter", ctypes.c_int64), ("shared_inter", ctypes.c_int64),
                 ("scoring", ctypes.c_int), ("renorm", ctypes.c_int), ("route_scale", ctypes.c_double),
@@ -174,9 +168,9 @@ class MoeLayer(ctypes.Structure):
                 ("shared_gate", ctypes.c_void_p), ("shared_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p)]
 
 
-def native_moe_layer(moe: MoE) -> tuple[MoeLayer, int] | None:
-    """The layer as one decode row's moe_row reads it (the arguments `_native_moe_rows` passes
-    kv_moe_rows), with its thread count for one row; None where the kernels cannot serve it."""
+def native_moe_layer(moe: MoE) -> MoeLayer | None:
+    """The layer as native.c reads it (its weights' descriptors kept alive by the cache), or None
+    where the kernels cannot serve it; rebuilt only with `_cached_native_weights`."""
     ws = _cached_native_weights(moe)
     if ws is None:
         return None
@@ -190,8 +184,7 @@ def native_moe_layer(moe: MoE) -> tuple[MoeLayer, int] | None:
                          moe.gate.scale, moe.experts.limit, router.data_ptr(), None if is_hash else table.data_ptr(),
                          table.data_ptr() if is_hash else None, ptr(w13), ptr(w2), ptr(sg), ptr(su), ptr(sd))
         hit = moe.__dict__["_native_layer"] = (ws, layer)
-    layer = hit[1]
-    return layer, moe_threads(1, layer.h, layer.k, layer.inter, layer.shared_inter)
+    return hit[1]
 
 
 _SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one thread (the count changes no bits)
@@ -200,6 +193,6 @@ _SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one 
 NATIVE_MOE_ROWS = 16
 
 
-def moe_threads(m: int, h: int, k: int, inter: int, s_inter: int) -> int:
+def moe_threads(L: MoeLayer, m: int) -> int:
     """The native MoE's thread count for m rows: one below _SERIAL_BYTES of weights, else torch's."""
-    return torch.get_num_threads() if 4 * m * (k * 3 * inter * h + 3 * s_inter * h) > _SERIAL_BYTES else 1
+    return torch.get_num_threads() if 4 * m * L.h * (L.k * 3 * L.inter + 3 * L.shared_inter) > _SERIAL_BYTES else 1

@@ -130,11 +130,9 @@ def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     if lib is None or not reads_as_stored(m) or positions.dtype != torch.int64 or not positions.is_contiguous() \
             or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
-    built = _cached(attn, "_native_project", _projection_paths, _build_projection)
-    if built is None:
+    layer = _projection_layer(attn)
+    if layer is None:
         return None
-    layer = built[0]
-    layer.threads = torch.get_num_threads()
     empty = torch.empty
     q = empty(m, attn.n_heads, attn.head_dim, dtype=_F32)
     kv = empty(m, attn.head_dim, dtype=_F32)
@@ -180,11 +178,9 @@ def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     lib = native.serving(o, cos, sin)
     if lib is None or not reads_as_stored(m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
-    built = _cached(attn, "_native_output", lambda _: ["o_a_proj.weight", "o_b_proj.weight"], _build_output)
-    if built is None:
+    layer = _output_layer(attn)
+    if layer is None:
         return None
-    layer = built[0]
-    layer.threads = torch.get_num_threads()
     out = torch.empty(m, layer.hid, dtype=_F32)
     if lib.kv_attn_output(ctypes.addressof(layer), o.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
                           out.data_ptr()) != 0:
@@ -192,15 +188,28 @@ def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return out
 
 
+def _with_threads(built):
+    """A cached (layer, keep-alive) pair's layer, its threads set to torch's count now; or None."""
+    if built is None:
+        return None
+    built[0].threads = torch.get_num_threads()
+    return built[0]
+
+
+def _projection_layer(attn) -> _ProjectLayer | None:
+    return _with_threads(_cached(attn, "_native_project", _projection_paths, _build_projection))
+
+
+def _output_layer(attn) -> _OutputLayer | None:
+    return _with_threads(_cached(attn, "_native_output", lambda _: ["o_a_proj.weight", "o_b_proj.weight"],
+                                 _build_output))
+
+
 def fused_halves(attn) -> tuple[_ProjectLayer, _OutputLayer] | None:
     """The layer's attn_project_layer and attn_output_layer as `project_rows` and `output_rows` use
-    them (threads: torch's count now), or None where either cannot run."""
-    project = _cached(attn, "_native_project", _projection_paths, _build_projection)
-    output = _cached(attn, "_native_output", lambda _: ["o_a_proj.weight", "o_b_proj.weight"], _build_output)
-    if project is None or output is None:
-        return None
-    project[0].threads = output[0].threads = torch.get_num_threads()
-    return project[0], output[0]
+    them, or None where either cannot run."""
+    project, output = _projection_layer(attn), _output_layer(attn)
+    return None if project is None or output is None else (project, output)
 
 
 class _FoldState(ctypes.Structure):
@@ -275,17 +284,14 @@ def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor |
     """`Attention._one_sequence` for one decode row in one native call (folds, selection,
     attention, window write; native_attention.h), or None where its state or numerics are not
     what the kernel reads (then nothing has been written)."""
-    q, kv = take(rows["q"]), take(rows["kv"])
-    lib = native.serving(q, kv)
-    if lib is None:
-        return None
-    parts = [q, kv]
+    parts = [take(rows["q"]), take(rows["kv"])]
     if attn.compressor is not None:
         parts += [take(rows["comp"][0]), take(rows["comp"][1])]
         if attn.kind == CSA:
             parts += [take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), take(rows["idx_q"][0]),
                       take(rows["idx_q"][1])]
-    if not native.fp32_cpu(*parts):
+    lib = native.serving(*parts)
+    if lib is None:
         return None
     found = sequence_layer(attn, ls, start, rope)
     if found is None:

@@ -26,7 +26,7 @@ from ...numerics import native, triton_ops
 from ...numerics.hc import native_collapse_serves
 from ...numerics.rows import _threads, rows_invariant
 from .config import SLIDING
-from .moe import native_moe_layer
+from .moe import moe_threads, native_moe_layer
 from .native_attention import fused_halves, sequence_layer
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -105,7 +105,7 @@ def _prepared(block, batch, hc: int, hid: int):
     seq, emit_cos, emit_sin = found
     layer.hc, layer.hid = hc, hid
     layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
-    layer.moe, layer.moe_threads = ctypes.addressof(moe_layer[0]), moe_layer[1]
+    layer.moe, layer.moe_threads = ctypes.addressof(moe_layer), moe_threads(moe_layer, 1)
     return lib, layer, seq, (cos, sin, emit_cos, emit_sin)
 
 
