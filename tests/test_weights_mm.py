@@ -110,6 +110,26 @@ def test_every_fp8_code_and_extreme_scale_decodes_exactly():
     assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(256)]), dense.t())
 
 
+def test_every_fp4_code_and_extreme_scale_decodes_exactly():
+    # all 16 codes in every position of a 32-value block, against e8m0
+    # exponents 0 (2^-127: products down to float32 subnormals), 1, 127, 200, 254 (6 * 2^127
+    # overflows to inf) and 255 (NaN): the decode row's table scaled per block must equal quant.py's
+    # value * scale for each of them
+    codes = (torch.arange(64) % 16).roll(5).to(torch.uint8)  # [64] codes, two 32-value blocks
+    packed = (codes[0::2] | (codes[1::2] << 4)).repeat(6, 1)  # [6, 32] bytes: low nibble the even column
+    exps = torch.tensor([0, 1, 127, 200, 254, 255], dtype=torch.uint8).view(6, 1).expand(6, 2).contiguous()
+    dense = dequant_fp4_blocks(packed, exps)
+    assert dense.isnan().any() and dense.isinf().any() and (dense[0][dense[0] != 0].abs() < 2 ** -126).any()
+    found = describe(packed, exps, (1, 32), packed_fp4=True)
+    for m in (1, 3):
+        x = rows(m, 64, m)
+        exactly(native_mm(x, *found), invariant_mm(x, dense))
+    finite = dense[:4]  # one-hot rows pick one weight each (0 * inf or 0 * NaN would spoil a sum)
+    found = describe(packed[:4].contiguous(), exps[:4].contiguous(), (1, 32), packed_fp4=True)
+    eye = torch.eye(64)
+    assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(64)]), finite.t())
+
+
 def test_float32_scales_multiply_as_stored():
     q, s = quantize_fp8_blocks(weights(20, 200, 2), (8, 8))
     fs = torch.rand(s.shape, generator=torch.Generator().manual_seed(3)) * 1e-2  # not powers of two
