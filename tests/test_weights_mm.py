@@ -110,6 +110,50 @@ def test_every_fp8_code_and_extreme_scale_decodes_exactly():
     assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(256)]), dense.t())
 
 
+def _every_finite_fp8_code(rows_per_exponent: int, exponents: list[int], block):
+    """[rows_per_exponent * len(exponents), 256] codes, each row every code but the two NaNs (0 in
+    their places), rolled so each code meets every lane; block rows of scales from `exponents`."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    q = torch.stack([codes.roll(i) for i in range(rows_per_exponent * len(exponents))])
+    exps = torch.tensor(exponents, dtype=torch.uint8).view(-1, 1).expand(-1, 256 // block[1]).contiguous()
+    return q.view(torch.float8_e4m3fn), exps
+
+
+def test_fp8_scales_folded_into_a_decode_row_keep_every_product_exact():
+    # Blocks of 16 or more rows let a decode row multiply x by 2^120 * scale once a block row
+    # (native_weights.h, fold_fp8_scales). Every finite code, against e8m0 exponents where that
+    # factor is tiny (0, 1), ordinary (120, 127), at its limit (133: 2^126) and past it (134, 200,
+    # 254, 255), with activations whose folded products round to a subnormal, overflow or are 0, inf
+    # or NaN: each output must still be the dot over the dequantized weight.
+    block = (16, 128)
+    q, exps = _every_finite_fp8_code(16, [0, 1, 120, 127, 133, 134, 200, 254, 255], block)
+    dense = dequant_fp8_blocks(q, exps, block)
+    found = describe(q, exps, block)
+    assert not found[0].nan_codes
+    for special in (None, 1e-39, 1e-30, 3e-36, 1e30, 3e38, 0.0, float("inf"), float("nan")):
+        x = rows(1, 256, 3)
+        if special is not None:
+            x[0, 5], x[0, 200] = special, -special
+        exactly(native_mm(x, *found), invariant_mm(x, dense))
+
+
+def test_fp8_decode_rows_stay_exact_with_denormals_read_as_zero():
+    # Under torch.set_flush_denormal(True) (MXCSR's denormals-are-zero) a subnormal code's scaled-down
+    # float32 would read as 0, so the decode row must not fold; the reference runs in the same mode.
+    block = (128, 128)
+    q, exps = _every_finite_fp8_code(128, [120], block)
+    dense = dequant_fp8_blocks(q, exps, block)
+    found = describe(q, exps, block)
+    x = rows(1, 256, 4)
+    assert torch.set_flush_denormal(True)
+    try:
+        exactly(native_mm(x, *found), invariant_mm(x, dense))
+    finally:
+        torch.set_flush_denormal(False)
+    exactly(native_mm(x, *found), invariant_mm(x, dense))
+
+
 def test_every_fp4_code_and_extreme_scale_decodes_exactly():
     # all 16 codes in every position of a 32-value block, against e8m0
     # exponents 0 (2^-127: products down to float32 subnormals), 1, 127, 200, 254 (6 * 2^127

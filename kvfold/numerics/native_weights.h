@@ -22,6 +22,12 @@
  *   e2m1 codes        -> half high bytes from a 16-entry table (0, 0.5, ..., 6 and their
  *                       negatives; code 8, "-0", is +0 as in quant.py's table), low bytes 0.
  *   bf16              -> float32 bits = bf16 bits << 16.
+ * A decode row (one x) takes two shorter ways, exact for the same reason:
+ *   e2m1              -> the 16 values times the block's scale, as a table a block, indexed by code;
+ *   e4m3fn, e8m0 scale blocks of 16+ rows -> float32 bits of value * 2^-120, against x multiplied
+ *                       once a block row by 2^120 * scale wherever that product is exact, so the
+ *                       fused multiply-add sees the exact product x * value * scale either way
+ *                       (fold_fp8_scales says when it may).
  */
 #ifndef KV_NATIVE_WEIGHTS_H
 #define KV_NATIVE_WEIGHTS_H
@@ -175,12 +181,26 @@ static inline void prefetch_rows(const uint8_t *at, int64_t row_bytes, int n) {
     for (int c = 0; c < n; c++) _mm_prefetch((const char *)(at + c * row_bytes), _MM_HINT_T0);
 }
 
+/* FP8 e4m3fn codes i .. i+7 of a row -> float32 bits of value * 2^-120: the sign to bit 31, the 7
+ * magnitude bits to 26..20, so a normal code's exponent reads e + 120 - 127 and a subnormal code
+ * (e = 0) becomes the float32 subnormal of the same scaled value. Exact for every non-NaN code, but
+ * its subnormals are numbers only while MXCSR's denormals-are-zero bit is clear (fp8_folds). */
+static inline __m256 e4m3x8_scaled_down(const uint8_t *row, int64_t i) {
+    __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87FFFFFF)));
+}
+
 /* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
  * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
- * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail) */
+ * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail).
+ * FP8 only: where folded[blk] is set, the block's values are xs = x * 2^120 * scale (every product
+ * exact, fold_fp8_scales) and its weights e4m3x8_scaled_down's, so each fused multiply-add sees the
+ * exact product x * (value * scale) that it sees on the dequantized weight, with no multiply per
+ * weight. */
 #define WEIGHTS_ROW_TILE(NAME, FMT, NR)                                                               \
     static void weights_row_##NAME##_##NR(const float *x, const kv_weights *w, const uint8_t *data,  \
-                                          const void *scale, int64_t j0, float *out) {               \
+                                          const void *scale, int64_t j0, float *out, const float *xs, \
+                                          const uint8_t *folded) {                                    \
         const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
         const int64_t rb = weights_row_bytes(w);                                                      \
         const int nan_codes = (int)w->nan_codes;                                                      \
@@ -194,6 +214,15 @@ static inline void prefetch_rows(const uint8_t *at, int64_t row_bytes, int n) {
         }                                                                                             \
         for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
             int64_t b1 = b0 + bc < k8 ? b0 + bc : k8, i = b0;                                         \
+            if ((FMT) == KV_FP8 && folded && folded[blk]) {                                           \
+                for (; i < b1; i += LANES) {                                                          \
+                    if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i, rb, NR);          \
+                    const __m256 xv = _mm256_loadu_ps(xs + i);                                        \
+                    for (int c = 0; c < NR; c++)                                                      \
+                        acc[c] = _mm256_fmadd_ps(xv, e4m3x8_scaled_down(data + (j0 + c) * rb, i), acc[c]); \
+                }                                                                                     \
+                continue;                                                                             \
+            }                                                                                         \
             __m256 f[NR];                                                                             \
             int exact = 1;                                                                            \
             for (int c = 0; c < NR; c++) {                                                            \
@@ -331,6 +360,57 @@ FP4_ROW_TILE(1)
 FP4_ROW_TILE(4)
 #endif
 
+#if KV_DECODE_IN_REGISTERS
+/* Whether FP8 decode rows of `w` fold their block scales into x (WEIGHTS_ROW_TILE): e8m0 scales
+ * (powers of two, so x * 2^120 * scale can be exact), no NaN codes (e4m3x8_scaled_down has none),
+ * blocks of at least 16 rows (the fold is paid once a block row), and float32 subnormals read as
+ * numbers: MXCSR's denormals-are-zero bit (0x40) clear on this thread. */
+static inline int fp8_folds(const kv_weights *w) {
+    return w->fmt == KV_FP8 && !w->scale_f32 && !w->nan_codes && w->br >= 16 && w->k >= LANES
+        && !(_mm_getcsr() & 0x40);
+}
+
+/* xs[i] = x[i] * F for each column block of the scale row starting at entry `srow`, F = 2^120 *
+ * scale, and folded[blk] whether every product is exact: F must lie in [2^-126, 2^126] (so 1/F is
+ * exact too; NaN fails), and each y = x * F must give x back as y * (1/F), which fails for a
+ * product that rounded (a subnormal), overflowed or was flushed to zero, and for a NaN x. */
+static void fold_fp8_scales(const float *x, const kv_weights *w, const void *scale, int64_t srow, float *xs,
+                            uint8_t *folded) {
+    const int64_t k8 = w->k - w->k % LANES, bc = w->bc;
+    for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {
+        const int64_t b1 = b0 + bc < k8 ? b0 + bc : k8;
+        const float f = scale_at(w, scale, srow + blk) * 0x1p120f;
+        int exact = f >= 0x1p-126f && f <= 0x1p126f;
+        if (exact) {
+            const __m256 fv = _mm256_set1_ps(f), inv = _mm256_set1_ps(1.0f / f);
+            __m256 same = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            for (int64_t i = b0; i < b1; i += LANES) {
+                const __m256 xv = _mm256_loadu_ps(x + i), y = _mm256_mul_ps(xv, fv);
+                _mm256_storeu_ps(xs + i, y);
+                same = _mm256_and_ps(same, _mm256_cmp_ps(_mm256_mul_ps(y, inv), xv, _CMP_EQ_OQ));
+            }
+            exact = _mm256_movemask_ps(same) == 0xFF;
+        }
+        folded[blk] = (uint8_t)exact;
+    }
+}
+
+/* outputs n0 .. n1-1 of one row x for an FP8 matrix, a block row of scales at a time: x folded
+ * into `buf` (k floats, then a flag a column block) once, then tiles that stay inside it */
+static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *data, const void *scale, float *out,
+                            int64_t n0, int64_t n1, float *buf) {
+    uint8_t *folded = (uint8_t *)(buf + w->k);
+    for (int64_t r0 = n0; r0 < n1;) {
+        int64_t r1 = ((w->row_phase + r0) / w->br + 1) * w->br - w->row_phase, c = r0;
+        r1 = r1 < n1 ? r1 : n1;
+        fold_fp8_scales(x, w, scale, scale_row(w, r0), buf, folded);
+        for (; c + 4 <= r1; c += 4) weights_row_fp8_4(x, w, data, scale, c, out + c, buf, folded);
+        for (; c < r1; c++) weights_row_fp8_1(x, w, data, scale, c, out + c, buf, folded);
+        r0 = r1;
+    }
+}
+#endif
+
 /* out[m, j] = dot(x row m, weight row j) over columns [n0, n1) of matrix `index`. A fp32 matrix is
  * read as it is; one row of another format decodes in registers (AVX2), other cases decode the
  * columns a panel at a time into `panel` (room for `panel_rows` rows of k floats). */
@@ -346,11 +426,16 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
     }
 #if KV_DECODE_IN_REGISTERS
     if (m == 1) {
+        if (panel && fp8_folds(w)) {
+            fp8_folded_rows(x, w, data, scale, out, n0, n1, panel);
+            return;
+        }
         int64_t c = n0;
-#define ROWS(NAME)                                                                      \
-        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c); \
-        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c);
-        if (w->fmt == KV_FP8) { ROWS(fp8) } else if (w->fmt == KV_FP4) { ROWS(fp4) } else { ROWS(bf16) }
+#define ROWS(NAME, ...)                                                                              \
+        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c __VA_ARGS__); \
+        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c __VA_ARGS__);
+        if (w->fmt == KV_FP8) { ROWS(fp8, , NULL, NULL) } else if (w->fmt == KV_FP4) { ROWS(fp4) }
+        else { ROWS(bf16, , NULL, NULL) }
 #undef ROWS
         return;
     }
@@ -360,6 +445,13 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
         for (int64_t c = c0; c < c1; c++) decode_row(w, data, scale, c, panel + (c - c0) * k);
         matmul_cols(x, ldx, panel, out + c0, ldo, m, 0, c1 - c0, k);
     }
+}
+
+/* room for `floats` floats on a cache line boundary: a row read from it (a folded x) then never
+ * splits a vector load across two lines */
+static inline float *panel_alloc(int64_t floats) {
+    size_t bytes = ((sizeof(float) * (size_t)floats + 63) / 64) * 64;
+    return aligned_alloc(64, bytes);
 }
 
 /* out [M, N] = x [M, K] @ (matrix `index` of w) [N, K]^T, every output native_dot.h's `dot`.
@@ -372,9 +464,11 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     int64_t block = (16384 / (k > 0 ? k : 1)) & ~(int64_t)3;
     if (block < 4) block = 4;
     int64_t n_blocks = (n + block - 1) / block;
-    int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS), failed = 0;
+    /* a panel for decoded columns, or (one FP8 row) for x folded with the scales: k floats and a
+     * flag a column block fit in the 4 or more rows of k a panel holds */
+    int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS || w->fmt == KV_FP8), failed = 0;
     if (threads <= 1 || n_blocks <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
-        float *panel = need_panel ? malloc(sizeof(float) * (size_t)(block * k)) : NULL;
+        float *panel = need_panel ? panel_alloc(block * k) : NULL;
         if (need_panel && !panel) return -1;
         for (int64_t b = 0; b < n_blocks; b++) {
             int64_t n0 = b * block, n1 = n0 + block < n ? n0 + block : n;
@@ -385,7 +479,7 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     }
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
-        float *panel = need_panel ? malloc(sizeof(float) * (size_t)(block * k)) : NULL;
+        float *panel = need_panel ? panel_alloc(block * k) : NULL;
         if (need_panel && !panel) failed = 1;
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < n_blocks; b++) {
