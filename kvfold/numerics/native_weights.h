@@ -190,13 +190,29 @@ static inline __m256 e4m3x8_scaled_down(const uint8_t *row, int64_t i) {
     return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87FFFFFF)));
 }
 
+/* 8 e2m1 codes from value i (4 bytes, low nibble first) -> entries of a 16-value table held as
+ * two vectors (codes 0-7, 8-15): each lane shifts its own nibble down, and the permutes read only
+ * an index's low 3 bits (AVX-512's two-table form the 4th bit too), so no mask is needed. */
+static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, __m256 low_codes, __m256 high_codes) {
+    int32_t four;
+    memcpy(&four, row + i / 2, 4);
+    __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(four), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+#if defined(__AVX512VL__)
+    return _mm256_permutex2var_ps(low_codes, codes, high_codes);
+#else /* bit 3 of the code, shifted up to the sign bit, picks the table */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_codes, codes), _mm256_permutevar8x32_ps(high_codes, codes),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+#endif
+}
+
 /* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
  * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
  * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail).
  * FP8 only: where folded[blk] is set, the block's values are xs = x * 2^120 * scale (every product
  * exact, fold_fp8_scales) and its weights e4m3x8_scaled_down's, so each fused multiply-add sees the
  * exact product x * (value * scale) that it sees on the dequantized weight, with no multiply per
- * weight. */
+ * weight. FP4: each block's 16 values times its scale are a table the codes index (e2m1x8_lookup);
+ * table[code] * scale is the IEEE multiplication quant.py does, so every weight is its value. */
 #define WEIGHTS_ROW_TILE(NAME, FMT, NR)                                                               \
     static void weights_row_##NAME##_##NR(const float *x, const kv_weights *w, const uint8_t *data,  \
                                           const void *scale, int64_t j0, float *out, const float *xs, \
@@ -220,6 +236,23 @@ static inline __m256 e4m3x8_scaled_down(const uint8_t *row, int64_t i) {
                     const __m256 xv = _mm256_loadu_ps(xs + i);                                        \
                     for (int c = 0; c < NR; c++)                                                      \
                         acc[c] = _mm256_fmadd_ps(xv, e4m3x8_scaled_down(data + (j0 + c) * rb, i), acc[c]); \
+                }                                                                                     \
+                continue;                                                                             \
+            }                                                                                         \
+            if ((FMT) == KV_FP4) {                                                                    \
+                const __m256 low = _mm256_loadu_ps(E2M1_VALUES), high = _mm256_loadu_ps(E2M1_VALUES + LANES); \
+                __m256 lo_tab[NR], hi_tab[NR];                                                        \
+                for (int c = 0; c < NR; c++) {                                                        \
+                    const __m256 f = _mm256_set1_ps(scale_at(w, scale, srow[c] + blk));               \
+                    lo_tab[c] = _mm256_mul_ps(low, f);                                                \
+                    hi_tab[c] = _mm256_mul_ps(high, f);                                               \
+                }                                                                                     \
+                for (; i < b1; i += LANES) {                                                          \
+                    if ((i & 127) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i / 2, rb, NR);     \
+                    const __m256 xv = _mm256_loadu_ps(x + i);                                         \
+                    for (int c = 0; c < NR; c++)                                                      \
+                        acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(data + (j0 + c) * rb, i, lo_tab[c], hi_tab[c]), \
+                                                 acc[c]);                                             \
                 }                                                                                     \
                 continue;                                                                             \
             }                                                                                         \
@@ -301,63 +334,8 @@ WEIGHTS_ROW_TILE(bf16, KV_BF16, 1)
 WEIGHTS_ROW_TILE(bf16, KV_BF16, 4)
 WEIGHTS_ROW_TILE(fp8, KV_FP8, 1)
 WEIGHTS_ROW_TILE(fp8, KV_FP8, 4)
-
-/* 8 e2m1 codes from value i (4 bytes, low nibble first) -> entries of a 16-value table held as
- * two vectors (codes 0-7, 8-15): each lane shifts its own nibble down, and the permutes read only
- * an index's low 3 bits (AVX-512's two-table form the 4th bit too), so no mask is needed. */
-static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, __m256 low_codes, __m256 high_codes) {
-    int32_t four;
-    memcpy(&four, row + i / 2, 4);
-    __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(four), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-#if defined(__AVX512VL__)
-    return _mm256_permutex2var_ps(low_codes, codes, high_codes);
-#else /* bit 3 of the code, shifted up to the sign bit, picks the table */
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_codes, codes), _mm256_permutevar8x32_ps(high_codes, codes),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
-#endif
-}
-
-/* outputs j0 .. j0+NR-1 of one row x for an FP4 matrix: WEIGHTS_ROW_TILE's sums, with the block's
- * scale folded into the table instead of into each decoded vector. table[c] * scale is the same
- * IEEE multiplication as code value * scale, so every weight is quant.py's value bit for bit, and
- * the dot product is native_dot.h's (lane j: ascending i = j mod 8, one fused multiply-add a step). */
-#define FP4_ROW_TILE(NR)                                                                              \
-    static void weights_row_fp4_##NR(const float *x, const kv_weights *w, const uint8_t *data,       \
-                                     const void *scale, int64_t j0, float *out) {                    \
-        const int64_t k = w->k, k8 = k - k % LANES, bc = w->bc, rb = k / 2;                           \
-        const __m256 low = _mm256_loadu_ps(E2M1_VALUES), high = _mm256_loadu_ps(E2M1_VALUES + LANES); \
-        __m256 acc[NR];                                                                               \
-        int64_t srow[NR];                                                                             \
-        for (int c = 0; c < NR; c++) {                                                                \
-            acc[c] = _mm256_setzero_ps();                                                             \
-            srow[c] = scale_row(w, j0 + c);                                                           \
-        }                                                                                             \
-        for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
-            const int64_t b1 = b0 + bc < k8 ? b0 + bc : k8;                                           \
-            __m256 lo_tab[NR], hi_tab[NR];                                                            \
-            for (int c = 0; c < NR; c++) {                                                            \
-                __m256 f = _mm256_set1_ps(scale_at(w, scale, srow[c] + blk));                         \
-                lo_tab[c] = _mm256_mul_ps(low, f);                                                    \
-                hi_tab[c] = _mm256_mul_ps(high, f);                                                   \
-            }                                                                                         \
-            for (int64_t i = b0; i < b1; i += LANES) {                                                \
-                if ((i & 127) == 0) /* 128 values a cache line: two tiles on, see prefetch_rows */    \
-                    prefetch_rows(data + (j0 + 2 * NR) * rb + i / 2, rb, NR);                         \
-                const __m256 xv = _mm256_loadu_ps(x + i);                                             \
-                for (int c = 0; c < NR; c++)                                                          \
-                    acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(data + (j0 + c) * rb, i, lo_tab[c], hi_tab[c]), \
-                                             acc[c]);                                                 \
-            }                                                                                         \
-        }                                                                                             \
-        for (int c = 0; c < NR; c++) {                                                                \
-            float tail = 0.0f;                                                                        \
-            for (int64_t t = k8; t < k; t++)                                                          \
-                tail = fmaf(x[t], weight_value(w, data, scale, j0 + c, t), tail);                     \
-            out[c] = lanes_sum(acc[c], tail);                                                         \
-        }                                                                                             \
-    }
-FP4_ROW_TILE(1)
-FP4_ROW_TILE(4)
+WEIGHTS_ROW_TILE(fp4, KV_FP4, 1)
+WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
 #endif
 
 #if KV_DECODE_IN_REGISTERS
@@ -431,11 +409,10 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
             return;
         }
         int64_t c = n0;
-#define ROWS(NAME, ...)                                                                              \
-        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c __VA_ARGS__); \
-        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c __VA_ARGS__);
-        if (w->fmt == KV_FP8) { ROWS(fp8, , NULL, NULL) } else if (w->fmt == KV_FP4) { ROWS(fp4) }
-        else { ROWS(bf16, , NULL, NULL) }
+#define ROWS(NAME)                                                                                \
+        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c, NULL, NULL); \
+        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c, NULL, NULL);
+        if (w->fmt == KV_FP8) { ROWS(fp8) } else if (w->fmt == KV_FP4) { ROWS(fp4) } else { ROWS(bf16) }
 #undef ROWS
         return;
     }
