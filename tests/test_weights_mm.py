@@ -167,11 +167,53 @@ def test_every_fp4_code_and_extreme_scale_decodes_exactly():
     found = describe(packed, exps, (1, 32), packed_fp4=True)
     for m in (1, 3):
         x = rows(m, 64, m)
-        exactly(native_mm(x, *found), invariant_mm(x, dense))
+        got, want = native_mm(x, *found), invariant_mm(x, dense)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: the NaN's sign too
+    negative = torch.full((1, 16), 0x99, dtype=torch.uint8)  # 32 codes 9 (-0.5) under a NaN scale
+    nan_scale = torch.tensor([[255]], dtype=torch.uint8)
+    got = native_mm(rows(1, 32, 7), *describe(negative, nan_scale, (1, 32), packed_fp4=True))
+    assert torch.equal(got.view(torch.int32), invariant_mm(rows(1, 32, 7), dequant_fp4_blocks(negative, nan_scale)
+                                                           ).view(torch.int32))
     finite = dense[:4]  # one-hot rows pick one weight each (0 * inf or 0 * NaN would spoil a sum)
     found = describe(packed[:4].contiguous(), exps[:4].contiguous(), (1, 32), packed_fp4=True)
     eye = torch.eye(64)
     assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(64)]), finite.t())
+
+
+def _round_downward():
+    """fesetround(FE_DOWNWARD) on this thread (x87 and MXCSR); returns the call that restores
+    round-to-nearest. The kernels below run on this thread: their sizes are under rows.py's serial
+    threshold."""
+    import ctypes
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    down, nearest = 0x400, 0  # glibc's FE_DOWNWARD and FE_TONEAREST on x86
+    assert libm.fesetround(down) == 0 and libm.fegetround() == down
+    return lambda: libm.fesetround(nearest)
+
+
+def test_fp4_decode_rows_keep_every_bit_when_the_thread_rounds_downward():
+    # AVX2's decode rows read an FP4 weight as its magnitude's table entry with the code's sign bit,
+    # which is the value only under round-to-nearest: rounding down, -(v * s) is not (-v) * s for a
+    # float32 scale, and code 8 (+0 in quant.py) read as -0 turns a zero sum's +0 into -0. Whatever
+    # the path, every output's bits must be the dense reference's in the same rounding mode.
+    import ctypes.util  # noqa: F401 - _round_downward's find_library
+    codes = torch.tensor([8] * 64 + (list(range(16)) * 4)[3:] + [0, 1, 2], dtype=torch.uint8).view(2, 64)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).repeat(2, 1)  # [4, 32] bytes: rows of -0 codes, of all
+    float_scales = torch.tensor([[0.1, -0.3], [-0.7, 1.3], [0.9, -1e-3], [3.7, 0.01]])
+    exps = torch.tensor([[127, 120], [130, 127], [1, 200], [127, 127]], dtype=torch.uint8)
+    x = rows(1, 64, 6).abs()  # positive: a row of -0 weights then sums -0 products
+    third = lambda: (torch.tensor([1.0]) / 3).view(torch.int32).item()  # noqa: E731
+    restore = _round_downward()
+    try:
+        assert third() == 0x3EAAAAAA  # the mode is on (to nearest, 1/3 rounds up to ...AB)
+        for scale in (float_scales, exps):
+            dense = dequant_fp4_blocks(packed, scale)
+            got = native_mm(x, *describe(packed, scale, (1, 32), packed_fp4=True))
+            want = invariant_mm(x, dense)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scale.dtype, got, want)
+    finally:
+        restore()
+    assert third() == 0x3EAAAAAB
 
 
 def test_float32_scales_multiply_as_stored():

@@ -44,6 +44,16 @@
 #define KV_DECODE_IN_REGISTERS 0
 #endif
 
+/* A block's FP4 decode-row table: its e2m1 values times the block's scale, each entry the IEEE
+ * multiplication quant.py does. AVX-512VL holds all 16 (codes 0-7, 8-15) for one two-table
+ * permute; AVX2 holds the 8 magnitudes (codes 0-7) and takes bit 3 of a code as its sign, which is
+ * exact where e2m1_rows_exact says. */
+#if defined(__AVX512VL__)
+#define E2M1_TABLES 2
+#else
+#define E2M1_TABLES 1
+#endif
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2, KV_FP4 = 3 };
 
 typedef struct {
@@ -190,18 +200,24 @@ static inline __m256 e4m3x8_scaled_down(const uint8_t *row, int64_t i) {
     return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87FFFFFF)));
 }
 
-/* 8 e2m1 codes from value i (4 bytes, low nibble first) -> entries of a 16-value table held as
- * two vectors (codes 0-7, 8-15): each lane shifts its own nibble down, and the permutes read only
- * an index's low 3 bits (AVX-512's two-table form the 4th bit too), so no mask is needed. */
-static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, __m256 low_codes, __m256 high_codes) {
+/* AVX2's one-table FP4 rows give every weight its value when the thread rounds to nearest (MXCSR's
+ * rounding bits 13-14 clear): then (-v) * s is -(v * s) for any scale s, and code 8, +0 in
+ * quant.py's table, comes out -0, which adds as +0 does, since a sum that starts at +0 never becomes
+ * -0 under round-to-nearest. Blocks with a NaN scale go value by value (the NaN's sign too). */
+static inline int e2m1_rows_exact(void) { return E2M1_TABLES == 2 || !(_mm_getcsr() & 0x6000); }
+
+/* 8 e2m1 codes from value i (4 bytes, low nibble first) -> their entries of a block's table: each
+ * lane shifts its own nibble down, and the permutes read only an index's low 3 bits (AVX-512's
+ * two-table form the 4th bit too), so no mask is needed. */
+static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *table) {
     int32_t four;
     memcpy(&four, row + i / 2, 4);
     __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(four), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-#if defined(__AVX512VL__)
-    return _mm256_permutex2var_ps(low_codes, codes, high_codes);
-#else /* bit 3 of the code, shifted up to the sign bit, picks the table */
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_codes, codes), _mm256_permutevar8x32_ps(high_codes, codes),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+#if E2M1_TABLES == 2
+    return _mm256_permutex2var_ps(table[0], codes, table[1]);
+#else /* the magnitude, and bit 3 of the code shifted up to the sign bit */
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(INT32_MIN));
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(table[0], codes), _mm256_castsi256_ps(sign));
 #endif
 }
 
@@ -211,8 +227,8 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, __m256 low_cod
  * FP8 only: where folded[blk] is set, the block's values are xs = x * 2^120 * scale (every product
  * exact, fold_fp8_scales) and its weights e4m3x8_scaled_down's, so each fused multiply-add sees the
  * exact product x * (value * scale) that it sees on the dequantized weight, with no multiply per
- * weight. FP4: each block's 16 values times its scale are a table the codes index (e2m1x8_lookup);
- * table[code] * scale is the IEEE multiplication quant.py does, so every weight is its value. */
+ * weight. FP4: each block's values times its scale are a table the codes index (e2m1x8_lookup),
+ * so every weight is its value (AVX2: where e2m1_rows_exact). */
 #define WEIGHTS_ROW_TILE(NAME, FMT, NR)                                                               \
     static void weights_row_##NAME##_##NR(const float *x, const kv_weights *w, const uint8_t *data,  \
                                           const void *scale, int64_t j0, float *out, const float *xs, \
@@ -240,19 +256,21 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, __m256 low_cod
                 continue;                                                                             \
             }                                                                                         \
             if ((FMT) == KV_FP4) {                                                                    \
-                const __m256 low = _mm256_loadu_ps(E2M1_VALUES), high = _mm256_loadu_ps(E2M1_VALUES + LANES); \
-                __m256 lo_tab[NR], hi_tab[NR];                                                        \
+                __m256 table[NR][E2M1_TABLES];                                                        \
+                int numbers = 1;                                                                      \
                 for (int c = 0; c < NR; c++) {                                                        \
-                    const __m256 f = _mm256_set1_ps(scale_at(w, scale, srow[c] + blk));               \
-                    lo_tab[c] = _mm256_mul_ps(low, f);                                                \
-                    hi_tab[c] = _mm256_mul_ps(high, f);                                               \
+                    const float s = scale_at(w, scale, srow[c] + blk);                                \
+                    numbers &= !isnan(s);                                                             \
+                    for (int t = 0; t < E2M1_TABLES; t++)                                             \
+                        table[c][t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s)); \
                 }                                                                                     \
+                for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
+                    for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 for (; i < b1; i += LANES) {                                                          \
                     if ((i & 127) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i / 2, rb, NR);     \
                     const __m256 xv = _mm256_loadu_ps(x + i);                                         \
                     for (int c = 0; c < NR; c++)                                                      \
-                        acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(data + (j0 + c) * rb, i, lo_tab[c], hi_tab[c]), \
-                                                 acc[c]);                                             \
+                        acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(data + (j0 + c) * rb, i, table[c]), acc[c]); \
                 }                                                                                     \
                 continue;                                                                             \
             }                                                                                         \
@@ -403,7 +421,7 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
         return;
     }
 #if KV_DECODE_IN_REGISTERS
-    if (m == 1) {
+    if (m == 1 && (w->fmt != KV_FP4 || e2m1_rows_exact())) {
         if (panel && fp8_folds(w)) {
             fp8_folded_rows(x, w, data, scale, out, n0, n1, panel);
             return;
@@ -442,8 +460,10 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     if (block < 4) block = 4;
     int64_t n_blocks = (n + block - 1) / block;
     /* a panel for decoded columns, or (one FP8 row) for x folded with the scales: k floats and a
-     * flag a column block fit in the 4 or more rows of k a panel holds */
-    int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS || w->fmt == KV_FP8), failed = 0;
+     * flag a column block fit in the 4 or more rows of k a panel holds; one AVX2 FP4 row may need
+     * it too, on a thread that does not round to nearest */
+    int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS || w->fmt == KV_FP8
+                                          || (w->fmt == KV_FP4 && E2M1_TABLES == 1)), failed = 0;
     if (threads <= 1 || n_blocks <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
         float *panel = need_panel ? panel_alloc(block * k) : NULL;
         if (need_panel && !panel) return -1;
