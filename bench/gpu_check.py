@@ -1,0 +1,409 @@
+"""Everything issue 20 asks of a GPU, as one prepared run: `python bench/gpu_check.py --device cuda`.
+
+No session has had a GPU yet, so this script is what the first one runs (it also runs with
+`--device cpu`, which is how tests/test_gpu_check.py keeps it working). Each check runs on its
+own; a failure is recorded with its error and the run goes on, and the report is rewritten after
+every check, so a run cut short still says what it measured. The report (JSON, `--out`) holds:
+
+- `families`: the tiny DeepSeek-V4 and GLM-5.3, fp32 and bf16, built on the CPU and copied to the
+  device: logits on the device against the CPU's (max |diff| and greedy tokens), whole prefill
+  against chunked on the device, snapshots taken on the device restored on the CPU and the other
+  way round (each continued and compared), a CPU state refused by the device model and unchanged,
+  and batched against alone (`torch.equal`);
+- `triton`: the tiny V4 with the Triton kernels on against off, on the device;
+- `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
+  shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
+  contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
+  reach; and transformers' decode of the same model on the same device where it imports.
+
+On the GPU machine (torch and triton are there; transformers 5.23 is not):
+    pip download --no-deps transformers==5.23.0 -d .gpu-wheels    # here, once
+    run: pip install --no-deps -t /tmp/tf .gpu-wheels/*.whl && PYTHONPATH=/tmp/tf:. \
+         python bench/gpu_check.py --device cuda --out $OUT/gpu.json        (carry .gpu-wheels)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvfold.errors import StateMismatchError
+from kvfold.models.deepseek_v4.model import Dsv4Model
+from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
+from kvfold.models.glm5.config import glm5_config_from_dict
+from kvfold.models.glm5.model import Glm5Model
+
+GLM_TINY = dict(
+    model_type="glm5_next_text", vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+    kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, v_head_dim=8, index_topk=8, index_head_dim=8,
+    index_n_heads=2, index_kpool=4, linear_head_dim=8, linear_num_heads=2, hc_mult=2, hc_sinkhorn_iters=5,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
+                 "indexed_attention"],
+    indexer_types=["full", "full", "shared", "full", "full"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"])
+START = time.perf_counter()
+FLASH_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek_v4_flash_config.json"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float().cpu() - b.float().cpu()).abs().max().item()
+
+
+def glm_random_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random GLM-5.3 weights scaled so activations stay O(1) (as tests/test_glm5_next.py's)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_hc.scale"):
+                p.copy_(1 + 0.1 * r)
+            elif "embed_tokens" in name or "conv1d" in name or name.endswith(("A_log", "dt_bias")):
+                p.copy_(0.5 * r)
+            else:
+                p.copy_(r / math.sqrt(p.shape[-1]))
+
+
+def tiny_pair(family: str, dtype: torch.dtype, device: torch.device):
+    """(CPU model, device model) of one family with the same weights."""
+    if family == "deepseek_v4":
+        cfg = tiny_config(num_nextn_predict_layers=0)
+        cpu = Dsv4Model(cfg, dtype=dtype)
+        init_random_(cpu, 0)
+        dev = Dsv4Model(cfg, dtype=dtype, device=device)
+    else:
+        cfg = glm5_config_from_dict(GLM_TINY)
+        cpu = Glm5Model(cfg, dtype=dtype)
+        glm_random_(cpu, 0)
+        dev = Glm5Model(cfg, dtype=dtype, device=device)
+    dev.load_state_dict(cpu.state_dict())
+    return cpu, dev
+
+
+def prompt(model, n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, model.config.vocab_size - 2, (n,), generator=g).tolist()
+
+
+def greedy(model, st, last: torch.Tensor, steps: int) -> tuple[list[int], torch.Tensor]:
+    tokens, rows = [], []
+    for _ in range(steps):
+        tokens.append(int(last[-1].argmax()))
+        last = model.forward([tokens[-1]], st)
+        rows.append(last[-1].float().cpu())
+    return tokens, torch.stack(rows)
+
+
+def check_family(family: str, dtype: torch.dtype, device: torch.device) -> dict:
+    cpu, dev = tiny_pair(family, dtype, device)
+    ids, cap = prompt(cpu, 40), 96
+    out: dict = {}
+    st_c, st_d = cpu.new_state(capacity=cap), dev.new_state(capacity=cap)
+    lc, ld = cpu.forward(ids, st_c), dev.forward(ids, st_d)
+    out["prefill_max_diff_vs_cpu"] = max_diff(lc, ld)
+    snap_d = st_d.snapshot()
+    tok_c, rows_c = greedy(cpu, st_c, lc, 8)
+    tok_d, rows_d = greedy(dev, st_d, ld, 8)
+    out["greedy_tokens_equal_cpu"] = tok_c == tok_d
+    out["decode_max_diff_vs_cpu"] = max_diff(rows_c, rows_d)
+    st_chunks = dev.new_state(capacity=cap)
+    chunked = torch.cat([dev.forward(ids[i:i + 13], st_chunks) for i in range(0, len(ids), 13)])
+    out["chunked_vs_whole_max_diff"] = max_diff(chunked, ld)
+    out["chunked_vs_whole_equal"] = torch.equal(chunked.cpu(), ld.cpu())
+    # a device snapshot continues on the CPU, a CPU snapshot on the device
+    on_cpu = cpu.new_state(capacity=cap)
+    on_cpu.restore(snap_d)
+    out["device_snapshot_on_cpu_tokens_equal"] = greedy(cpu, on_cpu, ld.cpu(), 8)[0] == tok_d
+    st_c2 = cpu.new_state(capacity=cap)
+    lc2 = cpu.forward(ids, st_c2)
+    on_dev = dev.new_state(capacity=cap)
+    on_dev.restore(st_c2.snapshot())
+    tok_back, rows_back = greedy(dev, on_dev, lc2.to(device), 8)
+    out["cpu_snapshot_on_device_tokens_equal"] = tok_back == tok_c
+    out["cpu_snapshot_on_device_max_diff"] = max_diff(rows_back, rows_c)
+    out.update(refusal(cpu, dev, ids))
+    out.update(batched_vs_alone(dev, ids))
+    return out
+
+
+def refusal(cpu, dev, ids) -> dict:
+    """A CPU state handed to the device model is refused and unchanged (when the devices differ)."""
+    if cpu.device == dev.device:
+        return {"other_device_state_refused": "same device"}
+    st = cpu.new_state(capacity=64)
+    cpu.forward(ids[:8], st)
+    before = st.snapshot()
+    try:
+        dev.forward(ids[8:9], st)
+        refused = False
+    except StateMismatchError:
+        refused = True
+    return {"other_device_state_refused": refused, "refused_state_unchanged": st.snapshot() == before}
+
+
+def batched_vs_alone(dev, ids) -> dict:
+    """Three sequences advanced in one forward_batch against each alone, with torch's kernels and,
+    where the model has it, in batch-invariant mode (which must give torch.equal)."""
+    out, was = {"batch_invariant_mode": dev.supports_batch_invariance}, dev.batch_invariant
+    for mode in ("torch", "invariant") if dev.supports_batch_invariance else ("torch",):
+        dev.set_batch_invariant(mode == "invariant")
+        alone, states = [], []
+        for n in (7, 19, 30):
+            alone.append(dev.forward(ids[:n], dev.new_state(capacity=64), last_only=True))
+            states.append(dev.new_state(capacity=64))
+        batched = dev.forward_batch([(ids[:n], st) for n, st in zip((7, 19, 30), states)])
+        out[f"batched_equals_alone_{mode}"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(alone, batched))
+        out[f"batched_vs_alone_max_diff_{mode}"] = max(max_diff(a, b) for a, b in zip(alone, batched))
+    dev.set_batch_invariant(was)
+    return out
+
+
+def check_triton(device: torch.device) -> dict:
+    from kvfold.numerics import triton_ops
+    if not triton_ops.available(device):
+        return {"skipped": f"triton cannot run on {device} (not installed, or CPU without TRITON_INTERPRET=1)"}
+    model = Dsv4Model(tiny_config(sliding_window=8, compress_ratios=(0, 4, 8, 4), index_topk=2,
+                                  num_nextn_predict_layers=0), dtype=torch.float32, device=device)
+    cpu = Dsv4Model(model.config, dtype=torch.float32)
+    init_random_(cpu, 0)
+    model.load_state_dict(cpu.state_dict())
+    ids = prompt(model, 40)
+
+    def run():
+        st = model.new_state(capacity=48)
+        return torch.cat([model.forward(ids[:32], st)] + [model.forward(ids[i:i + 1], st) for i in range(32, 40)])
+
+    want = run()
+    with triton_ops.use_triton():
+        got = run()
+    return {"triton_vs_torch_max_diff": max_diff(got, want), "logit_scale": want.abs().max().item()}
+
+
+@torch.no_grad()
+def device_random_(model: torch.nn.Module, seed: int = 0) -> None:
+    """init_random_'s kinds of values drawn on the model's device (a V4-Flash-shaped stack is too
+    big to draw on the CPU in reasonable time): O(1) activations, valid hash routing."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif leaf in ("sinks", "position_bias", "base", "hc_base", "scale", "hc_scale"):
+            p.normal_(1.0 if "scale" in leaf else 0.0, 0.2, generator=g)
+        else:
+            p.normal_(0.0, 1.0 if name.endswith("embed_tokens.weight") else p.shape[-1] ** -0.5, generator=g)
+    cfg = model.config
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            b.copy_(torch.rand(cfg.vocab_size, cfg.n_routed_experts, device=b.device, generator=g)
+                    .argsort(dim=1)[:, :cfg.num_experts_per_tok])
+        elif name.endswith("e_score_correction_bias"):
+            b.zero_()
+
+
+def flash_stack(layers: int, dtype: torch.dtype, device: torch.device, **shrink) -> Dsv4Model:
+    """The release's V4-Flash shapes (tests/data's config.json) with `layers` layers: sliding, CSA,
+    HCA, CSA, ... (the first one hash-routed), random weights; `shrink` overrides config.json keys
+    (how the CPU test builds a small one)."""
+    from kvfold.models.deepseek_v4.config import config_from_dict
+    d = json.loads(FLASH_CONFIG.read_text())
+    d.update(n_layers=layers, n_hash_layers=1, compress_ratios=([0] + [4, 128] * layers)[:layers], n_mtp_layers=0,
+             **shrink)
+    model = Dsv4Model(config_from_dict(d), dtype=dtype, device=device)
+    device_random_(model)
+    return model
+
+
+def bytes_per_step(model, batch: int, state_bytes: int) -> int:
+    """Bytes one decode step reads at least: every weight but the embedding table and the routed
+    experts, the experts `batch` tokens route to at most (num_experts_per_tok each, capped at all of
+    them), and the states."""
+    cfg = model.config
+    experts = total = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if "embed_tokens" in name:
+            continue
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            experts += size
+        else:
+            total += size
+    share = min(1.0, batch * cfg.num_experts_per_tok / cfg.n_routed_experts)
+    return int(total + experts * share + state_bytes)
+
+
+def decode_cell(model, batch: int, context: int, steps: int) -> dict:
+    """Median decode step of `batch` sequences at `context`: one prefill, its snapshot restored into
+    every other state (exact, and cheaper than `batch` prefills)."""
+    device = model.device
+    cap = context + steps + 8
+    first = model.new_state(capacity=cap)
+    ids = prompt(model, context)
+    sync(device)
+    t = time.perf_counter()
+    model.forward(ids, first, last_only=True)
+    sync(device)
+    prefill_s = time.perf_counter() - t
+    blob = first.snapshot()
+    states = [first] + [model.new_state(capacity=cap) for _ in range(batch - 1)]
+    for st in states[1:]:
+        st.restore(blob)
+    times = []
+    for i in range(steps + 3):
+        sync(device)
+        t = time.perf_counter()
+        model.forward_batch([([(7 * i + j) % 200 + 2], st) for j, st in enumerate(states)])
+        sync(device)
+        times.append(time.perf_counter() - t)
+    step = sorted(times[3:])[len(times[3:]) // 2]
+    state_bytes = sum(st.nbytes for st in states)
+    return {"batch": batch, "context": context, "prefill_s": prefill_s, "step_ms": step * 1e3,
+            "tok_s": batch / step, "spread_ms": [min(times[3:]) * 1e3, max(times[3:]) * 1e3],
+            "bytes_per_step": bytes_per_step(model, batch, state_bytes)}
+
+
+def hf_decode(model, context: int, steps: int) -> dict:
+    """transformers' DeepseekV4ForCausalLM with the same config and weights, one sequence."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    device, default = model.device, torch.get_default_dtype()
+    torch.set_default_dtype(model.dtype)
+    try:  # built in place: a V4-Flash-shaped stack would not fit the host's memory in fp32
+        with torch.device(device):
+            hf = DeepseekV4ForCausalLM(DeepseekV4Config(**model.config.to_hf_dict()))
+    finally:
+        torch.set_default_dtype(default)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    hf.eval()
+    ids = torch.tensor([prompt(model, context)], device=device)
+    with torch.no_grad():
+        out = hf(input_ids=ids, use_cache=True)
+        cache, times = out.past_key_values, []
+        for i in range(steps + 3):
+            sync(device)
+            t = time.perf_counter()
+            out = hf(input_ids=torch.tensor([[(7 * i) % 200 + 2]], device=device), past_key_values=cache,
+                     use_cache=True)
+            cache = out.past_key_values
+            sync(device)
+            times.append(time.perf_counter() - t)
+    step = sorted(times[3:])[len(times[3:]) // 2]
+    del hf
+    return {"context": context, "step_ms": step * 1e3, "tok_s": 1 / step,
+            "weights_not_loaded": len(missing), "unexpected_weights": len(unexpected)}
+
+
+def speed(args, device: torch.device, report: dict, save) -> None:
+    """Decode cells of the medium config (fp32, bf16) and of the V4-Flash-shaped stack (bf16), and
+    transformers' decode of each, until --time-budget is spent (the cells left are marked)."""
+    models = [(f"{args.config}-{name}", lambda dt=dt: medium_model(args.config, dt, device))
+              for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))]
+    if args.flash_layers:
+        models.append((f"v4-flash-{args.flash_layers}-layers-bf16",
+                       lambda: flash_stack(args.flash_layers, torch.bfloat16, device)))
+    for label, make in models:
+        entry = report["speed"].setdefault(label, {"cells": []})
+        try:
+            time_model(args, make(), entry, save)
+        except Exception as exc:  # record and go on to the next model
+            entry["error"] = failure(exc)
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def time_model(args, model, entry: dict, save) -> None:
+    deadline = START + args.time_budget
+    entry["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    for context in args.contexts:
+        for batch in args.batches:
+            if time.perf_counter() > deadline:
+                entry["cells"].append({"batch": batch, "context": context, "skipped": "--time-budget spent"})
+                continue
+            cell = run_check(lambda: decode_cell(model, batch, context, args.steps))
+            if "bytes_per_step" in cell and args.bandwidth:
+                cell["bandwidth_fraction"] = cell["bytes_per_step"] / (cell["step_ms"] / 1e3) / args.bandwidth
+            entry["cells"].append(cell)
+            save()
+    if time.perf_counter() < deadline:  # at the shortest context: its prefill is the cheapest
+        entry["transformers"] = run_check(lambda: hf_decode(model, min(args.contexts), args.steps))
+
+
+def medium_model(name: str, dtype: torch.dtype, device: torch.device) -> Dsv4Model:
+    from kvfold.bench.configs import build_config
+    model = Dsv4Model(build_config(name), dtype=dtype, device=device)
+    device_random_(model)
+    return model
+
+
+def failure(exc: BaseException) -> dict:
+    return {"error": repr(exc), "traceback": traceback.format_exc(limit=6)}
+
+
+def run_check(fn) -> dict:
+    t = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as exc:  # a check that fails is a result; the others still run
+        out = failure(exc)
+    out["wall_s"] = round(time.perf_counter() - t, 3)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="gpu-check.json")
+    p.add_argument("--config", default="medium", help="the kvfold bench config timed besides V4-Flash")
+    p.add_argument("--contexts", default="4096,65536")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per cell (median)")
+    p.add_argument("--flash-layers", type=int, default=4, help="layers of the V4-Flash-shaped stack (0: none)")
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="the device's memory bandwidth, bytes/s")
+    p.add_argument("--no-speed", action="store_true", help="the correctness checks only")
+    p.add_argument("--no-triton", action="store_true", help="leave out the Triton check")
+    p.add_argument("--time-budget", type=float, default=500, help="seconds after which no speed cell starts")
+    args = p.parse_args(argv)
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device(args.device)
+    report = {"device": str(device), "torch": torch.__version__, "families": {}, "speed": {}}
+    if device.type == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(device)
+    out = Path(args.out)
+
+    def save():
+        out.write_text(json.dumps(report, indent=1))
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for family in ("deepseek_v4", "glm5_next"):
+            for dtype in (torch.float32, torch.bfloat16):
+                report["families"][f"{family}-{str(dtype)[6:]}"] = run_check(lambda: check_family(family, dtype, device))
+                save()
+        if not args.no_triton:
+            report["triton"] = run_check(lambda: check_triton(device))
+            save()
+        if not args.no_speed:
+            speed(args, device, report, save)
+    save()
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

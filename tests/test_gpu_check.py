@@ -1,0 +1,59 @@
+"""bench/gpu_check.py, the one prepared run for a GPU machine, kept working on the CPU: with the
+CPU as the "device" every cross-device comparison compares a computation with itself, so each must
+come out exact, and every speed cell and the transformers cell must run."""
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_check_runs_on_the_cpu_and_finds_every_same_device_comparison_exact(tmp_path):
+    out = tmp_path / "report.json"
+    assert _script().main(["--device", "cpu", "--out", str(out), "--config", "tiny-bench", "--contexts", "48",
+                           "--batches", "1,2", "--steps", "2", "--flash-layers", "0", "--no-triton"]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["families"]) == {"deepseek_v4-float32", "deepseek_v4-bfloat16", "glm5_next-float32",
+                                       "glm5_next-bfloat16"}
+    for name, got in report["families"].items():
+        assert "error" not in got, (name, got.get("traceback"))
+        assert got["prefill_max_diff_vs_cpu"] == 0 and got["decode_max_diff_vs_cpu"] == 0, name
+        assert got["greedy_tokens_equal_cpu"] and got["cpu_snapshot_on_device_max_diff"] == 0, name
+        assert got["device_snapshot_on_cpu_tokens_equal"] and got["cpu_snapshot_on_device_tokens_equal"], name
+        assert got["other_device_state_refused"] == "same device"
+        if name.endswith("float32"):  # batch-invariant mode runs fp32 on the CPU: exact by construction
+            assert got["batched_equals_alone_invariant"], name
+    for label in ("tiny-bench-fp32", "tiny-bench-bf16"):
+        speed = report["speed"][label]
+        assert [(c["batch"], c["context"]) for c in speed["cells"]] == [(1, 48), (2, 48)], speed
+        assert all(c["tok_s"] > 0 and c["bytes_per_step"] > 0 for c in speed["cells"])
+        hf = speed["transformers"]
+        assert "error" not in hf and hf["weights_not_loaded"] == 0 and hf["unexpected_weights"] == 0, hf
+
+
+def test_the_v4_flash_shaped_stack_builds_routes_and_decodes(tmp_path):
+    # the release's config.json, shrunk: the same keys and layer kinds, random weights drawn in place
+    gc = _script()
+    model = gc.flash_stack(3, torch.bfloat16, torch.device("cpu"), vocab_size=512, dim=64, moe_inter_dim=32,
+                           n_routed_experts=8, n_heads=4, head_dim=64, rope_head_dim=16, q_lora_rank=32,
+                           o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=32, index_topk=8)
+    cfg = model.config
+    assert cfg.layer_types == ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+    assert cfg.mlp_layer_types == ("hash_moe", "moe", "moe") and cfg.num_experts_per_tok == 6
+    tid2eid = dict(model.named_buffers())["model.layers.0.mlp.gate.tid2eid"]
+    assert all(len(set(row.tolist())) == 6 for row in tid2eid)  # distinct experts a token
+    with torch.inference_mode():
+        cell = gc.decode_cell(model, batch=2, context=40, steps=2)
+    assert cell["tok_s"] > 0
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    # two tokens route to at most 12 of 8 experts: all of them are read
+    assert gc.bytes_per_step(model, 2, 0) - gc.bytes_per_step(model, 1, 0) == expert_bytes - expert_bytes * 6 // 8
