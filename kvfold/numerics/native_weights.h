@@ -23,7 +23,8 @@
  *                       negatives; code 8, "-0", is +0 as in quant.py's table), low bytes 0.
  *   bf16              -> float32 bits = bf16 bits << 16.
  * A decode row (one x) takes two shorter ways, exact for the same reason:
- *   e2m1              -> the 16 values times the block's scale, as a table a block, indexed by code;
+ *   e2m1              -> the 16 values times the block's scale, as a table a block, indexed by code
+ *                       (AVX2: the 8 magnitudes, signed by the code's bit 3; e2m1_rows_exact);
  *   e4m3fn, e8m0 scale blocks of 16+ rows -> float32 bits of value * 2^-120, against x multiplied
  *                       once a block row by 2^120 * scale wherever that product is exact, so the
  *                       fused multiply-add sees the exact product x * value * scale either way
