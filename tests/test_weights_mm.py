@@ -180,6 +180,27 @@ def test_every_fp4_code_and_extreme_scale_decodes_exactly():
     assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(64)]), finite.t())
 
 
+def test_fp4_zero_codes_keep_quant_py_s_sign_of_zero_even_after_an_underflow():
+    # quant.py's weight for codes 0 and 8 is 0 * scale: +0 under an e8m0 scale, -0 under a negative
+    # float32 one. A lane whose products so far rounded to -0 (a tiny negative x times a tiny weight)
+    # stays -0 with a -0 weight and becomes +0 with a +0 one, and with a -0 tail that sign survives
+    # to the output. Every lane: x = -2^-140 against a weight of 2^-128, then x = 1 against a zero
+    # code, then x = -0 against 2^-128 again; the tail of 4 underflows as the first step does.
+    tiny = -(2.0 ** -140)
+    x = torch.tensor([[tiny] * 8 + [1.0] * 8 + [-0.0] * 16 + [tiny] * 4])
+    cases = [(1, 8, torch.zeros(1, 2, dtype=torch.uint8)),  # e8m0 exponent 0: code 1 is 0.5 * 2^-127
+             (9, 0, torch.full((1, 2), -(2.0 ** -127)))]  # code 9 is -0.5, times -2^-127
+    for weight_code, zero_code, scale in cases:
+        codes = torch.tensor([weight_code] * 8 + [zero_code] * 8 + [weight_code] * 20, dtype=torch.uint8)
+        packed = (codes[0::2] | (codes[1::2] << 4)).view(1, 18)
+        dense = dequant_fp4_blocks(packed, scale)
+        assert dense[0, 0].item() == 2.0 ** -128 and dense[0, 8].item() == 0
+        want = invariant_mm(x, dense)
+        assert want.item() == 0 and torch.signbit(want).item() == (scale.dtype == torch.float32)
+        got = native_mm(x, *describe(packed, scale, (1, 32), packed_fp4=True))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scale.dtype, got, want)
+
+
 def _round_downward():
     """fesetround(FE_DOWNWARD) on this thread (x87 and MXCSR); returns the call that restores
     round-to-nearest. The kernels below run on this thread: their sizes are under rows.py's serial

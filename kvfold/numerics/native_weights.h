@@ -24,7 +24,7 @@
  *   bf16              -> float32 bits = bf16 bits << 16.
  * A decode row (one x) takes two shorter ways, exact for the same reason:
  *   e2m1              -> the 16 values times the block's scale, as a table a block, indexed by code
- *                       (AVX2: the 8 magnitudes, signed by the code's bit 3; e2m1_rows_exact);
+ *                       (AVX2: the 8 magnitudes, signed by the code's bit 3, where e2m1_rows_exact);
  *   e4m3fn, e8m0 scale blocks of 16+ rows -> float32 bits of value * 2^-120, against x multiplied
  *                       once a block row by 2^120 * scale wherever that product is exact, so the
  *                       fused multiply-add sees the exact product x * value * scale either way
@@ -201,11 +201,14 @@ static inline __m256 e4m3x8_scaled_down(const uint8_t *row, int64_t i) {
     return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32((int)0x87FFFFFF)));
 }
 
-/* AVX2's one-table FP4 rows give every weight its value when the thread rounds to nearest (MXCSR's
- * rounding bits 13-14 clear): then (-v) * s is -(v * s) for any scale s, and code 8, +0 in
- * quant.py's table, comes out -0, which adds as +0 does, since a sum that starts at +0 never becomes
- * -0 under round-to-nearest. Blocks with a NaN scale go value by value (the NaN's sign too). */
-static inline int e2m1_rows_exact(void) { return E2M1_TABLES == 2 || !(_mm_getcsr() & 0x6000); }
+/* AVX2's one-table FP4 rows give every weight quant.py's value, bit for bit, for e8m0 scales (powers
+ * of two, so table[m] = value * scale is exact or overflows, and -(v * s) is (-v) * s) on a thread
+ * that rounds to nearest (MXCSR's rounding bits 13-14 clear): an overflow is then inf for either
+ * sign, and code 8, +0 in quant.py's table, comes out -0 + 0 = +0. Blocks with a NaN scale go value
+ * by value (the NaN's sign); other matrices and threads decode a panel. */
+static inline int e2m1_rows_exact(const kv_weights *w) {
+    return E2M1_TABLES == 2 || (!w->scale_f32 && !(_mm_getcsr() & 0x6000));
+}
 
 /* 8 e2m1 codes from value i (4 bytes, low nibble first) -> their entries of a block's table: each
  * lane shifts its own nibble down, and the permutes read only an index's low 3 bits (AVX-512's
@@ -216,9 +219,10 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *
     __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32(four), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
 #if E2M1_TABLES == 2
     return _mm256_permutex2var_ps(table[0], codes, table[1]);
-#else /* the magnitude, and bit 3 of the code shifted up to the sign bit */
+#else /* the magnitude, bit 3 of the code shifted up to the sign bit, and -0 (code 8) made +0 */
     const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(INT32_MIN));
-    return _mm256_xor_ps(_mm256_permutevar8x32_ps(table[0], codes), _mm256_castsi256_ps(sign));
+    const __m256 signed_value = _mm256_xor_ps(_mm256_permutevar8x32_ps(table[0], codes), _mm256_castsi256_ps(sign));
+    return _mm256_add_ps(signed_value, _mm256_setzero_ps());
 #endif
 }
 
@@ -422,7 +426,7 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
         return;
     }
 #if KV_DECODE_IN_REGISTERS
-    if (m == 1 && (w->fmt != KV_FP4 || e2m1_rows_exact())) {
+    if (m == 1 && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
         if (panel && fp8_folds(w)) {
             fp8_folded_rows(x, w, data, scale, out, n0, n1, panel);
             return;
@@ -462,7 +466,7 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     int64_t n_blocks = (n + block - 1) / block;
     /* a panel for decoded columns, or (one FP8 row) for x folded with the scales: k floats and a
      * flag a column block fit in the 4 or more rows of k a panel holds; one AVX2 FP4 row may need
-     * it too, on a thread that does not round to nearest */
+     * it too (e2m1_rows_exact) */
     int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS || w->fmt == KV_FP8
                                           || (w->fmt == KV_FP4 && E2M1_TABLES == 1)), failed = 0;
     if (threads <= 1 || n_blocks <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
