@@ -128,7 +128,9 @@ def check_family(family: str, dtype: torch.dtype, device: torch.device) -> dict:
     # a device snapshot continues on the CPU, a CPU snapshot on the device
     on_cpu = cpu.new_state(capacity=cap)
     on_cpu.restore(snap_d)
-    out["device_snapshot_on_cpu_tokens_equal"] = greedy(cpu, on_cpu, ld.cpu(), 8)[0] == tok_d
+    tok_on_cpu, rows_on_cpu = greedy(cpu, on_cpu, ld.cpu(), 8)
+    out["device_snapshot_on_cpu_tokens_equal"] = tok_on_cpu == tok_d
+    out["device_snapshot_on_cpu_max_diff"] = max_diff(rows_on_cpu, rows_d)
     st_c2 = cpu.new_state(capacity=cap)
     lc2 = cpu.forward(ids, st_c2)
     on_dev = dev.new_state(capacity=cap)

@@ -28,6 +28,7 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_every_same_device_comparison_ex
         assert "error" not in got, (name, got.get("traceback"))
         assert got["prefill_max_diff_vs_cpu"] == 0 and got["decode_max_diff_vs_cpu"] == 0, name
         assert got["greedy_tokens_equal_cpu"] and got["cpu_snapshot_on_device_max_diff"] == 0, name
+        assert got["device_snapshot_on_cpu_max_diff"] == 0, name
         assert got["device_snapshot_on_cpu_tokens_equal"] and got["cpu_snapshot_on_device_tokens_equal"], name
         assert got["other_device_state_refused"] == "same device"
         if name.endswith("float32"):  # batch-invariant mode runs fp32 on the CPU: exact by construction
