@@ -116,7 +116,7 @@ def check_family(family: str, dtype: torch.dtype, device: torch.device) -> dict:
     st_c, st_d = cpu.new_state(capacity=cap), dev.new_state(capacity=cap)
     lc, ld = cpu.forward(ids, st_c), dev.forward(ids, st_d)
     out["prefill_max_diff_vs_cpu"] = max_diff(lc, ld)
-    snap_d = st_d.snapshot()
+    snap_c, snap_d = st_c.snapshot(), st_d.snapshot()
     tok_c, rows_c = greedy(cpu, st_c, lc, 8)
     tok_d, rows_d = greedy(dev, st_d, ld, 8)
     out["greedy_tokens_equal_cpu"] = tok_c == tok_d
@@ -131,11 +131,9 @@ def check_family(family: str, dtype: torch.dtype, device: torch.device) -> dict:
     tok_on_cpu, rows_on_cpu = greedy(cpu, on_cpu, ld.cpu(), 8)
     out["device_snapshot_on_cpu_tokens_equal"] = tok_on_cpu == tok_d
     out["device_snapshot_on_cpu_max_diff"] = max_diff(rows_on_cpu, rows_d)
-    st_c2 = cpu.new_state(capacity=cap)
-    lc2 = cpu.forward(ids, st_c2)
     on_dev = dev.new_state(capacity=cap)
-    on_dev.restore(st_c2.snapshot())
-    tok_back, rows_back = greedy(dev, on_dev, lc2.to(device), 8)
+    on_dev.restore(snap_c)
+    tok_back, rows_back = greedy(dev, on_dev, lc.to(device), 8)
     out["cpu_snapshot_on_device_tokens_equal"] = tok_back == tok_c
     out["cpu_snapshot_on_device_max_diff"] = max_diff(rows_back, rows_c)
     out.update(refusal(cpu, dev, ids))

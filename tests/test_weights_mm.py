@@ -206,6 +206,7 @@ def _round_downward():
     round-to-nearest. The kernels below run on this thread: their sizes are under rows.py's serial
     threshold."""
     import ctypes
+    import ctypes.util
     libm = ctypes.CDLL(ctypes.util.find_library("m"))
     down, nearest = 0x400, 0  # glibc's FE_DOWNWARD and FE_TONEAREST on x86
     assert libm.fesetround(down) == 0 and libm.fegetround() == down
@@ -217,7 +218,6 @@ def test_fp4_decode_rows_keep_every_bit_when_the_thread_rounds_downward():
     # which is the value only under round-to-nearest: rounding down, -(v * s) is not (-v) * s for a
     # float32 scale, and code 8 (+0 in quant.py) read as -0 turns a zero sum's +0 into -0. Whatever
     # the path, every output's bits must be the dense reference's in the same rounding mode.
-    import ctypes.util  # noqa: F401 - _round_downward's find_library
     codes = torch.tensor([8] * 64 + (list(range(16)) * 4)[3:] + [0, 1, 2], dtype=torch.uint8).view(2, 64)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).repeat(2, 1)  # [4, 32] bytes: rows of -0 codes, of all
     float_scales = torch.tensor([[0.1, -0.3], [-0.7, 1.3], [0.9, -1e-3], [3.7, 0.01]])
