@@ -209,7 +209,8 @@ QUERIES = [dict(prompt="The with statement is used to", max_tokens=12, temperatu
            dict(prompt=LONG, max_tokens=6, temperature=0),
            dict(prompt=LONG + " The", max_tokens=6, temperature=0),  # a prefix-cache hit
            dict(prompt="Return the", max_tokens=8, n=2, temperature=0.9, seed=5),
-           dict(prompt="x", max_tokens=8, temperature=0.8)]  # no seed: rank 0 draws it for every rank
+           # no seed: rank 0 draws it for every rank; past EOS, so it always makes its 8 tokens
+           dict(prompt="x", max_tokens=8, temperature=0.8, extra_body={"ignore_eos": True})]
 
 
 def ask(url):
