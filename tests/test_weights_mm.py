@@ -348,3 +348,50 @@ def test_the_nan_code_scan_sees_every_chunk():
         assert _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
     codes[999] = 0x7E  # 448, the largest finite code
     assert not _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
+
+
+def _plant_subnormal_codes(q: torch.Tensor, spots) -> torch.Tensor:
+    """q with a subnormal e4m3 code (exponent bits 0, mantissa 1-7) at each (.., row, column) spot."""
+    codes = q.view(torch.uint8).clone()
+    for i, spot in enumerate(spots):
+        codes[spot] = (0x80 if i % 2 else 0x00) | (1 + i % 7)
+    return codes.view(torch.float8_e4m3fn)
+
+
+def test_subnormal_fp8_codes_flag_exactly_the_row_blocks_that_hold_them():
+    # The flags say which row's column block a folded decode row must decode through halves (a
+    # float32 subnormal operand costs Intel cores a microcode assist). Checked against the codes'
+    # values: a subnormal e4m3 value is nonzero and below 2^-6, the smallest normal.
+    q, _ = quantize_fp8_blocks(weights(3 * 40, 300, 11).view(3, 40, 300), (128, 128))
+    q = _plant_subnormal_codes(q, [(0, 0, 0), (0, 5, 299), (1, 39, 130), (2, 17, 255), (2, 17, 256)])
+    v = q.float()
+    sub = (v != 0) & (v.abs() < 2 ** -6)
+    want = torch.nn.functional.pad(sub, (0, 3 * 128 - 300)).view(3, 40, 3, 128).any(-1)
+    assert 5 <= int(want.sum()) < want.numel()  # the planted ones, and any the quantizer wrote
+    desc = describe(q, torch.full((3, 1, 3), 127, dtype=torch.uint8), (128, 128))[0]
+    flags = desc.tensors[2]
+    assert torch.equal(flags.bool(), want)
+    assert desc.subnormal_blocks == flags.data_ptr() and desc.subnormal_stride == 40 * 3
+    clean = q.view(torch.uint8).clone()
+    clean[sub] = 0
+    assert describe(clean.view(torch.float8_e4m3fn), torch.full((3, 1, 3), 127, dtype=torch.uint8),
+                    (128, 128))[0].subnormal_blocks is None
+
+
+def test_fp8_decode_rows_stay_exact_where_a_tile_mixes_flagged_and_clean_blocks():
+    # A folded tile of four rows takes the half-precision decode for a column block where any of its
+    # rows holds a subnormal code and folds the others: each output must still be the dot over the
+    # dequantized weight, in a stack of matrices and in row groups that start inside a tile.
+    block = (128, 128)
+    q, s = quantize_fp8_blocks(weights(2 * 64, 384, 12).view(2, 64, 384), block)
+    q = _plant_subnormal_codes(q, [(0, 1, 3), (0, 6, 200), (0, 6, 201), (0, 63, 383), (1, 12, 128), (1, 40, 7)])
+    dense = dequant_fp8_blocks(q, s, block)
+    found = describe(q, s, block)
+    assert found[0].subnormal_blocks
+    x = rows(1, 384, 6)
+    for e in range(2):
+        exactly(native_mm(x, *found, index=e), invariant_mm(x, dense[e]))
+    flat_q, flat_s = q[0].contiguous(), s[0].contiguous()
+    for desc, per, k in row_groups(describe(flat_q, flat_s, block), 8):
+        first = (desc.data - flat_q.data_ptr()) // 384
+        exactly(native_mm(x, desc, per, k), invariant_mm(x, dense[0, first:first + per]))

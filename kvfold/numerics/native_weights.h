@@ -68,6 +68,9 @@ typedef struct {
     int64_t scale_stride; /* scale entries from one matrix to the next */
     int64_t row_phase;    /* the matrix starts this many rows into its first scale block */
     int64_t nan_codes;    /* FP8: whether any code is a NaN (0x7F / 0xFF), which the fast decoder skips */
+    const uint8_t *subnormal_blocks; /* FP8: matrix 0's [n, ceil(k / bc)] flags, 1 where that row's column block
+                                      * holds a subnormal code (see fp8_folds); NULL when no block does */
+    int64_t subnormal_stride;        /* flags from one matrix to the next */
 } kv_weights;
 
 static inline int64_t weights_row_bytes(const kv_weights *w) {
@@ -226,6 +229,18 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *
 #endif
 }
 
+/* Whether a folded FP8 tile's rows j0 .. j0+nr-1 hold a subnormal code in column block blk. Such a
+ * code (rows_flags: row j0's flags, `blocks` a row) becomes a float32 subnormal in e4m3x8_scaled_down, and Intel cores take a microcode assist
+ * (about a hundred cycles) for each multiply-add with a subnormal operand; the tile then decodes
+ * that block through halves (always normal floats) and the block factor instead, which gives each
+ * fused multiply-add the same exact product (see the header), so no result changes. */
+static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int nr, int64_t blk) {
+    if (!rows_flags) return 0;
+    for (int c = 0; c < nr; c++)
+        if (rows_flags[c * blocks + blk]) return 1;
+    return 0;
+}
+
 /* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
  * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
  * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail).
@@ -237,10 +252,12 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *
 #define WEIGHTS_ROW_TILE(NAME, FMT, NR)                                                               \
     static void weights_row_##NAME##_##NR(const float *x, const kv_weights *w, const uint8_t *data,  \
                                           const void *scale, int64_t j0, float *out, const float *xs, \
-                                          const uint8_t *folded) {                                    \
+                                          const uint8_t *folded, const uint8_t *subnormal) {          \
         const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
         const int64_t rb = weights_row_bytes(w);                                                      \
         const int nan_codes = (int)w->nan_codes;                                                      \
+        const int64_t blocks = (k + bc - 1) / bc;                                                     \
+        const uint8_t *rows_flags = subnormal ? subnormal + j0 * blocks : NULL;                       \
         /* values of a row in one 64-byte cache line: a constant of the format, so `%` is a mask */  \
         const int64_t values_per_line = (FMT) == KV_FP4 ? 128 : (FMT) == KV_FP8 ? 64 : 32;            \
         __m256 acc[NR];                                                                               \
@@ -251,7 +268,7 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *
         }                                                                                             \
         for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
             int64_t b1 = b0 + bc < k8 ? b0 + bc : k8, i = b0;                                         \
-            if ((FMT) == KV_FP8 && folded && folded[blk]) {                                           \
+            if ((FMT) == KV_FP8 && folded && folded[blk] && !tile_subnormal(rows_flags, blocks, NR, blk)) { \
                 for (; i < b1; i += LANES) {                                                          \
                     if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i, rb, NR);          \
                     const __m256 xv = _mm256_loadu_ps(xs + i);                                        \
@@ -399,14 +416,14 @@ static void fold_fp8_scales(const float *x, const kv_weights *w, const void *sca
 /* outputs n0 .. n1-1 of one row x for an FP8 matrix, a block row of scales at a time: x folded
  * into `buf` (k floats, then a flag a column block) once, then tiles that stay inside it */
 static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *data, const void *scale, float *out,
-                            int64_t n0, int64_t n1, float *buf) {
+                            int64_t n0, int64_t n1, float *buf, const uint8_t *subnormal) {
     uint8_t *folded = (uint8_t *)(buf + w->k);
     for (int64_t r0 = n0; r0 < n1;) {
         int64_t r1 = ((w->row_phase + r0) / w->br + 1) * w->br - w->row_phase, c = r0;
         r1 = r1 < n1 ? r1 : n1;
         fold_fp8_scales(x, w, scale, scale_row(w, r0), buf, folded);
-        for (; c + 4 <= r1; c += 4) weights_row_fp8_4(x, w, data, scale, c, out + c, buf, folded);
-        for (; c < r1; c++) weights_row_fp8_1(x, w, data, scale, c, out + c, buf, folded);
+        for (; c + 4 <= r1; c += 4) weights_row_fp8_4(x, w, data, scale, c, out + c, buf, folded, subnormal);
+        for (; c < r1; c++) weights_row_fp8_1(x, w, data, scale, c, out + c, buf, folded, subnormal);
         r0 = r1;
     }
 }
@@ -428,13 +445,14 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
 #if KV_DECODE_IN_REGISTERS
     if (m == 1 && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
         if (panel && fp8_folds(w)) {
-            fp8_folded_rows(x, w, data, scale, out, n0, n1, panel);
+            const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
+            fp8_folded_rows(x, w, data, scale, out, n0, n1, panel, subnormal);
             return;
         }
         int64_t c = n0;
 #define ROWS(NAME)                                                                                \
-        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c, NULL, NULL); \
-        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c, NULL, NULL);
+        for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c, NULL, NULL, NULL); \
+        for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c, NULL, NULL, NULL);
         if (w->fmt == KV_FP8) { ROWS(fp8) } else if (w->fmt == KV_FP4) { ROWS(fp4) } else { ROWS(bf16) }
 #undef ROWS
         return;

@@ -31,7 +31,8 @@ class WeightsDesc(ctypes.Structure):
     _fields_ = [("fmt", ctypes.c_int64), ("scale_f32", ctypes.c_int64), ("data", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("br", ctypes.c_int64), ("bc", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("data_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64), ("row_phase", ctypes.c_int64),
-                ("nan_codes", ctypes.c_int64)]
+                ("nan_codes", ctypes.c_int64), ("subnormal_blocks", ctypes.c_void_p),
+                ("subnormal_stride", ctypes.c_int64)]
 
 
 def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
@@ -51,6 +52,11 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
                        int(nan_codes))
     desc.tensors = (data, scale)
+    if fmt == FP8:
+        flags = subnormal_blocks(data, bc)
+        if flags is not None:
+            desc.subnormal_blocks, desc.subnormal_stride = flags.data_ptr(), rows * flags.shape[-1]
+            desc.tensors = (data, scale, flags)
     if scale is not None:
         if bc % _LANES or not scale.is_cpu or not scale.is_contiguous() or scale.dtype not in (torch.uint8,
                                                                                               torch.float32):
@@ -65,6 +71,25 @@ def _has_nan_codes(q: torch.Tensor, chunk: int = 1 << 24) -> bool:
     scanned in chunks, so the temporaries stay small whatever the weight's size."""
     flat = q.view(torch.uint8).reshape(-1)
     return any(bool(((flat[i:i + chunk] & 0x7F) == 0x7F).any()) for i in range(0, flat.numel(), chunk))
+
+
+def subnormal_blocks(q: torch.Tensor, bc: int, chunk_rows: int = 1 << 12) -> torch.Tensor | None:
+    """uint8 [..., n, ceil(k / bc)]: 1 where that row's block of bc columns holds a subnormal FP8
+    code (exponent bits 0, mantissa not), which a folded decode row must not feed to the fused
+    multiply-add as a float32 subnormal (native_weights.h, tile_subnormal); None when no code is
+    one, so most blocks cost nothing. Scanned a chunk of rows at a time (small temporaries)."""
+    k = q.shape[-1]
+    rows = q.view(torch.uint8).reshape(-1, k)
+    blocks = -(-k // bc)
+    flags = torch.zeros(rows.shape[0], blocks, dtype=torch.uint8)
+    for r0 in range(0, rows.shape[0], chunk_rows):
+        part = rows[r0:r0 + chunk_rows]
+        sub = ((part & 0x78) == 0) & ((part & 0x07) != 0)
+        sub = torch.nn.functional.pad(sub, (0, blocks * bc - k))
+        flags[r0:r0 + chunk_rows] = sub.view(part.shape[0], blocks, bc).any(-1)
+    if not bool(flags.any()):
+        return None
+    return flags.view(*q.shape[:-1], blocks)
 
 
 def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:
@@ -83,6 +108,8 @@ def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:
         part = WeightsDesc.from_buffer_copy(desc)
         part.tensors = desc.tensors
         part.data += first * row_bytes
+        if desc.subnormal_blocks:
+            part.subnormal_blocks += first * desc.tensors[2].shape[-1]
         if scale is not None:
             part.scale += (first // desc.br) * scale_cols * scale.element_size()
             part.row_phase = first % desc.br
