@@ -28,7 +28,8 @@
  *   e4m3fn, e8m0 scale blocks of 16+ rows -> float32 bits of value * 2^-120, against x multiplied
  *                       once a block row by 2^120 * scale wherever that product is exact, so the
  *                       fused multiply-add sees the exact product x * value * scale either way
- *                       (fold_fp8_scales says when it may).
+ *                       (fold_fp8_scales says when it may; a block where a row holds a subnormal
+ *                       code, a float32 subnormal operand there, decodes through halves instead).
  */
 #ifndef KV_NATIVE_WEIGHTS_H
 #define KV_NATIVE_WEIGHTS_H
