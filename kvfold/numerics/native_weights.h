@@ -70,7 +70,7 @@ typedef struct {
     int64_t row_phase;    /* the matrix starts this many rows into its first scale block */
     int64_t nan_codes;    /* FP8: whether any code is a NaN (0x7F / 0xFF), which the fast decoder skips */
     const uint8_t *subnormal_blocks; /* FP8: matrix 0's [n, ceil(k / bc)] flags, 1 where that row's column block
-                                      * holds a subnormal code (see fp8_folds); NULL when no block does */
+                                      * holds a subnormal code (tile_subnormal); NULL when none does */
     int64_t subnormal_stride;        /* flags from one matrix to the next */
 } kv_weights;
 
@@ -230,11 +230,12 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *
 #endif
 }
 
-/* Whether a folded FP8 tile's rows j0 .. j0+nr-1 hold a subnormal code in column block blk. Such a
- * code (rows_flags: row j0's flags, `blocks` a row) becomes a float32 subnormal in e4m3x8_scaled_down, and Intel cores take a microcode assist
- * (about a hundred cycles) for each multiply-add with a subnormal operand; the tile then decodes
- * that block through halves (always normal floats) and the block factor instead, which gives each
- * fused multiply-add the same exact product (see the header), so no result changes. */
+/* Whether a folded FP8 tile's rows j0 .. j0+nr-1 (rows_flags: row j0's flags, `blocks` a row) hold
+ * a subnormal code in column block blk. Such a code becomes a float32 subnormal in
+ * e4m3x8_scaled_down, and Intel cores take a microcode assist (about a hundred cycles) for each
+ * multiply-add with a subnormal operand; the tile then decodes that block through halves (always
+ * normal floats) and the block factor instead, which gives each fused multiply-add the same exact
+ * product (see the header), so no result changes. */
 static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int nr, int64_t blk) {
     if (!rows_flags) return 0;
     for (int c = 0; c < nr; c++)

@@ -77,7 +77,7 @@ def subnormal_blocks(q: torch.Tensor, bc: int, chunk_rows: int = 1 << 12) -> tor
     """uint8 [..., n, ceil(k / bc)]: 1 where that row's block of bc columns holds a subnormal FP8
     code (exponent bits 0, mantissa not), which a folded decode row must not feed to the fused
     multiply-add as a float32 subnormal (native_weights.h, tile_subnormal); None when no code is
-    one, so most blocks cost nothing. Scanned a chunk of rows at a time (small temporaries)."""
+    subnormal (the tiles then check nothing). Scanned a chunk of rows at a time (small temporaries)."""
     k = q.shape[-1]
     rows = q.view(torch.uint8).reshape(-1, k)
     blocks = -(-k // bc)
