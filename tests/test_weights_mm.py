@@ -340,14 +340,14 @@ def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
 
 
 def test_the_nan_code_scan_sees_every_chunk():
-    from kvfold.numerics.weights_mm import _has_nan_codes
-    codes = torch.zeros(1000, dtype=torch.uint8)
-    assert not _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
+    from kvfold.numerics.weights_mm import scan_fp8_codes
+    codes = torch.zeros(100, 10, dtype=torch.uint8)
+    assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, chunk=64)[0]
     for code in (0x7F, 0xFF):
-        codes[999] = code  # in the last, partial chunk
-        assert _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
-    codes[999] = 0x7E  # 448, the largest finite code
-    assert not _has_nan_codes(codes.view(torch.float8_e4m3fn), chunk=64)
+        codes[99, 9] = code  # in the last, partial chunk
+        assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, chunk=64)[0]
+    codes[99, 9] = 0x7E  # 448, the largest finite code
+    assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, chunk=64)[0]
 
 
 def _plant_subnormal_codes(q: torch.Tensor, spots) -> torch.Tensor:
@@ -372,6 +372,8 @@ def test_subnormal_fp8_codes_flag_exactly_the_row_blocks_that_hold_them():
     flags = desc.tensors[2]
     assert torch.equal(flags.bool(), want)
     assert desc.subnormal_blocks == flags.data_ptr() and desc.subnormal_stride == 40 * 3
+    from kvfold.numerics.weights_mm import scan_fp8_codes
+    assert torch.equal(scan_fp8_codes(q, 128, chunk=7 * 300)[1], flags)  # 7 rows a chunk, the last partial
     clean = q.view(torch.uint8).clone()
     clean[sub] = 0
     assert describe(clean.view(torch.float8_e4m3fn), torch.full((3, 1, 3), 127, dtype=torch.uint8),

@@ -48,15 +48,13 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
         return None
     rows, k = data.shape[-2], data.shape[-1] * (2 if fmt == FP4 else 1)
     br, bc = block if block is not None else (1, _LANES)
-    nan_codes = fmt == FP8 and _has_nan_codes(data)
+    nan_codes, flags = scan_fp8_codes(data, bc) if fmt == FP8 else (False, None)
     desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
                        int(nan_codes))
     desc.tensors = (data, scale)
-    if fmt == FP8:
-        flags = subnormal_blocks(data, bc)
-        if flags is not None:
-            desc.subnormal_blocks, desc.subnormal_stride = flags.data_ptr(), rows * flags.shape[-1]
-            desc.tensors = (data, scale, flags)
+    if flags is not None:
+        desc.subnormal_blocks, desc.subnormal_stride = flags.data_ptr(), rows * flags.shape[-1]
+        desc.tensors = (data, scale, flags)
     if scale is not None:
         if bc % _LANES or not scale.is_cpu or not scale.is_contiguous() or scale.dtype not in (torch.uint8,
                                                                                               torch.float32):
@@ -66,30 +64,25 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     return desc, rows, k
 
 
-def _has_nan_codes(q: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """Whether any FP8 code is a NaN (0x7F / 0xFF), which needs a decoder step the others do not;
-    scanned in chunks, so the temporaries stay small whatever the weight's size."""
-    flat = q.view(torch.uint8).reshape(-1)
-    return any(bool(((flat[i:i + chunk] & 0x7F) == 0x7F).any()) for i in range(0, flat.numel(), chunk))
-
-
-def subnormal_blocks(q: torch.Tensor, bc: int, chunk_rows: int = 1 << 12) -> torch.Tensor | None:
-    """uint8 [..., n, ceil(k / bc)]: 1 where that row's block of bc columns holds a subnormal FP8
+def scan_fp8_codes(q: torch.Tensor, bc: int, chunk: int = 1 << 24) -> tuple[bool, torch.Tensor | None]:
+    """One pass over FP8 codes [..., n, k], about `chunk` codes at a time (small temporaries):
+    whether any code is a NaN (0x7F / 0xFF), which needs a decoder step the others do not, and
+    uint8 flags [..., n, ceil(k / bc)], 1 where that row's block of bc columns holds a subnormal
     code (exponent bits 0, mantissa not), which a folded decode row must not feed to the fused
     multiply-add as a float32 subnormal (native_weights.h, tile_subnormal); None when no code is
-    subnormal (the tiles then check nothing). Scanned a chunk of rows at a time (small temporaries)."""
+    subnormal (the tiles then check nothing)."""
     k = q.shape[-1]
     rows = q.view(torch.uint8).reshape(-1, k)
-    blocks = -(-k // bc)
+    blocks, step = -(-k // bc), max(1, chunk // max(k, 1))
     flags = torch.zeros(rows.shape[0], blocks, dtype=torch.uint8)
-    for r0 in range(0, rows.shape[0], chunk_rows):
-        part = rows[r0:r0 + chunk_rows]
+    nan = False
+    for r0 in range(0, rows.shape[0], step):
+        part = rows[r0:r0 + step]
+        nan = nan or bool(((part & 0x7F) == 0x7F).any())
         sub = ((part & 0x78) == 0) & ((part & 0x07) != 0)
         sub = torch.nn.functional.pad(sub, (0, blocks * bc - k))
-        flags[r0:r0 + chunk_rows] = sub.view(part.shape[0], blocks, bc).any(-1)
-    if not bool(flags.any()):
-        return None
-    return flags.view(*q.shape[:-1], blocks)
+        flags[r0:r0 + step] = sub.view(part.shape[0], blocks, bc).any(-1)
+    return nan, flags.view(*q.shape[:-1], blocks) if bool(flags.any()) else None
 
 
 def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:
