@@ -258,7 +258,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
         const int64_t rb = weights_row_bytes(w);                                                      \
         const int nan_codes = (int)w->nan_codes;                                                      \
-        const int64_t blocks = (k + bc - 1) / bc;                                                     \
+        const int64_t blocks = subnormal ? (k + bc - 1) / bc : 0; /* no division where none is read */ \
         const uint8_t *rows_flags = subnormal ? subnormal + j0 * blocks : NULL;                       \
         /* values of a row in one 64-byte cache line: a constant of the format, so `%` is a mask */  \
         const int64_t values_per_line = (FMT) == KV_FP4 ? 128 : (FMT) == KV_FP8 ? 64 : 32;            \
