@@ -235,6 +235,59 @@ def test_a_decode_row_of_the_whole_model_in_one_native_call_gives_the_per_op_bit
     _fused_against_per_op(tiny, monkeypatch, model, "model_row", paged, on, per_step=1 if on else 0)
 
 
+def test_the_fused_model_row_follows_replaced_weights_the_numerics_mode_and_the_thread_count(monkeypatch):
+    """model_row's plan points into every weight of the model, built once: a parameter or a
+    submodule replaced after decode steps is read (the fused row equals the per-op path on the
+    new weights, and differs from the old), leaving batch invariance falls back to torch's GEMM
+    head (not fused) and coming back fuses again, at any thread count."""
+    import kvfold
+    from torch import nn
+    from kvfold.layers.basic import Linear
+    from kvfold.models.deepseek_v4 import model as model_module
+    from kvfold.models.deepseek_v4 import native_block
+    model = kvfold.load_model("tiny-random")
+    g = torch.Generator().manual_seed(11)
+    taken = []
+    monkeypatch.setattr(model_module, "model_row", lambda *a: taken.append(native_block.model_row(*a)) or taken[-1])
+    st = model.new_state(capacity=64)
+    prompt = random_ids(9, model.config.vocab_size, seed=12)
+
+    def step(fused: bool) -> torch.Tensor:
+        """One decode row from the state after the prompt (the state restored afterwards)."""
+        blob = st.snapshot()
+        if not fused:
+            monkeypatch.setattr(model_module, "model_row", lambda *a: None)
+        try:
+            return model.forward([7], st)
+        finally:
+            st.restore(blob)
+            monkeypatch.setattr(model_module, "model_row",
+                                lambda *a: taken.append(native_block.model_row(*a)) or taken[-1])
+
+    with batch_invariance(model, True):
+        model.forward(prompt, st)
+        before = step(True)
+        attn, mlp = model.model.layers[1].self_attn, model.model.layers[2].mlp
+        attn.q_a_proj.weight = nn.Parameter(torch.randn(attn.q_a_proj.weight.shape, generator=g))
+        kv = Linear(attn.kv_proj.weight.shape[1], attn.kv_proj.weight.shape[0], torch.float32)
+        kv.weight.copy_(torch.randn(kv.weight.shape, generator=g))
+        attn.kv_proj = kv
+        mlp.experts.down_proj.data = torch.randn(mlp.experts.down_proj.shape, generator=g)
+        taken.clear()
+        after = step(True)
+        assert taken and taken[-1] is not None  # fused, on the new weights
+        assert torch.equal(after, step(False)) and not torch.equal(after, before)
+    taken.clear()
+    with batch_invariance(model, False):
+        step(True)
+    assert taken == [None]  # an fp32 lm_head outside invariance: torch's GEMM, op by op
+    for n in (1, 2):
+        taken.clear()
+        with batch_invariance(model, True), threads(n):
+            assert torch.equal(step(True), after)
+        assert taken and taken[-1] is not None
+
+
 def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on: bool,
                           per_step: int | None = None) -> None:
     """A 37-token prefill, then 90 decode steps with a rewind of 5 at step 60, with `module.name`

@@ -9,6 +9,7 @@ object at its step, so nothing stale is read.
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -32,11 +33,14 @@ def _steps(root: nn.Module, path: str) -> list[tuple[dict, str]]:
 
 
 class NativeCache:
-    """`build()`'s value for the weights at `paths` of `root` (None where native.c cannot read them)."""
+    """`build()`'s value for the weights at `paths` of `root` (None where native.c cannot read them),
+    built again when they change or when `get`'s `key` (what else the value depends on, such as
+    the thread count) differs from the last build's."""
 
     def __init__(self, root: nn.Module, paths: list[str], build: Callable[[], object]):
         self.root, self.paths, self.build = root, paths, build
         self.checks = None  # resolved, built and snapshotted on the first get()
+        self.key = None
 
     def _resolve(self) -> None:
         try:
@@ -54,20 +58,19 @@ class NativeCache:
             checks += [(w._buffers, "q", w.q), (w._buffers, "scale", w.scale),
                        (w.__dict__, "_native", w.__dict__.get("_native"))]
         self.checks = checks
-        self.pointers = [(t, t.data_ptr()) for _, _, t in checks if isinstance(t, torch.Tensor)]
+        self.dicts, self.names, self.objects = (list(c) for c in zip(*checks)) if checks else ([], [], [])
+        self.tensors = [t for t in self.objects if isinstance(t, torch.Tensor)]
+        self.pointers = [t.data_ptr() for t in self.tensors]
 
     def _unchanged(self) -> bool:
-        for d, name, obj in self.checks:
-            if d.get(name) is not obj:
-                return False
-        for t, ptr in self.pointers:
-            if t.data_ptr() != ptr:
-                return False
-        return True
+        # map() keeps the loops in C: this runs on every decode step, over every weight of the model
+        same = all(map(operator.is_, map(dict.get, self.dicts, self.names), self.objects))
+        return same and list(map(torch.Tensor.data_ptr, self.tensors)) == self.pointers
 
-    def get(self):
-        if self.checks is None or not self._unchanged():
+    def get(self, key=None):
+        if self.checks is None or key != self.key or not self._unchanged():
             self._resolve()  # a replaced submodule has dicts of its own
             self.value = self.build() if self.steps else None
+            self.key = key
             self._snapshot()  # after building, which may make a QuantizedWeight's native view
         return self.value

@@ -132,13 +132,17 @@ def _cached_native_weights(moe: MoE) -> tuple | None:
     alone take, and this kernel reads fp32 models only.)"""
     cache = moe.__dict__.get("_native_cache")
     if cache is None:
-        gate = moe.gate
-        paths = ["gate.weight", "gate.tid2eid" if gate.is_hash else "gate.e_score_correction_bias",
-                 "experts.gate_up_proj", "experts.down_proj"]
-        if moe.shared_experts is not None:
-            paths += [f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-        cache = moe.__dict__["_native_cache"] = NativeCache(moe, paths, lambda: _native_weights(moe))
+        cache = moe.__dict__["_native_cache"] = NativeCache(moe, native_moe_paths(moe), lambda: _native_weights(moe))
     return cache.get()
+
+
+def native_moe_paths(moe: MoE) -> list[str]:
+    """The weights (relative to `moe`) the native MoE layer points into."""
+    paths = ["gate.weight", "gate.tid2eid" if moe.gate.is_hash else "gate.e_score_correction_bias",
+             "experts.gate_up_proj", "experts.down_proj"]
+    if moe.shared_experts is not None:
+        paths += [f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    return paths
 
 
 def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:

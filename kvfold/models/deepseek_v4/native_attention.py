@@ -200,9 +200,17 @@ def _projection_layer(attn) -> _ProjectLayer | None:
     return _with_threads(_cached(attn, "_native_project", _projection_paths, _build_projection))
 
 
+def _output_paths(attn) -> list[str]:
+    return ["o_a_proj.weight", "o_b_proj.weight"]
+
+
 def _output_layer(attn) -> _OutputLayer | None:
-    return _with_threads(_cached(attn, "_native_output", lambda _: ["o_a_proj.weight", "o_b_proj.weight"],
-                                 _build_output))
+    return _with_threads(_cached(attn, "_native_output", _output_paths, _build_output))
+
+
+def fused_paths(attn) -> list[str]:
+    """The weights (relative to `attn`) that `fused_halves`' layers point into."""
+    return _projection_paths(attn) + _output_paths(attn)
 
 
 def fused_halves(attn) -> tuple[_ProjectLayer, _OutputLayer] | None:

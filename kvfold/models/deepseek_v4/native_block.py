@@ -26,8 +26,8 @@ from ...numerics import native, triton_ops
 from ...numerics.hc import native_collapse_serves
 from ...numerics.rows import _threads, rows_invariant
 from .config import SLIDING
-from .moe import moe_threads, native_moe_layer
-from .native_attention import fused_halves, sequence_layer
+from .moe import moe_threads, native_moe_layer, native_moe_paths
+from .native_attention import fused_halves, fused_paths, sequence_layer
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 
@@ -158,38 +158,111 @@ def _head_weights(model):
     return None if e is None or h is None else (e, h)
 
 
-def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`Dsv4Model._run_rows` for a batch of one decode row in one native call: the embedding, every
-    block, the mHC head, the norm and the lm_head (native_block.h). Returns (logits [1, vocab],
-    final streams [1, hc, hidden]), or None where any step would not run natively, a forward hook
-    would see one of the modules it skips, or a profiler listens (then nothing has been written)."""
-    body = model.model
-    outer = (body.embed_tokens, body.hc_head, body.norm, model.lm_head, *body.layers)
-    if not _lone_decode_row(batch) or model.tp is not None or any(m._forward_hooks or m._forward_pre_hooks
-                                                                  for m in outer):
+class _RowPlan:
+    """What `model_row`'s call reads of the model's weights, built once per model (and again when
+    a weight, the thread count, the numerics mode or the kernels change): every block's
+    block_layer with its attention halves and MoE layer, the head's model_layer, and what each
+    call still checks (the hook dicts of the modules it skips, the modules a `tp` would shard)."""
+
+    def __init__(self, lib, head: _ModelLayer, layers: list, keep: list, hooks: list, sharded: list, attns: list):
+        self.lib, self.head, self.layers, self.keep = lib, head, layers, keep  # keep: what the pointers point into
+        self.blocks = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(b) for b in layers))
+        self.hooks, self.sharded = hooks, sharded
+        self.attns = attns  # (attention, its batch.rope key, its rope_dim) per block
+        self.ropes = {(kind, dim) for _, kind, dim in attns}
+
+
+def _plan_paths(model) -> list[str]:
+    paths = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"] + \
+        [f"model.hc_head.{p}" for p in ("hc_fn", "hc_base", "hc_scale")]
+    for i, block in enumerate(model.model.layers):
+        pre = f"model.layers.{i}."
+        paths += [pre + p for p in _paths(block)]
+        paths += [f"{pre}self_attn.{p}" for p in fused_paths(block.self_attn)]
+        paths += [f"{pre}mlp.{p}" for p in native_moe_paths(block.mlp)]
+    return paths
+
+
+def _block_plan(block, hc: int, hid: int):
+    """One block's block_layer (pointing into its fused halves and MoE layer, returned with it to
+    keep them alive), or None where a step would not run natively."""
+    layer, halves, moe_layer = _build(block), fused_halves(block.self_attn), native_moe_layer(block.mlp)
+    if layer is None or halves is None or moe_layer is None or not all(
+            native_collapse_serves(1, hc_._parameters["fn"]) for hc_ in (block.attn_hc, block.ffn_hc)):
         return None
+    layer.hc, layer.hid = hc, hid
+    layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
+    layer.moe, layer.moe_threads = ctypes.addressof(moe_layer), moe_threads(moe_layer, 1)
+    return layer, (halves, moe_layer)
+
+
+def _build_plan(model) -> _RowPlan | None:
+    body, lib = model.model, native.library()
     found = _head_weights(model)
     p = body.hc_head._parameters
-    if found is None or not native.fp32_cpu(p["hc_fn"], p["hc_base"], p["hc_scale"], body.norm.weight) \
+    if lib is None or found is None or not native.fp32_cpu(p["hc_fn"], p["hc_base"], p["hc_scale"], body.norm.weight) \
             or not native_collapse_serves(1, p["hc_fn"]):
         return None
     (embed, vocab, hid), (head, _, _) = found
     hc = model.config.hc_mult
-    calls = [_prepared(block, batch, hc, hid) for block in body.layers]
-    if any(c is None for c in calls):
+    built = [_block_plan(block, hc, hid) for block in body.layers]
+    if any(b is None for b in built):
         return None
-    lib = calls[0][0]
-    n = len(calls)
-    blocks = (ctypes.c_void_p * n)(*(ctypes.addressof(c[1]) for c in calls))
-    seqs = (ctypes.c_void_p * n)(*(ctypes.addressof(c[2]) for c in calls))
-    rope = (ctypes.c_void_p * (4 * n))(*(_ptr(t) for c in calls for t in c[3]))
-    layer = _ModelLayer(hc, hid, vocab, n, ctypes.addressof(embed), p["hc_fn"].data_ptr(), p["hc_base"].data_ptr(),
-                        p["hc_scale"].data_ptr(), body.hc_head.hc_eps, body.hc_head.norm_eps, body.norm.weight.data_ptr(),
-                        body.norm.eps, ctypes.addressof(head), _threads(vocab * hid))
+    layer = _ModelLayer(hc, hid, vocab, len(built), ctypes.addressof(embed), p["hc_fn"].data_ptr(),
+                        p["hc_base"].data_ptr(), p["hc_scale"].data_ptr(), body.hc_head.hc_eps, body.hc_head.norm_eps,
+                        body.norm.weight.data_ptr(), body.norm.eps, ctypes.addressof(head), _threads(vocab * hid))
+    skipped = [body.embed_tokens, body.hc_head, body.norm, model.lm_head, *body.layers,
+               *(block._modules[name] for block in body.layers for name in _CALLED)]
+    hooks = [d for m in skipped for d in (m._forward_hooks, m._forward_pre_hooks)]
+    sharded = [model, *(m for block in body.layers for m in (block.self_attn, block.mlp))]
+    attns = [(a, SLIDING if a.kind == SLIDING else "compressed", a.rope_dim)
+             for a in (block.self_attn for block in body.layers)]
+    return _RowPlan(lib, layer, [b[0] for b in built], [found, *(b[1] for b in built)], hooks, sharded, attns)
+
+
+def _plan(model) -> _RowPlan | None:
+    """The model's _RowPlan now (one check of every weight it points into), or None."""
+    cache = model.__dict__.get("_native_row_plan")
+    if cache is None:
+        cache = model.__dict__["_native_row_plan"] = NativeCache(model, _plan_paths(model), lambda: _build_plan(model))
+    return cache.get(key=(native.library(), rows_invariant(), torch.get_num_threads()))
+
+
+def _rope_serves(plan: _RowPlan, batch) -> bool:
+    for kind, dim in plan.ropes:
+        _, cos, sin = batch.rope[kind]
+        if not native.fp32_cpu(cos, sin) or cos.shape[0] != 1 or 2 * cos.shape[-1] != dim:
+            return False
+    return True
+
+
+def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Dsv4Model._run_rows` for a batch of one decode row in one native call: the embedding, every
+    block, the mHC head, the norm and the lm_head (native_block.h). Returns (logits [1, vocab],
+    final streams [1, hc, hidden]), or None where any step would not run natively, a forward hook
+    would see one of the modules it skips, or a profiler listens (then nothing has been written).
+    A shared page under an entry the row would write refuses (PageError) before any write."""
+    tokens = batch.token_ids
+    if not _lone_decode_row(batch) or _module._global_forward_hooks or _module._global_forward_pre_hooks \
+            or tokens.dtype != torch.int64 or not tokens.is_contiguous():
+        return None
+    plan = _plan(model)
+    if plan is None or any(plan.hooks) or any(m.tp is not None for m in plan.sharded) or not _rope_serves(plan, batch):
+        return None
+    seg = batch.segments[0]
+    layers = seg.state.layers
+    found = [sequence_layer(a, layers[a.layer_idx], seg.start, batch.rope[kind][0]) for a, kind, _ in plan.attns]
+    if any(f is None for f in found):
+        return None
+    n = len(found)
+    seqs = (ctypes.c_void_p * n)(*(ctypes.addressof(f[0]) for f in found))
+    rope = (ctypes.c_void_p * (4 * n))(*(_ptr(t) for (_, kind, _), f in zip(plan.attns, found)
+                                         for t in (*batch.rope[kind][1:], f[1], f[2])))
+    hc, hid, vocab = plan.head.hc, plan.head.hid, plan.head.vocab
     streams = torch.empty(1, hc, hid, dtype=torch.float32)
     logits = torch.empty(1, vocab, dtype=torch.float32)
-    rc = lib.kv_model_decode_one(ctypes.addressof(layer), blocks, seqs, rope, batch.segments[0].start,
-                                 batch.token_ids.data_ptr(), streams.data_ptr(), logits.data_ptr())
+    rc = plan.lib.kv_model_decode_one(ctypes.addressof(plan.head), plan.blocks, seqs, rope, seg.start,
+                                      tokens.data_ptr(), streams.data_ptr(), logits.data_ptr())
     if rc == -2:
         return None  # refused before any write
     if rc != 0:
