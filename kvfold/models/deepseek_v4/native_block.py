@@ -10,7 +10,9 @@ the Python between the calls. It runs only where every one of those calls would 
 forward hook is registered on the block's sub-modules (the fused call would skip them) and no
 profiler listens (`kvfold.profiling`); anywhere else it returns None and the block runs op by op.
 `model_row` does the same for `Dsv4Model._run_rows`: the embedding, every block, the mHC head,
-the norm and the lm_head in one call.
+the norm and the lm_head in one call. What that call reads of the weights is one `_RowPlan` a
+model, checked once a step by one `NativeCache` over every weight it points into; only the state's
+part (each layer's sequence_layer) and the rope are built per step.
 """
 from __future__ import annotations
 
@@ -94,19 +96,29 @@ def _prepared(block, batch, hc: int, hid: int):
     cache = block.__dict__.get("_native_block")
     if cache is None:
         cache = block.__dict__["_native_block"] = NativeCache(block, _paths(block), lambda: _build(block))
-    layer, halves, moe_layer = cache.get(), fused_halves(attn), native_moe_layer(moe)
-    if layer is None or halves is None or moe_layer is None or not all(
-            native_collapse_serves(1, hc_._parameters["fn"]) for hc_ in (block.attn_hc, block.ffn_hc)):
-        return None  # (whether the collapse is native depends on the mode and threads of this call)
+    linked = _linked(cache.get(), block, hc, hid)
+    if linked is None:
+        return None
     seg = batch.segments[0]
     found = sequence_layer(attn, seg.state.layers[attn.layer_idx], seg.start, rope)
     if found is None:
         return None
     seq, emit_cos, emit_sin = found
+    return lib, linked[0], seq, (cos, sin, emit_cos, emit_sin)
+
+
+def _linked(layer: _BlockLayer | None, block, hc: int, hid: int):
+    """`layer` pointed at the block's fused attention halves and MoE layer (returned with it, which
+    keeps them alive), or None where a step would not run natively (whether the collapse is native
+    depends on the mode and threads of this call)."""
+    halves, moe_layer = fused_halves(block.self_attn), native_moe_layer(block.mlp)
+    if layer is None or halves is None or moe_layer is None or not all(
+            native_collapse_serves(1, hc_._parameters["fn"]) for hc_ in (block.attn_hc, block.ffn_hc)):
+        return None
     layer.hc, layer.hid = hc, hid
     layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
     layer.moe, layer.moe_threads = ctypes.addressof(moe_layer), moe_threads(moe_layer, 1)
-    return lib, layer, seq, (cos, sin, emit_cos, emit_sin)
+    return layer, (halves, moe_layer)
 
 
 def _lone_decode_row(batch) -> bool:
@@ -160,7 +172,7 @@ def _head_weights(model):
 
 class _RowPlan:
     """What `model_row`'s call reads of the model's weights, built once per model (and again when
-    a weight, the thread count, the numerics mode or the kernels change): every block's
+    a weight, the thread count, batch invariance, `numerics` or the kernels change): every block's
     block_layer with its attention halves and MoE layer, the head's model_layer, and what each
     call still checks (the hook dicts of the modules it skips, the modules a `tp` would shard)."""
 
@@ -183,19 +195,6 @@ def _plan_paths(model) -> list[str]:
     return paths
 
 
-def _block_plan(block, hc: int, hid: int):
-    """One block's block_layer (pointing into its fused halves and MoE layer, returned with it to
-    keep them alive), or None where a step would not run natively."""
-    layer, halves, moe_layer = _build(block), fused_halves(block.self_attn), native_moe_layer(block.mlp)
-    if layer is None or halves is None or moe_layer is None or not all(
-            native_collapse_serves(1, hc_._parameters["fn"]) for hc_ in (block.attn_hc, block.ffn_hc)):
-        return None
-    layer.hc, layer.hid = hc, hid
-    layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
-    layer.moe, layer.moe_threads = ctypes.addressof(moe_layer), moe_threads(moe_layer, 1)
-    return layer, (halves, moe_layer)
-
-
 def _build_plan(model) -> _RowPlan | None:
     body, lib = model.model, native.library()
     found = _head_weights(model)
@@ -205,7 +204,7 @@ def _build_plan(model) -> _RowPlan | None:
         return None
     (embed, vocab, hid), (head, _, _) = found
     hc = model.config.hc_mult
-    built = [_block_plan(block, hc, hid) for block in body.layers]
+    built = [_linked(_build(block), block, hc, hid) for block in body.layers]
     if any(b is None for b in built):
         return None
     layer = _ModelLayer(hc, hid, vocab, len(built), ctypes.addressof(embed), p["hc_fn"].data_ptr(),
@@ -225,7 +224,7 @@ def _plan(model) -> _RowPlan | None:
     cache = model.__dict__.get("_native_row_plan")
     if cache is None:
         cache = model.__dict__["_native_row_plan"] = NativeCache(model, _plan_paths(model), lambda: _build_plan(model))
-    return cache.get(key=(native.library(), rows_invariant(), torch.get_num_threads()))
+    return cache.get(key=(native.library(), rows_invariant(), torch.get_num_threads(), model.numerics))
 
 
 def _rope_serves(plan: _RowPlan, batch) -> bool:
