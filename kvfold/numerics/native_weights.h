@@ -30,6 +30,8 @@
  *                       fused multiply-add sees the exact product x * value * scale either way
  *                       (fold_fp8_scales says when it may; a block where a row holds a subnormal
  *                       code, a float32 subnormal operand there, decodes through halves instead).
+ * With AVX-512 the tile's folded FP8 and bf16 loops hold two rows' 8 lanes in one register
+ * (KV_ROW_PAIRS): each lane's operations and order are the same, so are the bits.
  */
 #ifndef KV_NATIVE_WEIGHTS_H
 #define KV_NATIVE_WEIGHTS_H
@@ -230,6 +232,39 @@ static inline __m256 e2m1x8_lookup(const uint8_t *row, int64_t i, const __m256 *
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define KV_ROW_PAIRS 1
+/* Two rows' 8-lane accumulators side by side in one 512-bit register (lanes 0-7 row c's, 8-15 row
+ * c+1's), against x's 8 values in both halves. Each lane still takes its own row's multiply-adds
+ * in the same order, so every output's roundings stay native_dot.h's 8-lane dot on any machine;
+ * an instruction only decodes and multiplies the weights of two rows at once. */
+static inline __m512 pair_of(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+static inline __m256 pair_hi(__m512 p) { return _mm512_extractf32x8_ps(p, 1); }
+static inline __m512 x_pair(const float *x) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(x)); }
+
+/* e4m3x8_scaled_down of rows a and b at value i */
+static inline __m512 e4m3x8_scaled_down_pair(const uint8_t *a, const uint8_t *b, int64_t i) {
+    const __m128i two = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)(a + i))),
+                                                      (const double *)(b + i)));
+    const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(two), 20);
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0x87FFFFFF)));
+}
+
+/* bf16x8 of rows a and b at value i */
+static inline __m512 bf16x8_pair(const uint8_t *a, const uint8_t *b, int64_t i) {
+    const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2 * i))),
+                                                _mm_loadu_si128((const __m128i *)(b + 2 * i)), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
+}
+
+/* a tile's accumulators as pairs and back (exact: only moves) */
+#define TO_PAIRS(NR)   for (int p = 0; p < (NR) / 2; p++) pair[p] = pair_of(acc[2 * p], acc[2 * p + 1]);
+#define FROM_PAIRS(NR) for (int p = 0; p < (NR) / 2; p++) { acc[2 * p] = _mm512_castps512_ps256(pair[p]); \
+                                                            acc[2 * p + 1] = pair_hi(pair[p]); }
+#else
+#define KV_ROW_PAIRS 0
+#endif
+
 /* Whether a folded FP8 tile's rows j0 .. j0+nr-1 (rows_flags: row j0's flags, `blocks` a row) hold
  * a subnormal code in column block blk. Such a code becomes a float32 subnormal in
  * e4m3x8_scaled_down, and Intel cores take a microcode assist (about a hundred cycles) for each
@@ -242,6 +277,43 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         if (rows_flags[c * blocks + blk]) return 1;
     return 0;
 }
+
+/* The row tile's two hottest loops with rows in pairs (KV_ROW_PAIRS): a folded FP8 block, and a
+ * bf16 row's steps of 16. Each leaves i where the 8-lane loop after it would start (that loop then
+ * has nothing left to do). Tiles of an odd row count, and machines without AVX-512, keep 8 lanes. */
+#if KV_ROW_PAIRS
+#define PAIRED_FP8_FOLDED(NR)                                                                         \
+    if ((NR) % 2 == 0) {                                                                              \
+        __m512 pair[(NR) / 2 + 1];                                                                    \
+        TO_PAIRS(NR)                                                                                  \
+        for (; i < b1; i += LANES) {                                                                  \
+            if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i, rb, NR);                  \
+            const __m512 xv = x_pair(xs + i);                                                         \
+            for (int p = 0; p < (NR) / 2; p++)                                                        \
+                pair[p] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(data + (j0 + 2 * p) * rb,       \
+                                                                      data + (j0 + 2 * p + 1) * rb, i), pair[p]); \
+        }                                                                                             \
+        FROM_PAIRS(NR)                                                                                \
+    }
+#define PAIRED_BF16(NR)                                                                               \
+    if ((NR) % 2 == 0) {                                                                              \
+        __m512 pair[(NR) / 2 + 1];                                                                    \
+        TO_PAIRS(NR)                                                                                  \
+        for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                                 \
+            const __m512 x0 = x_pair(x + i), x1 = x_pair(x + i + LANES);                              \
+            if (i % values_per_line == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i * rb / k, rb, NR); \
+            for (int p = 0; p < (NR) / 2; p++) {                                                      \
+                const uint8_t *a = data + (j0 + 2 * p) * rb, *b = a + rb;                             \
+                pair[p] = _mm512_fmadd_ps(x0, bf16x8_pair(a, b, i), pair[p]);                         \
+                pair[p] = _mm512_fmadd_ps(x1, bf16x8_pair(a, b, i + LANES), pair[p]);                 \
+            }                                                                                         \
+        }                                                                                             \
+        FROM_PAIRS(NR)                                                                                \
+    }
+#else
+#define PAIRED_FP8_FOLDED(NR)
+#define PAIRED_BF16(NR)
+#endif
 
 /* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
  * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
@@ -271,6 +343,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
             int64_t b1 = b0 + bc < k8 ? b0 + bc : k8, i = b0;                                         \
             if ((FMT) == KV_FP8 && folded && folded[blk] && !tile_subnormal(rows_flags, blocks, NR, blk)) { \
+                PAIRED_FP8_FOLDED(NR)                                                                 \
                 for (; i < b1; i += LANES) {                                                          \
                     if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i, rb, NR);          \
                     const __m256 xv = _mm256_loadu_ps(xs + i);                                        \
@@ -310,6 +383,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
                     for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 continue;                                                                             \
             }                                                                                         \
+            if ((FMT) == KV_BF16) { PAIRED_BF16(NR) }                                                 \
             for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                             \
                 __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);              \
                 if (i % values_per_line == 0) /* two tiles on, a line of each row: see prefetch_rows */ \
