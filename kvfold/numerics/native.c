@@ -324,31 +324,44 @@ typedef struct {
  * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
  * of native_weights.h's formats; each GEMV splits its columns over `threads`. */
 static int moe_row(const moe_layer *L, const float *x, const int64_t *token, int64_t threads, float *out) {
-    int64_t h = L->h, inter = L->inter, shared_inter = L->shared_inter;
+    const int64_t h = L->h, inter = L->inter, si = L->shared_inter, k = L->k, shared = L->shared_gate != NULL;
     int64_t ids[MOE_MAX_K];
     float wts[MOE_MAX_K];
     if (kv_route(x, 1, h, L->router_w, L->e, L->scoring, L->bias, L->tid2eid, token, L->k, L->route_scale,
                  L->n_group, L->topk_group, L->renorm, ids, wts) != 0) return -1;
-    int64_t buf = 2 * (inter > shared_inter ? inter : shared_inter);
-    float *gu = malloc(sizeof(float) * (size_t)buf);
-    float *act = malloc(sizeof(float) * (size_t)(buf / 2 + 1));
-    float *y = malloc(sizeof(float) * (size_t)h);
-    int rc = !gu || !act || !y ? -1 : 0;
-    for (int64_t j = 0; j < L->k && rc == 0; j++) {
-        rc |= weights_matmul(x, h, L->w13, ids[j], gu, 2 * inter, 1, 2 * inter, threads);
-        swiglu(gu, gu + inter, act, inter, L->limit);
-        rc |= weights_matmul(act, inter, L->w2, ids[j], y, h, 1, h, threads);
-        if (j == 0)
-            for (int64_t i = 0; i < h; i++) out[i] = y[i] * wts[0];
-        else
-            for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i] * wts[j];
+    /* expert j's gate and up rows at gu + 2 inter j, its activation at act + inter j and its output at
+     * y + h j; the shared expert's after the k routed ones */
+    const int64_t wide = k * inter + si;
+    float *gu = malloc(sizeof(float) * (size_t)(2 * wide + 1));
+    float *act = malloc(sizeof(float) * (size_t)(wide + 1));
+    float *y = malloc(sizeof(float) * (size_t)((k + 1) * h));
+    mm_job jobs[MOE_MAX_K + 2];
+    int rc = !gu || !act || !y ? -1 : 0, n = 0;
+    float *gu_s = gu + 2 * k * inter, *act_s = act + k * inter, *y_s = y + k * h;
+    for (int64_t j = 0; j < k; j++) jobs[n++] = (mm_job){x, h, L->w13, ids[j], gu + 2 * inter * j, 2 * inter, 1, 2 * inter};
+    if (shared) {
+        jobs[n++] = (mm_job){x, h, L->shared_gate, 0, gu_s, si, 1, si};
+        jobs[n++] = (mm_job){x, h, L->shared_up, 0, gu_s + si, si, 1, si};
     }
-    if (L->shared_gate && rc == 0) {
-        rc |= weights_matmul(x, h, L->shared_gate, 0, gu, shared_inter, 1, shared_inter, threads);
-        rc |= weights_matmul(x, h, L->shared_up, 0, gu + shared_inter, shared_inter, 1, shared_inter, threads);
-        swiglu(gu, gu + shared_inter, act, shared_inter, L->limit);
-        rc |= weights_matmul(act, shared_inter, L->shared_down, 0, y, h, 1, h, threads);
-        for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[i];
+    if (rc == 0) rc = weights_many(jobs, n, threads); /* every matrix that reads x, in one parallel region */
+    if (rc == 0) {
+        n = 0;
+        for (int64_t j = 0; j < k; j++) {
+            swiglu(gu + 2 * inter * j, gu + 2 * inter * j + inter, act + inter * j, inter, L->limit);
+            jobs[n++] = (mm_job){act + inter * j, inter, L->w2, ids[j], y + h * j, h, 1, h};
+        }
+        if (shared) {
+            swiglu(gu_s, gu_s + si, act_s, si, L->limit);
+            jobs[n++] = (mm_job){act_s, si, L->shared_down, 0, y_s, h, 1, h};
+        }
+        rc = weights_many(jobs, n, threads); /* then every down projection */
+    }
+    if (rc == 0) { /* the routed outputs weighted in routing order, then the shared one */
+        for (int64_t i = 0; i < h; i++) out[i] = y[i] * wts[0];
+        for (int64_t j = 1; j < k; j++)
+            for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[h * j + i] * wts[j];
+        if (shared)
+            for (int64_t i = 0; i < h; i++) out[i] = out[i] + y_s[i];
     }
     free(gu); free(act); free(y);
     return rc ? -1 : 0;

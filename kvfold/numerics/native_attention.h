@@ -37,17 +37,29 @@ typedef struct {
     int64_t threads;
 } attn_project_layer;
 
-static int project_compressor(const compressor_proj *c, const float *x, int64_t m, int64_t hid,
-                              const int64_t *pos, int64_t threads, float *kv, float *score) {
-    int64_t n = c->cols, t = mm_threads(m, n, hid, threads);
-    int rc = weights_matmul(x, hid, c->kv, 0, kv, n, m, n, t);
-    rc |= weights_matmul(x, hid, c->gate, 0, score, n, m, n, t);
+/* threads for a parallel region of these jobs: one below KV_SERIAL_MACS in all */
+static inline int64_t jobs_threads(const mm_job *jobs, int count, int64_t threads) {
+    int64_t macs = 0;
+    for (int j = 0; j < count; j++) macs += jobs[j].m * jobs[j].n * jobs[j].w->k;
+    return mm_threads(1, macs, 1, threads);
+}
+
+/* a compressor's two projections of x, as jobs */
+static int compressor_jobs(const compressor_proj *c, const float *x, int64_t m, int64_t hid, float *kv, float *score,
+                           mm_job *jobs) {
+    jobs[0] = (mm_job){x, hid, c->kv, 0, kv, c->cols, m, c->cols};
+    jobs[1] = (mm_job){x, hid, c->gate, 0, score, c->cols, m, c->cols};
+    return 2;
+}
+
+/* score += bias[position mod ratio], row by row */
+static void add_position_bias(const compressor_proj *c, int64_t m, const int64_t *pos, float *score) {
+    const int64_t n = c->cols;
     for (int64_t r = 0; r < m; r++) {
         const float *b = c->bias + (pos[r] % c->ratio) * n;
         float *s = score + r * n;
         for (int64_t i = 0; i < n; i++) s[i] = s[i] + b[i];
     }
-    return rc;
 }
 
 /* Attention._project for m rows x [m, hid] at positions pos [m] (cos, sin [m, half]):
@@ -61,23 +73,32 @@ int kv_attn_project(const attn_project_layer *L, const float *x, int64_t m, cons
                     const float *sn, float *q, float *kv, float *comp_kv, float *comp_score, float *index_kv,
                     float *index_score, float *index_q, float *index_w) {
     int64_t hid = L->hid, qr = L->q_rank, hd = L->heads * L->head_dim, th = L->threads;
+    int64_t ih = L->index_heads, iq = ih * L->index_dim;
     float *q_lora = malloc(sizeof(float) * (size_t)(m * qr + 1));
     if (!q_lora) return -1;
-    int rc = weights_matmul(x, hid, L->q_a, 0, q_lora, qr, m, qr, mm_threads(m, qr, hid, th));
+    /* every matrix that reads x in one parallel region, then both that read q_lora */
+    mm_job from_x[7], from_q[2];
+    int nx = 0, nq = 0;
+    from_x[nx++] = (mm_job){x, hid, L->q_a, 0, q_lora, qr, m, qr};
+    from_x[nx++] = (mm_job){x, hid, L->kv, 0, kv, L->head_dim, m, L->head_dim};
+    if (L->comp.kv) nx += compressor_jobs(&L->comp, x, m, hid, comp_kv, comp_score, from_x + nx);
+    if (L->index.kv) {
+        nx += compressor_jobs(&L->index, x, m, hid, index_kv, index_score, from_x + nx);
+        from_x[nx++] = (mm_job){x, hid, L->index_w, 0, index_w, ih, m, ih};
+    }
+    int rc = weights_many(from_x, nx, jobs_threads(from_x, nx, th));
     kv_rms_norm(q_lora, L->q_norm, q_lora, m, qr, L->eps);
-    rc |= weights_matmul(q_lora, qr, L->q_b, 0, q, hd, m, hd, mm_threads(m, hd, qr, th));
+    from_q[nq++] = (mm_job){q_lora, qr, L->q_b, 0, q, hd, m, hd};
+    if (L->index.kv) from_q[nq++] = (mm_job){q_lora, qr, L->index_q_b, 0, index_q, iq, m, iq};
+    rc |= weights_many(from_q, nq, jobs_threads(from_q, nq, th));
     kv_rms_norm(q, NULL, q, m * L->heads, L->head_dim, L->eps);
     kv_rope(q, cs, sn, q, m, L->heads, L->head_dim, L->half, 0);
-    rc |= weights_matmul(x, hid, L->kv, 0, kv, L->head_dim, m, L->head_dim, mm_threads(m, L->head_dim, hid, th));
     kv_rms_norm(kv, L->kv_norm, kv, m, L->head_dim, L->eps);
     kv_rope(kv, cs, sn, kv, m, 1, L->head_dim, L->half, 0);
-    if (L->comp.kv) rc |= project_compressor(&L->comp, x, m, hid, pos, th, comp_kv, comp_score);
+    if (L->comp.kv) add_position_bias(&L->comp, m, pos, comp_score);
     if (L->index.kv) {
-        rc |= project_compressor(&L->index, x, m, hid, pos, th, index_kv, index_score);
-        int64_t ih = L->index_heads, iq = ih * L->index_dim;
-        rc |= weights_matmul(q_lora, qr, L->index_q_b, 0, index_q, iq, m, iq, mm_threads(m, iq, qr, th));
+        add_position_bias(&L->index, m, pos, index_score);
         kv_rope(index_q, cs, sn, index_q, m, ih, L->index_dim, L->half, 0);
-        rc |= weights_matmul(x, hid, L->index_w, 0, index_w, ih, m, ih, mm_threads(m, ih, hid, th));
         float scale = (float)L->index_w_scale; /* torch multiplies an fp32 tensor by a scalar in fp32 */
         for (int64_t i = 0; i < m * ih; i++) index_w[i] = index_w[i] * scale;
     }
@@ -103,9 +124,10 @@ int kv_attn_output(const attn_output_layer *L, const float *o, int64_t m, const 
     int rc = !rot || !grouped;
     if (!rc) {
         kv_rope(o, cs, sn, rot, m, L->heads, L->head_dim, L->half, 1);
-        for (int64_t i = 0; i < g; i++)
-            rc |= weights_matmul(rot + i * per_in, hd, &L->o_a[i], 0, grouped + i * L->rank, gr, m, L->rank,
-                                 mm_threads(m, L->rank, per_in, th));
+        mm_job groups[MM_MAX_JOBS];
+        for (int64_t i = 0; i < g && i < MM_MAX_JOBS; i++)
+            groups[i] = (mm_job){rot + i * per_in, hd, &L->o_a[i], 0, grouped + i * L->rank, gr, m, L->rank};
+        rc |= g > MM_MAX_JOBS || weights_many(groups, (int)g, jobs_threads(groups, (int)g, th)) != 0;
         rc |= weights_matmul(grouped, gr, L->o_b, 0, out, L->hid, m, L->hid, mm_threads(m, L->hid, gr, th));
     }
     free(rot);

@@ -548,43 +548,82 @@ static inline float *panel_alloc(int64_t floats) {
     return aligned_alloc(64, bytes);
 }
 
-/* out [M, N] = x [M, K] @ (matrix `index` of w) [N, K]^T, every output native_dot.h's `dot`.
- * Threads split the columns into blocks of about 64 KiB of decoded weights (each block stays in
- * cache while every row passes over it), never the K reduction: which thread computes an output
- * changes nothing. Returns 0, or -1 when a panel buffer cannot be allocated. */
-static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out,
-                          int64_t ldo, int64_t m, int64_t n, int64_t threads) {
-    const int64_t k = w->k;
-    int64_t block = (16384 / (k > 0 ? k : 1)) & ~(int64_t)3;
-    if (block < 4) block = 4;
-    int64_t n_blocks = (n + block - 1) / block;
-    /* a panel for decoded columns, or (one FP8 row) for x folded with the scales: k floats and a
-     * flag a column block fit in the 4 or more rows of k a panel holds; one AVX2 FP4 row may need
-     * it too (e2m1_rows_exact) */
-    int need_panel = w->fmt != KV_F32 && (m > 1 || !KV_DECODE_IN_REGISTERS || w->fmt == KV_FP8
-                                          || (w->fmt == KV_FP4 && E2M1_TABLES == 1)), failed = 0;
-    if (threads <= 1 || n_blocks <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
-        float *panel = need_panel ? panel_alloc(block * k) : NULL;
-        if (need_panel && !panel) return -1;
-        for (int64_t b = 0; b < n_blocks; b++) {
-            int64_t n0 = b * block, n1 = n0 + block < n ? n0 + block : n;
-            weights_cols(x, ldx, w, index, out, ldo, m, n0, n1, panel, block);
-        }
+/* One matmul of those `weights_many` runs together: out [m, n] = x [m, k] @ (matrix `index` of w)^T. */
+typedef struct {
+    const float *x;
+    int64_t ldx;
+    const kv_weights *w;
+    int64_t index;
+    float *out;
+    int64_t ldo, m, n;
+} mm_job;
+
+/* the columns a thread takes at a time: about 64 KiB of decoded weights (the block stays in cache
+ * while every row passes over it) */
+static inline int64_t job_block(const mm_job *j) {
+    int64_t block = (16384 / (j->w->k > 0 ? j->w->k : 1)) & ~(int64_t)3;
+    return block < 4 ? 4 : block;
+}
+
+/* a panel for decoded columns, or (one FP8 row) for x folded with the scales: k floats and a flag a
+ * column block fit in the 4 or more rows of k a panel holds; one AVX2 FP4 row may need it too
+ * (e2m1_rows_exact) */
+static inline int job_panel(const mm_job *j) {
+    const int64_t fmt = j->w->fmt;
+    return fmt != KV_F32 && (j->m > 1 || !KV_DECODE_IN_REGISTERS || fmt == KV_FP8 || (fmt == KV_FP4 && E2M1_TABLES == 1));
+}
+
+static void job_cols(const mm_job *j, int64_t b, float *panel) {
+    const int64_t block = job_block(j), n0 = b * block, n1 = n0 + block < j->n ? n0 + block : j->n;
+    weights_cols(j->x, j->ldx, j->w, j->index, j->out, j->ldo, j->m, n0, n1, panel, block);
+}
+
+#define MM_MAX_JOBS 80
+
+/* Every job's out, each output native_dot.h's `dot`. The threads split the jobs' column blocks,
+ * all jobs' in one sequence (one parallel region, so one fork and one join for several matrices
+ * that read the same finished inputs), never the K reduction: which thread computes an output,
+ * and beside which other job, changes nothing. Returns 0, or -1 when a panel buffer cannot be
+ * allocated. */
+static int weights_many(const mm_job *jobs, int count, int64_t threads) {
+    int64_t first[MM_MAX_JOBS + 1], panel_floats = 0;
+    if (count > MM_MAX_JOBS) return -1;
+    first[0] = 0;
+    for (int j = 0; j < count; j++) {
+        first[j + 1] = first[j] + (jobs[j].n + job_block(&jobs[j]) - 1) / job_block(&jobs[j]);
+        if (job_panel(&jobs[j]) && job_block(&jobs[j]) * jobs[j].w->k > panel_floats)
+            panel_floats = job_block(&jobs[j]) * jobs[j].w->k;
+    }
+    const int64_t total = first[count];
+    int failed = 0;
+    if (threads <= 1 || total <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
+        float *panel = panel_floats ? panel_alloc(panel_floats) : NULL;
+        if (panel_floats && !panel) return -1;
+        for (int j = 0; j < count; j++)
+            for (int64_t b = 0; b < first[j + 1] - first[j]; b++) job_cols(&jobs[j], b, panel);
         free(panel);
         return 0;
     }
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
-        float *panel = need_panel ? panel_alloc(block * k) : NULL;
-        if (need_panel && !panel) failed = 1;
+        float *panel = panel_floats ? panel_alloc(panel_floats) : NULL;
+        if (panel_floats && !panel) failed = 1;
+        int j = 0;
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < n_blocks; b++) {
-            int64_t n0 = b * block, n1 = n0 + block < n ? n0 + block : n;
-            if (!need_panel || panel) weights_cols(x, ldx, w, index, out, ldo, m, n0, n1, panel, block);
+        for (int64_t g = 0; g < total; g++) {
+            while (g >= first[j + 1]) j++; /* a thread's blocks ascend */
+            if (!panel_floats || panel) job_cols(&jobs[j], g - first[j], panel);
         }
         free(panel);
     }
     return failed ? -1 : 0;
+}
+
+/* out [M, N] = x [M, K] @ (matrix `index` of w) [N, K]^T: `weights_many` of one job. */
+static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out,
+                          int64_t ldo, int64_t m, int64_t n, int64_t threads) {
+    const mm_job job = {x, ldx, w, index, out, ldo, m, n};
+    return weights_many(&job, 1, threads);
 }
 
 int kv_matmul_weights(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out, int64_t ldo,
