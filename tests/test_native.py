@@ -560,3 +560,55 @@ def test_every_native_kernel_matches_its_torch_reference(name):
     assert got.shape == want.shape
     scale = want.abs().max().item() or 1.0
     assert (got - want).abs().max().item() <= 256 * torch.finfo(torch.float32).eps * scale, name
+
+
+def test_matrices_sharing_one_parallel_region_keep_each_output_s_bits():
+    """kv_attn_project, kv_attn_output and a MoE row run the matrices that read the same finished
+    input in one OpenMP region (weights_many). With matrices large enough to split across two
+    threads, every output equals the one-thread call's (each matrix alone, serially) bit for bit,
+    and the torch path's within fp32 rounding (256 ulps of the output's scale, as above)."""
+    from kvfold.models.deepseek_v4.attention import Attention
+    from kvfold.models.deepseek_v4.moe import MoE
+    from kvfold.models.deepseek_v4.native_attention import output_rows, project_rows
+    from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
+    from kvfold.numerics import RopeTable
+    from helpers import flat_rows
+    cfg = tiny_config(hidden_size=1024, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64, q_lora_rank=512,
+                      o_groups=4, o_lora_rank=256, index_n_heads=8, index_head_dim=64, n_routed_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=384, n_shared_experts=1)
+    attn, moe = Attention(cfg, 1, torch.float32), MoE(cfg, 1, torch.float32)
+    attn.config = moe.config = cfg
+    init_random_(attn, seed=21)
+    init_random_(moe, seed=22)
+    g = torch.Generator().manual_seed(23)
+    positions = torch.tensor([97])
+    cos, sin = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn).cos_sin(positions)
+    x = torch.randn(1, cfg.hidden_size, generator=g)
+    o = torch.randn(1, attn.n_heads, attn.head_dim, generator=g)
+    ids = torch.tensor([41])
+
+    def run():
+        with torch.inference_mode():
+            return torch.cat([flat_rows(project_rows(attn, x, positions, cos, sin)),
+                              output_rows(attn, o, cos, sin).flatten(), moe._native_rows(x, ids).flatten()])
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        torch.set_num_threads(2)
+        shared = run()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(shared, alone)
+    with torch.inference_mode():
+        want = torch.cat([flat_rows(torch_path(attn._project, x, _one_row_batch(positions), cos, sin)),
+                          torch_path(lambda: attn.o_b_proj(attn.o_a_proj(
+                              apply_rope(o, cos, sin, inverse=True).reshape(1, attn.o_groups, -1)))).flatten(),
+                          torch_path(moe, x, ids).flatten()])
+    assert (shared - want).abs().max().item() <= 256 * torch.finfo(torch.float32).eps * want.abs().max().item()
+
+
+def _one_row_batch(positions):
+    from kvfold.layers.rows import RowBatch, Segment
+    return RowBatch(torch.zeros(1, dtype=torch.long), positions, [Segment(0, 1, int(positions[0]), None)])
