@@ -322,7 +322,8 @@ typedef struct {
  * operations, in order, of kv_route + kv_matmul_weights + kv_swiglu + numerics/rows.py's
  * combination, so the one-row path and the batched one give the same bits. The expert stacks
  * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
- * of native_weights.h's formats; each GEMV splits its columns over `threads`. */
+ * of native_weights.h's formats. The gate-up matrices (every routed expert's and the shared one's)
+ * split their columns over `threads` in one parallel region, then the down matrices in another. */
 static int moe_row(const moe_layer *L, const float *x, const int64_t *token, int64_t threads, float *out) {
     const int64_t h = L->h, inter = L->inter, si = L->shared_inter, k = L->k, shared = L->shared_gate != NULL;
     int64_t ids[MOE_MAX_K];

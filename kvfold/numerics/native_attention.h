@@ -2,12 +2,12 @@
  * one call each (models/deepseek_v4/native_attention.py enters them). Included at the end of
  * native.c, after the kernels it composes.
  *
- * Each half is the per-op path's sequence of native calls (Attention._project, and the output's
- * de-rotation and projections), in the same order on the same values: weights_matmul as
- * kv_matmul / kv_matmul_weights run it, kv_rms_norm, kv_rope, and the IEEE adds and multiplies
- * torch makes of the bias and scale steps. So every output equals the per-op path's bit for bit
- * by construction, and each row is computed on its own, as there. The fusion removes only the
- * Python and dispatch work between the steps.
+ * Each half is the per-op path's native calls (Attention._project, and the output's de-rotation
+ * and projections) on the same values: the matrices as kv_matmul / kv_matmul_weights compute them
+ * (those that read the same finished input share one parallel region, weights_many), kv_rms_norm,
+ * kv_rope, and the IEEE adds and multiplies torch makes of the bias and scale steps. So every
+ * output equals the per-op path's bit for bit by construction, and each row is computed on its
+ * own, as there. The fusion removes only the Python, dispatch and fork-join work between the steps.
  */
 #ifndef KV_NATIVE_ATTENTION_H
 #define KV_NATIVE_ATTENTION_H
@@ -124,10 +124,15 @@ int kv_attn_output(const attn_output_layer *L, const float *o, int64_t m, const 
     int rc = !rot || !grouped;
     if (!rc) {
         kv_rope(o, cs, sn, rot, m, L->heads, L->head_dim, L->half, 1);
-        mm_job groups[MM_MAX_JOBS];
-        for (int64_t i = 0; i < g && i < MM_MAX_JOBS; i++)
-            groups[i] = (mm_job){rot + i * per_in, hd, &L->o_a[i], 0, grouped + i * L->rank, gr, m, L->rank};
-        rc |= g > MM_MAX_JOBS || weights_many(groups, (int)g, jobs_threads(groups, (int)g, th)) != 0;
+        mm_job groups[MM_MAX_JOBS]; /* the groups of wo_a, up to MM_MAX_JOBS a parallel region */
+        for (int64_t g0 = 0; g0 < g; g0 += MM_MAX_JOBS) {
+            const int count = (int)(g - g0 < MM_MAX_JOBS ? g - g0 : MM_MAX_JOBS);
+            for (int j = 0; j < count; j++) {
+                const int64_t i = g0 + j;
+                groups[j] = (mm_job){rot + i * per_in, hd, &L->o_a[i], 0, grouped + i * L->rank, gr, m, L->rank};
+            }
+            rc |= weights_many(groups, count, jobs_threads(groups, count, th)) != 0;
+        }
         rc |= weights_matmul(grouped, gr, L->o_b, 0, out, L->hid, m, L->hid, mm_threads(m, L->hid, gr, th));
     }
     free(rot);
