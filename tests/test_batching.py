@@ -288,6 +288,33 @@ def test_the_fused_model_row_follows_replaced_weights_the_numerics_mode_and_the_
         assert taken and taken[-1] is not None
 
 
+def test_the_fused_model_row_runs_its_attention_halves_at_the_thread_count_it_was_planned_for(monkeypatch):
+    """The attention halves' descriptors are shared with the per-op path, which sets their thread
+    count on each of its calls; the fused row sets them back to its plan's count before its call."""
+    import kvfold
+    from kvfold.models.deepseek_v4 import native_block
+    from kvfold.models.deepseek_v4.native_attention import fused_halves
+    model = kvfold.load_model("tiny-random")
+    st = model.new_state(capacity=32)
+    attns = [block.self_attn for block in model.model.layers]
+    seen, real = [], native_block.sequence_layer
+
+    def spy(*a):  # model_row builds the state's descriptors after the reset, before its native call
+        seen.append({half.threads for half in model.__dict__["_native_row_plan"].value.halves})
+        return real(*a)
+
+    with batch_invariance(model, True):
+        with threads(2):
+            model.forward(random_ids(5, model.config.vocab_size, seed=13), st)
+            model.forward([3], st)  # the plan, built at two threads
+        with threads(1):
+            assert {half.threads for a in attns for half in fused_halves(a)} == {1}
+        monkeypatch.setattr(native_block, "sequence_layer", spy)
+        with threads(2):
+            model.forward([4], st)
+    assert seen and all(s == {2} for s in seen)
+
+
 def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on: bool,
                           per_step: int | None = None) -> None:
     """A 37-token prefill, then 90 decode steps with a rewind of 5 at step 60, with `module.name`

@@ -182,6 +182,10 @@ class _RowPlan:
         self.hooks, self.sharded = hooks, sharded
         self.attns = attns  # (attention, its batch.rope key, its rope_dim) per block
         self.ropes = {(kind, dim) for _, kind, dim in attns}
+        # the attention halves are shared with the per-op path, which sets their threads on each
+        # call; `threads` puts back the count this plan was built for (no bits depend on it)
+        self.halves = [half for halves, _ in keep[1:] for half in halves]
+        self.threads = torch.get_num_threads()
 
 
 def _plan_paths(model) -> list[str]:
@@ -248,6 +252,8 @@ def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     plan = _plan(model)
     if plan is None or any(plan.hooks) or any(m.tp is not None for m in plan.sharded) or not _rope_serves(plan, batch):
         return None
+    for half in plan.halves:
+        half.threads = plan.threads
     seg = batch.segments[0]
     layers = seg.state.layers
     found = [sequence_layer(a, layers[a.layer_idx], seg.start, batch.rope[kind][0]) for a, kind, _ in plan.attns]
