@@ -573,8 +573,9 @@ static inline int job_panel(const mm_job *j) {
     return fmt != KV_F32 && (j->m > 1 || !KV_DECODE_IN_REGISTERS || fmt == KV_FP8 || (fmt == KV_FP4 && E2M1_TABLES == 1));
 }
 
-static void job_cols(const mm_job *j, int64_t b, float *panel) {
-    const int64_t block = job_block(j), n0 = b * block, n1 = n0 + block < j->n ? n0 + block : j->n;
+/* the job's column block b, of `block` columns */
+static void job_cols(const mm_job *j, int64_t block, int64_t b, float *panel) {
+    const int64_t n0 = b * block, n1 = n0 + block < j->n ? n0 + block : j->n;
     weights_cols(j->x, j->ldx, j->w, j->index, j->out, j->ldo, j->m, n0, n1, panel, block);
 }
 
@@ -586,13 +587,13 @@ static void job_cols(const mm_job *j, int64_t b, float *panel) {
  * and beside which other job, changes nothing. Returns 0, or -1 when a panel buffer cannot be
  * allocated. */
 static int weights_many(const mm_job *jobs, int count, int64_t threads) {
-    int64_t first[MM_MAX_JOBS + 1], panel_floats = 0;
+    int64_t first[MM_MAX_JOBS + 1], block[MM_MAX_JOBS], panel_floats = 0;
     if (count > MM_MAX_JOBS) return -1;
     first[0] = 0;
     for (int j = 0; j < count; j++) {
-        first[j + 1] = first[j] + (jobs[j].n + job_block(&jobs[j]) - 1) / job_block(&jobs[j]);
-        if (job_panel(&jobs[j]) && job_block(&jobs[j]) * jobs[j].w->k > panel_floats)
-            panel_floats = job_block(&jobs[j]) * jobs[j].w->k;
+        block[j] = job_block(&jobs[j]);
+        first[j + 1] = first[j] + (jobs[j].n + block[j] - 1) / block[j];
+        if (job_panel(&jobs[j]) && block[j] * jobs[j].w->k > panel_floats) panel_floats = block[j] * jobs[j].w->k;
     }
     const int64_t total = first[count];
     int failed = 0;
@@ -600,7 +601,7 @@ static int weights_many(const mm_job *jobs, int count, int64_t threads) {
         float *panel = panel_floats ? panel_alloc(panel_floats) : NULL;
         if (panel_floats && !panel) return -1;
         for (int j = 0; j < count; j++)
-            for (int64_t b = 0; b < first[j + 1] - first[j]; b++) job_cols(&jobs[j], b, panel);
+            for (int64_t b = 0; b < first[j + 1] - first[j]; b++) job_cols(&jobs[j], block[j], b, panel);
         free(panel);
         return 0;
     }
@@ -612,7 +613,7 @@ static int weights_many(const mm_job *jobs, int count, int64_t threads) {
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < total; g++) {
             while (g >= first[j + 1]) j++; /* a thread's blocks ascend */
-            if (!panel_floats || panel) job_cols(&jobs[j], g - first[j], panel);
+            if (!panel_floats || panel) job_cols(&jobs[j], block[j], g - first[j], panel);
         }
         free(panel);
     }
