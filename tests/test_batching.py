@@ -348,6 +348,87 @@ def _fused_against_per_op(tiny, monkeypatch, module, name: str, paged: bool, on:
     assert torch.equal(native_logits, per_op_logits) and native_blob == per_op_blob
 
 
+def _decode_batch(tiny, prompts, steps, pool=None, rewound=1):
+    """Each prompt prefilled alone, then one forward_batch of every sequence's decode row a step
+    (sequence `rewound`, if there, rewinds 4 tokens after step 20). Returns each sequence's logits
+    and snapshot."""
+    states = [tiny.new_state(capacity=300, max_rewind=6, pages=pool) for _ in prompts]
+    logits = [[tiny.forward(p, st, last_only=True)] for p, st in zip(prompts, states)]
+    for i, toks in enumerate(steps):
+        out = tiny.forward_batch([([t], st) for t, st in zip(toks, states)])
+        for acc, row in zip(logits, out):
+            acc.append(row)
+        if i == 20 and rewound < len(states):
+            states[rewound].rewind_to(states[rewound].pos - 4)
+    blobs = [st.snapshot() for st in states]
+    for st in states:
+        st.free()
+    return [torch.cat(rows) for rows in logits], blobs
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("on", [False, True])
+@pytest.mark.parametrize("name", ["model_row", "block_row"])
+def test_decode_rows_of_several_sequences_in_one_native_call_give_each_the_per_op_and_the_alone_bits(
+        tiny, monkeypatch, name, on, paged, n_threads):
+    """native_block.h's calls for the decode rows of five sequences at different positions (so
+    their compressor windows close at different steps, in private or paged pools, one of them
+    rewound): every step takes the one call (`model_row`: one per step; `block_row`, with the
+    model's glue op by op: one per layer), and each sequence's logits and final state bytes equal
+    the per-op path's for the same batch and its own run alone. Outside batch invariance the
+    model row is not fused (an fp32 lm_head runs torch's GEMM) and the per-op batch is only close
+    to the lone run, so those two comparisons need batch invariance."""
+    from kvfold.models.deepseek_v4 import model
+    from test_pages import fragmented_pool
+    fused, used = getattr(model, name), []
+    v = tiny.config.vocab_size
+    prompts = [random_ids(n, v, seed=20 + n) for n in (37, 5, 130, 64, 3)]
+    steps = [random_ids(len(prompts), v, seed=100 + i).tolist() for i in range(40)]
+    if name == "block_row":
+        monkeypatch.setattr(model, "model_row", lambda *a: None)  # the model's glue op by op, each block fused
+
+    def run(native_rows: bool, only: int | None = None):
+        monkeypatch.setattr(model, name, (lambda *a: used.append(fused(*a)) or used[-1])
+                            if native_rows else (lambda *a: None))
+        pool = fragmented_pool(tiny, 16) if paged else None
+        if only is None:
+            return _decode_batch(tiny, prompts, steps, pool)
+        return _decode_batch(tiny, [prompts[only]], [row[only:only + 1] for row in steps], pool,
+                             rewound=0 if only == 1 else 1)
+
+    def rows(out) -> int:  # model_row returns (logits, streams), block_row the streams
+        return -1 if out is None else (out[0] if isinstance(out, tuple) else out).shape[0]
+
+    with batch_invariance(tiny, on), threads(n_threads):
+        batched = run(True)
+        fused_calls = [rows(o) for o in used]
+        per_op = run(False)
+        alone = [run(True, i) for i in range(len(prompts))]
+    per_step = 1 if name == "model_row" else tiny.config.num_hidden_layers
+    assert fused_calls.count(len(prompts)) == (40 * per_step if on or name == "block_row" else 0)
+    assert all(torch.equal(a, b) for a, b in zip(batched[0], per_op[0])) and batched[1] == per_op[1]
+    if on:
+        for i, (logits, blobs) in enumerate(alone):
+            assert torch.equal(batched[0][i], logits[0]) and batched[1][i] == blobs[0]
+
+
+def test_more_decode_rows_than_the_native_moe_takes_run_op_by_op(invariant, monkeypatch):
+    """Past NATIVE_MOE_ROWS decode rows the per-op path groups the experts in torch, so the fused
+    rows step aside rather than compute something else."""
+    from kvfold.models.deepseek_v4 import model
+    from kvfold.models.deepseek_v4.moe import NATIVE_MOE_ROWS
+    fused, seen = model.model_row, []
+    monkeypatch.setattr(model, "model_row", lambda *a: seen.append(fused(*a)) or seen[-1])
+    taken = []
+    for n in (NATIVE_MOE_ROWS, NATIVE_MOE_ROWS + 1):
+        states = [prefill(invariant, random_ids(3 + i, invariant.config.vocab_size, seed=i)) for i in range(n)]
+        seen.clear()
+        invariant.forward_batch([([1], st) for st in states])
+        taken.append(seen[0])
+    assert taken[0] is not None and taken[0][0].shape[0] == NATIVE_MOE_ROWS and taken[1] is None
+
+
 def feeds_and_states(model, lengths, feeds, seed):
     v = model.config.vocab_size
     prompts = [random_ids(n, v, seed=seed + n) for n in lengths]
@@ -401,10 +482,11 @@ def test_fp8_and_plain_states_share_a_batch(invariant):
 
 def test_a_batch_is_one_pass_over_the_weights(tiny, monkeypatch):
     """Every layer's projections run once per call, whatever the number of sequences: per op (the
-    q_a projection's hook) or fused in one native call (attention.project_rows)."""
-    from kvfold.models.deepseek_v4 import attention
+    q_a projection's hook), fused in one native call (attention.project_rows) or inside the
+    block's one native call (model.block_row; the lm_head's hook keeps the whole-model row off)."""
+    from kvfold.models.deepseek_v4 import attention, model
     calls = []
-    fused = attention.project_rows
+    fused, fused_block = attention.project_rows, model.block_row
 
     def counted(attn, x, *args):
         rows = fused(attn, x, *args)
@@ -412,7 +494,14 @@ def test_a_batch_is_one_pass_over_the_weights(tiny, monkeypatch):
             calls.append(x.shape[0])
         return rows
 
+    def counted_block(block, streams, batch):
+        out = fused_block(block, streams, batch)
+        if out is not None:
+            calls.append(streams.shape[0])
+        return out
+
     monkeypatch.setattr(attention, "project_rows", counted)
+    monkeypatch.setattr(model, "block_row", counted_block)
     hooks = [layer.self_attn.q_a_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
              for layer in tiny.model.layers]
     hooks.append(tiny.lm_head.register_forward_hook(lambda m, i, o: calls.append(-i[0].shape[0])))

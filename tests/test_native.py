@@ -479,59 +479,74 @@ def _case_attn_sequence_one(g):
     return got, want
 
 
-def _case_block_decode_one(g):
-    """A CSA block's decode row at a position that closes a compressor window: the one native call
-    (native_block.h) against Block.forward in torch, the native kernels off, on a copy of the state."""
+def _prefilled_pairs(model, g, lengths):
+    """Per prompt length: a state after that prompt and a restored copy of it (the torch path's)."""
+    pairs = []
+    for n in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        st = model.new_state(capacity=128)
+        model.forward(ids, st)
+        twin = model.new_state(capacity=128)
+        twin.restore(st.snapshot())
+        pairs.append((st, twin))
+    return pairs
+
+
+# three sequences' decode rows: position 63 closes a CSA window (ratio 4) and an HCA one, 41 and
+# 10 close none
+DECODE_ROW_PROMPTS = (63, 41, 10)
+
+
+def _case_block_decode_rows(g):
+    """A CSA block's decode rows of three sequences, one of them closing a compressor window: the
+    one native call (native_block.h) against Block.forward in torch, the native kernels off, on
+    copies of the states."""
     import kvfold
     from kvfold.layers.rows import RowBatch, Segment
     from kvfold.models.deepseek_v4.config import SLIDING
     from kvfold.models.deepseek_v4.native_block import block_row
     model = kvfold.load_model("tiny-random")
     model.set_batch_invariant(False)
-    ids = torch.randint(0, model.config.vocab_size, (63,), generator=g).tolist()
+    tokens = torch.randint(0, model.config.vocab_size, (len(DECODE_ROW_PROMPTS),), generator=g)
 
-    def batch(state):
-        b = RowBatch(torch.tensor([ids[5]]), torch.tensor([63]), [Segment(0, 1, 63, state)])
+    def batch(states):
+        positions = torch.tensor(DECODE_ROW_PROMPTS)
+        b = RowBatch(tokens, positions, [Segment(r, r + 1, p, st) for r, (p, st) in
+                                         enumerate(zip(DECODE_ROW_PROMPTS, states))])
         b.rope[SLIDING] = (model.rope_main, *model.rope_main.cos_sin(b.positions))
         b.rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(b.positions))
         return b
     with torch.inference_mode():
-        st = model.new_state(capacity=128)
-        model.forward(ids, st)  # position 63 closes window 15 (ratio 4)
-        twin = model.new_state(capacity=128)
-        twin.restore(st.snapshot())
+        states, twins = zip(*_prefilled_pairs(model, g, DECODE_ROW_PROMPTS))
         block = model.model.layers[1]
-        streams = torch.randn(1, model.config.hc_mult, model.config.hidden_size, generator=g)
-        got = block_row(block, streams, batch(st))
-        want = torch_path(block.forward, streams, batch(twin))
+        streams = torch.randn(len(states), model.config.hc_mult, model.config.hidden_size, generator=g)
+        got = block_row(block, streams, batch(states))
+        want = torch_path(block.forward, streams, batch(twins))
     return got, want
 
 
-def _case_model_decode_one(g):
-    """The whole model's decode row at a position that closes compressor windows (batch-invariant,
-    so the fp32 lm_head is native too): the one native call against the forward in torch (native
-    kernels and batch invariance off) on a copy of the state."""
+def _case_model_decode_rows(g):
+    """The whole model's decode rows of three sequences, one of them closing compressor windows
+    (batch-invariant, so the fp32 lm_head is native too): the one native call against the forward
+    in torch (native kernels and batch invariance off) on copies of the states."""
     import kvfold
     from kvfold.models.deepseek_v4 import native_block
     model = kvfold.load_model("tiny-random")
     model.set_batch_invariant(True)
-    ids = torch.randint(0, model.config.vocab_size, (63,), generator=g).tolist()
+    tokens = torch.randint(0, model.config.vocab_size, (len(DECODE_ROW_PROMPTS),), generator=g).tolist()
     used = []
     fused = native_block.model_row
     with torch.inference_mode():
-        st = model.new_state(capacity=128)
-        model.forward(ids, st)
-        twin = model.new_state(capacity=128)
-        twin.restore(st.snapshot())
+        states, twins = zip(*_prefilled_pairs(model, g, DECODE_ROW_PROMPTS))
         from kvfold.models.deepseek_v4 import model as model_module
         model_module.model_row = lambda *a: used.append(fused(*a)) or used[-1]
         try:
-            got = model.forward([ids[7]], st)
+            got = torch.cat(model.forward_batch([([t], st) for t, st in zip(tokens, states)]))
         finally:
             model_module.model_row = fused
         model.set_batch_invariant(False)  # the torch path's mode (it needs no native kernels)
-        want = torch_path(model.forward, [ids[7]], twin)
-    assert used and used[0] is not None  # the row took the one native call
+        want = torch.cat([torch_path(model.forward, [t], twin) for t, twin in zip(tokens, twins)])
+    assert used and used[0] is not None  # the rows took the one native call
     return got, want
 
 
@@ -543,8 +558,8 @@ NATIVE_CASES = {
     "kv_matmul_weights": _case_matmul_weights,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
     "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,
-    "kv_attn_sequence_one": _case_attn_sequence_one, "kv_block_decode_one": _case_block_decode_one,
-    "kv_model_decode_one": _case_model_decode_one,
+    "kv_attn_sequence_one": _case_attn_sequence_one, "kv_block_decode_rows": _case_block_decode_rows,
+    "kv_model_decode_rows": _case_model_decode_rows,
 }
 
 

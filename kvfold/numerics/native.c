@@ -373,6 +373,20 @@ static int moe_row(const moe_layer *L, const float *x, const int64_t *token, int
  * as threads the rows are shared out (each row on one thread); otherwise each row's GEMVs split
  * their columns. Neither split touches a reduction. Returns 0, or -1 on a bad argument or a
  * failed allocation. */
+static int moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t *token, int64_t threads,
+                    float *out) {
+    const int64_t h = L->h;
+    int failed = 0;
+    if (m > 1 && threads > 1 && m >= threads) {
+        #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
+        for (int64_t r = 0; r < m; r++) failed |= moe_row(L, x + r * h, token + r, 1, out + r * h) != 0;
+    } else {  /* outside any parallel region: each GEMV's team is then the process's pool, not a nested one */
+        for (int64_t r = 0; r < m; r++) failed |= moe_row(L, x + r * h, token + r, threads, out + r * h) != 0;
+    }
+    return failed ? -1 : 0;
+}
+
+/* moe_rows on a layer given field by field (numerics/rows.py and models/deepseek_v4/moe.py) */
 int kv_moe_rows(const float *x, int64_t m, int64_t h, const float *router_w, int64_t e, int scoring,
                 const float *bias, const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
                 int64_t n_group, int64_t topk_group, int renorm,
@@ -381,14 +395,7 @@ int kv_moe_rows(const float *x, int64_t m, int64_t h, const float *router_w, int
                 int64_t shared_inter, int64_t threads, float *out) {
     const moe_layer L = {h, e, k, n_group, topk_group, inter, shared_inter, scoring, renorm, route_scale, limit,
                          router_w, bias, tid2eid, w13, w2, shared_gate, shared_up, shared_down};
-    int failed = 0;
-    if (m > 1 && threads > 1 && m >= threads) {
-        #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
-        for (int64_t r = 0; r < m; r++) failed |= moe_row(&L, x + r * h, token + r, 1, out + r * h) != 0;
-    } else {  /* outside any parallel region: each GEMV's team is then the process's pool, not a nested one */
-        for (int64_t r = 0; r < m; r++) failed |= moe_row(&L, x + r * h, token + r, threads, out + r * h) != 0;
-    }
-    return failed ? -1 : 0;
+    return moe_rows(&L, x, m, token, threads, out);
 }
 
 /* ---- one decode query's attention ---------------------------------------------------------------

@@ -64,8 +64,8 @@ _SIGNATURES = {
     "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
     "kv_attn_output": (ctypes.c_int, [_P, _P, _I, _P, _P, _P]),
     "kv_attn_sequence_one": (ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "kv_block_decode_one": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P]),
-    "kv_model_decode_one": (ctypes.c_int, [_P, _P, _P, _P, _I, _P, _P, _P]),
+    "kv_block_decode_rows": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]),
+    "kv_model_decode_rows": (ctypes.c_int, [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P]),
 }
 
 _lock = threading.Lock()

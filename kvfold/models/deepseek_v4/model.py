@@ -41,7 +41,7 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, batch: RowBatch) -> torch.Tensor:
         """streams [R, hc, hidden] of the batch's rows -> the same after this layer."""
-        fused = block_row(self, streams, batch)  # a lone decode row: the calls below as one native call
+        fused = block_row(self, streams, batch)  # decode rows: the calls below as one native call
         if fused is not None:
             return fused
         x, post, comb = self.attn_hc.collapse(streams)
@@ -193,7 +193,7 @@ class Dsv4Model(CausalLM):
         batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
             batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))
-        fused = model_row(self, batch)  # a lone decode row: all of the below as one native call
+        fused = model_row(self, batch)  # decode rows: all of the below as one native call
         if fused is not None:
             logits, streams = fused
         else:

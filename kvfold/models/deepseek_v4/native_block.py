@@ -1,18 +1,19 @@
-"""A V4 block, and the whole model, for one sequence's decode row in one native call each
-(native_block.h).
+"""A V4 block, and the whole model, for a batch of decode rows (one row per sequence: a decode
+step of one or several sequences) in one native call each (native_block.h).
 
-`Block.forward` on a lone decode row runs a fixed sequence of native calls when the model is fp32
-on the CPU: the attention's mHC collapse and input norm, its fused projections, its decode row
-(native_attention.py), its output, the expand, the MoE's collapse and norm, the MoE row and the
-last expand. `block_row` makes that sequence one call: the same kernels in the same order on the
-same values, so the streams and the state it writes are the per-op path's bit for bit, without
-the Python between the calls. It runs only where every one of those calls would run natively, no
-forward hook is registered on the block's sub-modules (the fused call would skip them) and no
-profiler listens (`kvfold.profiling`); anywhere else it returns None and the block runs op by op.
-`model_row` does the same for `Dsv4Model._run_rows`: the embedding, every block, the mHC head,
-the norm and the lm_head in one call. What that call reads of the weights is one `_RowPlan` a
-model, checked once a step by one `NativeCache` over every weight it points into; only the state's
-part (each layer's sequence_layer) and the rope are built per step.
+`Block.forward` on such rows runs a fixed sequence of native calls when the model is fp32 on the
+CPU: the attention's mHC collapse and input norm, its fused projections, each sequence's decode
+row (native_attention.py), its output, the expand, the MoE's collapse and norm, the MoE rows and
+the last expand. `block_row` makes that sequence one call: the same kernels in the same order on
+the same values, so the streams and the states it writes are the per-op path's bit for bit,
+without the Python between the calls. It runs only where every one of those calls would run
+natively for that many rows, no forward hook is registered on the block's sub-modules (the fused
+call would skip them) and no profiler listens (`kvfold.profiling`); anywhere else it returns None
+and the block runs op by op. `model_row` does the same for `Dsv4Model._run_rows`: the embedding,
+every block, the mHC head, the norm and the lm_head in one call. What that call reads of the
+weights is one `_RowPlan` a model, checked once a step by one `NativeCache` over every weight it
+points into; only the states' part (each layer's sequence_layer per row) and the rope are built
+per step.
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ import torch
 from torch.nn.modules import module as _module
 
 from ... import profiling
-from ...layers.basic import fp32_native_weights
+from ...layers.basic import fp32_native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native, triton_ops
 from ...numerics.hc import native_collapse_serves
 from ...numerics.rows import _threads, rows_invariant
 from .config import SLIDING
-from .moe import moe_threads, native_moe_layer, native_moe_paths
+from .moe import NATIVE_MOE_ROWS, moe_threads, native_moe_layer, native_moe_paths
 from .native_attention import fused_halves, fused_paths, sequence_layer
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -79,50 +80,73 @@ def _hooked(block) -> bool:
 
 
 def _prepared(block, batch, hc: int, hid: int):
-    """What one block's native call needs for the batch's lone decode row: (lib, its block_layer,
-    its sequence_layer, (cos, sin, emit_cos, emit_sin)), or None where a step would not run
-    natively. A shared page under an entry the row would write refuses here (PageError), before
-    any write."""
-    attn, moe = block.self_attn, block.mlp
+    """What one block's native call needs for the batch's n decode rows: (lib, its block_layer, its
+    sequence_layers (one per row), (cos, sin, emit_cos per row, emit_sin per row)), or None where
+    a step would not run natively. A shared page under an entry a row would write refuses here
+    (PageError), before any write."""
+    attn, moe, n = block.self_attn, block.mlp, len(batch.segments)
     if attn.tp is not None or moe.tp is not None or _hooked(block):
         return None
-    tokens = batch.token_ids
     lib = native.library()
-    if lib is None or tokens.dtype != torch.int64 or not tokens.is_contiguous():
+    if lib is None or not _int64_rows(batch.token_ids, batch.positions):
         return None
     rope, cos, sin = batch.rope[SLIDING if attn.kind == SLIDING else "compressed"]
-    if not native.fp32_cpu(cos, sin) or cos.shape[0] != 1 or 2 * cos.shape[-1] != attn.rope_dim:
+    if not native.fp32_cpu(cos, sin) or cos.shape[0] != n or 2 * cos.shape[-1] != attn.rope_dim:
         return None
     cache = block.__dict__.get("_native_block")
     if cache is None:
         cache = block.__dict__["_native_block"] = NativeCache(block, _paths(block), lambda: _build(block))
-    linked = _linked(cache.get(), block, hc, hid)
+    linked = _linked(cache.get(), block, hc, hid, n)
     if linked is None:
         return None
-    seg = batch.segments[0]
-    found = sequence_layer(attn, seg.state.layers[attn.layer_idx], seg.start, rope)
+    found = _sequence_layers(attn, batch, rope)
     if found is None:
         return None
-    seq, emit_cos, emit_sin = found
-    return lib, linked[0], seq, (cos, sin, emit_cos, emit_sin)
+    seqs, emit_cos, emit_sin = found
+    return lib, linked[0], seqs, (cos, sin, emit_cos, emit_sin)
 
 
-def _linked(layer: _BlockLayer | None, block, hc: int, hid: int):
+def _sequence_layers(attn, batch, rope) -> tuple[list, list, list] | None:
+    """Each decode row's sequence_layer for `attn`, with the rope (cos, sin) of the entry its
+    closing window emits (None, None where none closes), as three lists in row order; or None."""
+    seqs, emit_cos, emit_sin = [], [], []
+    i = attn.layer_idx
+    for seg in batch.segments:
+        found = sequence_layer(attn, seg.state.layers[i], seg.start, rope)
+        if found is None:
+            return None
+        seqs.append(found[0])
+        emit_cos.append(found[1])
+        emit_sin.append(found[2])
+    return seqs, emit_cos, emit_sin
+
+
+def _rows_serve(n: int, fns) -> bool:
+    """Whether the per-op path runs each step of n decode rows natively, as the fused call does:
+    the fused attention halves (`reads_as_stored`), the native MoE rows and every mHC collapse of
+    these `fn`s (the head's included)."""
+    return n <= NATIVE_MOE_ROWS and reads_as_stored(n) and all(native_collapse_serves(n, fn) for fn in fns)
+
+
+def _linked(layer: _BlockLayer | None, block, hc: int, hid: int, rows: int):
     """`layer` pointed at the block's fused attention halves and MoE layer (returned with it, which
-    keeps them alive), or None where a step would not run natively (whether the collapse is native
-    depends on the mode and threads of this call)."""
+    keeps them alive), for calls of `rows` decode rows; or None where a step of that many rows
+    would not run natively (whether the collapse is native depends on the mode and threads of this
+    call)."""
     halves, moe_layer = fused_halves(block.self_attn), native_moe_layer(block.mlp)
-    if layer is None or halves is None or moe_layer is None or not all(
-            native_collapse_serves(1, hc_._parameters["fn"]) for hc_ in (block.attn_hc, block.ffn_hc)):
+    if layer is None or halves is None or moe_layer is None or not _rows_serve(
+            rows, [hc_._parameters["fn"] for hc_ in (block.attn_hc, block.ffn_hc)]):
         return None
     layer.hc, layer.hid = hc, hid
     layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
-    layer.moe, layer.moe_threads = ctypes.addressof(moe_layer), moe_threads(moe_layer, 1)
+    layer.moe, layer.moe_threads = ctypes.addressof(moe_layer), moe_threads(moe_layer, rows)
     return layer, (halves, moe_layer)
 
 
-def _lone_decode_row(batch) -> bool:
-    return len(batch.segments) == 1 and batch.segments[0].length == 1 and profiling.quiet() \
+def _decode_rows(batch) -> bool:
+    """Whether the batch is decode rows only (one a sequence), with no profiler listening and no
+    Triton kernels serving."""
+    return all(seg.r1 - seg.r0 == 1 for seg in batch.segments) and profiling.quiet() \
         and triton_ops.serving(batch.token_ids.device) is None
 
 
@@ -130,18 +154,26 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _pointers(items) -> ctypes.Array:
+    """A C array of pointers: ctypes structures by address, tensors by data pointer, None as NULL."""
+    return (ctypes.c_void_p * len(items))(*(
+        None if x is None else x.data_ptr() if isinstance(x, torch.Tensor) else ctypes.addressof(x) for x in items))
+
+
 def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
-    """`Block.forward` for a batch of one decode row (streams [1, hc, hidden]) in one native call,
-    or None where any of its steps would not run natively (then nothing has been written)."""
-    if streams.shape[0] != 1 or not _lone_decode_row(batch) or not native.fp32_cpu(streams):
+    """`Block.forward` for a batch of n decode rows, one a sequence (streams [n, hc, hidden]), in
+    one native call, or None where any of its steps would not run natively (then nothing has been
+    written)."""
+    if streams.shape[0] != len(batch.segments) or not _decode_rows(batch) or not native.fp32_cpu(streams):
         return None
     found = _prepared(block, batch, streams.shape[1], streams.shape[2])
     if found is None:
         return None
-    lib, layer, seq, rope = found
+    lib, layer, seqs, (cos, sin, emit_cos, emit_sin) = found
     out = torch.empty_like(streams)
-    rc = lib.kv_block_decode_one(ctypes.addressof(layer), ctypes.addressof(seq), batch.segments[0].start,
-                                 batch.token_ids.data_ptr(), *map(_ptr, rope), streams.data_ptr(), out.data_ptr())
+    rc = lib.kv_block_decode_rows(ctypes.addressof(layer), _pointers(seqs), len(seqs), batch.positions.data_ptr(),
+                                  batch.token_ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), _pointers(emit_cos),
+                                  _pointers(emit_sin), streams.data_ptr(), out.data_ptr())
     if rc == -2:
         return None  # refused before any write: the per-op path runs (and reports what it finds)
     if rc != 0:
@@ -174,18 +206,28 @@ class _RowPlan:
     """What `model_row`'s call reads of the model's weights, built once per model (and again when
     a weight, the thread count, batch invariance, `numerics` or the kernels change): every block's
     block_layer with its attention halves and MoE layer, the head's model_layer, and what each
-    call still checks (the hook dicts of the modules it skips, the modules a `tp` would shard)."""
+    call still checks (the hook dicts of the modules it skips, the modules a `tp` would shard, the
+    most decode rows the per-op path runs natively)."""
 
-    def __init__(self, lib, head: _ModelLayer, layers: list, keep: list, hooks: list, sharded: list, attns: list):
+    def __init__(self, lib, head: _ModelLayer, layers: list, keep: list, hooks: list, sharded: list, attns: list,
+                 max_rows: int):
         self.lib, self.head, self.layers, self.keep = lib, head, layers, keep  # keep: what the pointers point into
         self.blocks = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(b) for b in layers))
         self.hooks, self.sharded = hooks, sharded
         self.attns = attns  # (attention, its batch.rope key, its rope_dim) per block
         self.ropes = {(kind, dim) for _, kind, dim in attns}
+        self.max_rows = max_rows
         # the attention halves are shared with the per-op path, which sets their threads on each
         # call; `threads` puts back the count this plan was built for (no bits depend on it)
         self.halves = [half for halves, _ in keep[1:] for half in halves]
         self.threads = torch.get_num_threads()
+        self.rows = 1  # the row count the blocks' MoE thread counts are set for (no bits depend on them)
+
+    def set_rows(self, n: int) -> None:
+        if n != self.rows:
+            for layer, (_, moe_layer) in zip(self.layers, self.keep[1:]):
+                layer.moe_threads = moe_threads(moe_layer, n)
+            self.rows = n
 
 
 def _plan_paths(model) -> list[str]:
@@ -208,7 +250,7 @@ def _build_plan(model) -> _RowPlan | None:
         return None
     (embed, vocab, hid), (head, _, _) = found
     hc = model.config.hc_mult
-    built = [_linked(_build(block), block, hc, hid) for block in body.layers]
+    built = [_linked(_build(block), block, hc, hid, 1) for block in body.layers]
     if any(b is None for b in built):
         return None
     layer = _ModelLayer(hc, hid, vocab, len(built), ctypes.addressof(embed), p["hc_fn"].data_ptr(),
@@ -220,7 +262,12 @@ def _build_plan(model) -> _RowPlan | None:
     sharded = [model, *(m for block in body.layers for m in (block.self_attn, block.mlp))]
     attns = [(a, SLIDING if a.kind == SLIDING else "compressed", a.rope_dim)
              for a in (block.self_attn for block in body.layers)]
-    return _RowPlan(lib, layer, [b[0] for b in built], [found, *(b[1] for b in built)], hooks, sharded, attns)
+    fns = [p["hc_fn"], *(hc_._parameters["fn"] for block in body.layers for hc_ in (block.attn_hc, block.ffn_hc))]
+    max_rows = 1  # the conditions only tighten as rows are added
+    while max_rows < NATIVE_MOE_ROWS and _rows_serve(max_rows + 1, fns):
+        max_rows += 1
+    return _RowPlan(lib, layer, [b[0] for b in built], [found, *(b[1] for b in built)], hooks, sharded, attns,
+                    max_rows)
 
 
 def _plan(model) -> _RowPlan | None:
@@ -231,45 +278,52 @@ def _plan(model) -> _RowPlan | None:
     return cache.get(key=(native.library(), rows_invariant(), torch.get_num_threads(), model.numerics))
 
 
-def _rope_serves(plan: _RowPlan, batch) -> bool:
+def _rope_serves(plan: _RowPlan, batch, n: int) -> bool:
     for kind, dim in plan.ropes:
         _, cos, sin = batch.rope[kind]
-        if not native.fp32_cpu(cos, sin) or cos.shape[0] != 1 or 2 * cos.shape[-1] != dim:
+        if not native.fp32_cpu(cos, sin) or cos.shape[0] != n or 2 * cos.shape[-1] != dim:
             return False
     return True
 
 
 def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`Dsv4Model._run_rows` for a batch of one decode row in one native call: the embedding, every
-    block, the mHC head, the norm and the lm_head (native_block.h). Returns (logits [1, vocab],
-    final streams [1, hc, hidden]), or None where any step would not run natively, a forward hook
-    would see one of the modules it skips, or a profiler listens (then nothing has been written).
-    A shared page under an entry the row would write refuses (PageError) before any write."""
-    tokens = batch.token_ids
-    if not _lone_decode_row(batch) or _module._global_forward_hooks or _module._global_forward_pre_hooks \
-            or tokens.dtype != torch.int64 or not tokens.is_contiguous():
+    """`Dsv4Model._run_rows` for a batch of n decode rows, one a sequence, in one native call: the
+    embedding, every block, the mHC head, the norm and the lm_head (native_block.h). Returns
+    (logits [n, vocab], final streams [n, hc, hidden]), or None where any step would not run
+    natively, a forward hook would see one of the modules it skips, or a profiler listens (then
+    nothing has been written). A shared page under an entry a row would write refuses
+    (PageError) before any write."""
+    tokens, positions, n = batch.token_ids, batch.positions, len(batch.segments)
+    if not _decode_rows(batch) or _module._global_forward_hooks or _module._global_forward_pre_hooks \
+            or not _int64_rows(tokens, positions):
         return None
     plan = _plan(model)
-    if plan is None or any(plan.hooks) or any(m.tp is not None for m in plan.sharded) or not _rope_serves(plan, batch):
+    if plan is None or n > plan.max_rows or any(plan.hooks) or any(m.tp is not None for m in plan.sharded) \
+            or not _rope_serves(plan, batch, n):
         return None
     for half in plan.halves:
         half.threads = plan.threads
-    seg = batch.segments[0]
-    layers = seg.state.layers
-    found = [sequence_layer(a, layers[a.layer_idx], seg.start, batch.rope[kind][0]) for a, kind, _ in plan.attns]
-    if any(f is None for f in found):
-        return None
-    n = len(found)
-    seqs = (ctypes.c_void_p * n)(*(ctypes.addressof(f[0]) for f in found))
-    rope = (ctypes.c_void_p * (4 * n))(*(_ptr(t) for (_, kind, _), f in zip(plan.attns, found)
-                                         for t in (*batch.rope[kind][1:], f[1], f[2])))
+    plan.set_rows(n)
+    seqs, emit = [], []
+    for attn, kind, _ in plan.attns:
+        found = _sequence_layers(attn, batch, batch.rope[kind][0])
+        if found is None:
+            return None
+        seqs += found[0]
+        emit += [t for pair in zip(found[1], found[2]) for t in pair]
+    rope = [t for _, kind, _ in plan.attns for t in batch.rope[kind][1:]]
     hc, hid, vocab = plan.head.hc, plan.head.hid, plan.head.vocab
-    streams = torch.empty(1, hc, hid, dtype=torch.float32)
-    logits = torch.empty(1, vocab, dtype=torch.float32)
-    rc = plan.lib.kv_model_decode_one(ctypes.addressof(plan.head), plan.blocks, seqs, rope, seg.start,
-                                      tokens.data_ptr(), streams.data_ptr(), logits.data_ptr())
+    streams = torch.empty(n, hc, hid, dtype=torch.float32)
+    logits = torch.empty(n, vocab, dtype=torch.float32)
+    rc = plan.lib.kv_model_decode_rows(ctypes.addressof(plan.head), plan.blocks, _pointers(seqs), _pointers(rope),
+                                       _pointers(emit), n, positions.data_ptr(), tokens.data_ptr(),
+                                       streams.data_ptr(), logits.data_ptr())
     if rc == -2:
         return None  # refused before any write
     if rc != 0:
-        raise MemoryError("native decode row could not allocate its buffers")
+        raise MemoryError("native decode rows could not allocate their buffers")
     return logits, streams
+
+
+def _int64_rows(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.int64 and t.is_contiguous() for t in ts)
