@@ -3,7 +3,7 @@
 The kernels decode every FP8 / FP4 / bf16 weight to exactly the float32 value quant.py's
 dequantizers write and then run native.c's one fixed-order dot, so each output must equal
 `invariant_mm` over the dequantized weight bit for bit (NaN where it is NaN): for one row (decoded
-in registers) and for several (a decoded panel), at any thread count, with partial scale blocks,
+in registers, alone or in tiles of a few rows) and for more (a decoded panel), at any thread count, with partial scale blocks,
 all-tail rows, every FP8 code and the extreme e8m0 scales. The reference, `invariant_mm` over
 quant.py's dequantization, is itself checked against torch's GEMM in test_native.py."""
 import subprocess
@@ -19,7 +19,7 @@ from kvfold.numerics.rows import invariant_mm
 from kvfold.numerics.weights_mm import describe, native_mm, row_groups
 
 SHAPES = [(37, 300), (130, 1000), (5, 8), (3, 62), (9, 6), (64, 256)]  # tails, partial blocks, k < 8
-ROWS = [1, 2, 5, 33]
+ROWS = [1, 2, 3, 4, 5, 8, 9, 33]  # a decode row; register tiles of 4 and 2 rows, and a last one; a panel
 
 
 def exactly(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -97,9 +97,9 @@ def test_every_fp8_code_and_extreme_scale_decodes_exactly():
     dense = dequant_fp8_blocks(codes.view(torch.float8_e4m3fn), exps, block)
     assert dense.isnan().any() and dense.isinf().any() and dense.signbit()[dense == 0].any()
     found = describe(codes.view(torch.float8_e4m3fn), exps, block)
-    x = rows(3, 256, 5)
-    exactly(native_mm(x, *found), invariant_mm(x, dense))
-    exactly(native_mm(x[:1], *found), invariant_mm(x[:1], dense))
+    x = rows(9, 256, 5)
+    for m in (1, 2, 3, 4, 9):
+        exactly(native_mm(x[:m], *found), invariant_mm(x[:m], dense))
     # the finite ones value by value: a one-hot row picks one weight (0 * a NaN would spoil them all)
     finite = codes[:4].clone()
     finite[(finite & 0x7F) == 0x7F] = 0
@@ -145,13 +145,15 @@ def test_fp8_decode_rows_stay_exact_with_denormals_read_as_zero():
     q, exps = _every_finite_fp8_code(128, [120], block)
     dense = dequant_fp8_blocks(q, exps, block)
     found = describe(q, exps, block)
-    x = rows(1, 256, 4)
+    x = rows(5, 256, 4)
     assert torch.set_flush_denormal(True)
     try:
-        exactly(native_mm(x, *found), invariant_mm(x, dense))
+        for m in (1, 2, 5):
+            exactly(native_mm(x[:m], *found), invariant_mm(x[:m], dense))
     finally:
         torch.set_flush_denormal(False)
-    exactly(native_mm(x, *found), invariant_mm(x, dense))
+    for m in (1, 2, 5):
+        exactly(native_mm(x[:m], *found), invariant_mm(x[:m], dense))
 
 
 def test_every_fp4_code_and_extreme_scale_decodes_exactly():
@@ -165,7 +167,7 @@ def test_every_fp4_code_and_extreme_scale_decodes_exactly():
     dense = dequant_fp4_blocks(packed, exps)
     assert dense.isnan().any() and dense.isinf().any() and (dense[0][dense[0] != 0].abs() < 2 ** -126).any()
     found = describe(packed, exps, (1, 32), packed_fp4=True)
-    for m in (1, 3):
+    for m in (1, 2, 3, 4, 9):
         x = rows(m, 64, m)
         got, want = native_mm(x, *found), invariant_mm(x, dense)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: the NaN's sign too
@@ -222,16 +224,17 @@ def test_fp4_decode_rows_keep_every_bit_when_the_thread_rounds_downward():
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).repeat(2, 1)  # [4, 32] bytes: rows of -0 codes, of all
     float_scales = torch.tensor([[0.1, -0.3], [-0.7, 1.3], [0.9, -1e-3], [3.7, 0.01]])
     exps = torch.tensor([[127, 120], [130, 127], [1, 200], [127, 127]], dtype=torch.uint8)
-    x = rows(1, 64, 6).abs()  # positive: a row of -0 weights then sums -0 products
+    x = rows(3, 64, 6).abs()  # positive: a row of -0 weights then sums -0 products (one row, and a tile of 2 + 1)
     third = lambda: (torch.tensor([1.0]) / 3).view(torch.int32).item()  # noqa: E731
     restore = _round_downward()
     try:
         assert third() == 0x3EAAAAAA  # the mode is on (to nearest, 1/3 rounds up to ...AB)
         for scale in (float_scales, exps):
             dense = dequant_fp4_blocks(packed, scale)
-            got = native_mm(x, *describe(packed, scale, (1, 32), packed_fp4=True))
-            want = invariant_mm(x, dense)
-            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scale.dtype, got, want)
+            for m in (1, 3):
+                got = native_mm(x[:m], *describe(packed, scale, (1, 32), packed_fp4=True))
+                want = invariant_mm(x[:m], dense)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scale.dtype, m, got, want)
     finally:
         restore()
     assert third() == 0x3EAAAAAB
@@ -291,7 +294,7 @@ _PROBE = ("import hashlib, torch\n"
           "x = torch.randn(5, 270, generator=g)\n"
           "h = hashlib.sha256()\n"
           "for f in found:\n"
-          "    for m in (1, 5):\n"
+          "    for m in (1, 2, 5):\n"
           "        h.update(native_mm(x[:m], *f).numpy().tobytes())\n"
           "print(native.available(), h.hexdigest())\n")
 

@@ -317,73 +317,81 @@ typedef struct {
     const kv_weights *w13, *w2, *shared_gate, *shared_up, *shared_down;
 } moe_layer;
 
-/* The whole MoE layer for one row: y = sum over the routed experts, ascending, of
- * w_e * down_e(swiglu(gate_e x, up_e x)), starting from the first term, then + shared(x): the
- * operations, in order, of kv_route + kv_matmul_weights + kv_swiglu + numerics/rows.py's
- * combination, so the one-row path and the batched one give the same bits. The expert stacks
- * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
- * of native_weights.h's formats. The gate-up matrices (every routed expert's and the shared one's)
- * split their columns over `threads` in one parallel region, then the down matrices in another. */
-static int moe_row(const moe_layer *L, const float *x, const int64_t *token, int64_t threads, float *out) {
-    const int64_t h = L->h, inter = L->inter, si = L->shared_inter, k = L->k, shared = L->shared_gate != NULL;
-    int64_t ids[MOE_MAX_K];
-    float wts[MOE_MAX_K];
-    if (kv_route(x, 1, h, L->router_w, L->e, L->scoring, L->bias, L->tid2eid, token, L->k, L->route_scale,
-                 L->n_group, L->topk_group, L->renorm, ids, wts) != 0) return -1;
-    /* expert j's gate and up rows at gu + 2 inter j, its activation at act + inter j and its output at
-     * y + h j; the shared expert's after the k routed ones */
-    const int64_t wide = k * inter + si;
-    float *gu = malloc(sizeof(float) * (size_t)(2 * wide + 1));
-    float *act = malloc(sizeof(float) * (size_t)(wide + 1));
-    float *y = malloc(sizeof(float) * (size_t)((k + 1) * h));
-    mm_job jobs[MOE_MAX_K + 2];
-    int rc = !gu || !act || !y ? -1 : 0, n = 0;
-    float *gu_s = gu + 2 * k * inter, *act_s = act + k * inter, *y_s = y + k * h;
-    for (int64_t j = 0; j < k; j++) jobs[n++] = (mm_job){x, h, L->w13, ids[j], gu + 2 * inter * j, 2 * inter, 1, 2 * inter};
-    if (shared) {
-        jobs[n++] = (mm_job){x, h, L->shared_gate, 0, gu_s, si, 1, si};
-        jobs[n++] = (mm_job){x, h, L->shared_up, 0, gu_s + si, si, 1, si};
+/* weights_many over any number of jobs: MM_MAX_JOBS at a time */
+static int weights_all(const mm_job *jobs, int64_t count, int64_t threads) {
+    for (int64_t j = 0; j < count; j += MM_MAX_JOBS) {
+        int64_t n = count - j < MM_MAX_JOBS ? count - j : MM_MAX_JOBS;
+        if (weights_many(jobs + j, (int)n, threads) != 0) return -1;
     }
-    if (rc == 0) rc = weights_many(jobs, n, threads); /* every matrix that reads x, in one parallel region */
-    if (rc == 0) {
-        n = 0;
-        for (int64_t j = 0; j < k; j++) {
-            swiglu(gu + 2 * inter * j, gu + 2 * inter * j + inter, act + inter * j, inter, L->limit);
-            jobs[n++] = (mm_job){act + inter * j, inter, L->w2, ids[j], y + h * j, h, 1, h};
-        }
-        if (shared) {
-            swiglu(gu_s, gu_s + si, act_s, si, L->limit);
-            jobs[n++] = (mm_job){act_s, si, L->shared_down, 0, y_s, h, 1, h};
-        }
-        rc = weights_many(jobs, n, threads); /* then every down projection */
-    }
-    if (rc == 0) { /* the routed outputs weighted in routing order, then the shared one */
-        for (int64_t i = 0; i < h; i++) out[i] = y[i] * wts[0];
-        for (int64_t j = 1; j < k; j++)
-            for (int64_t i = 0; i < h; i++) out[i] = out[i] + y[h * j + i] * wts[j];
-        if (shared)
-            for (int64_t i = 0; i < h; i++) out[i] = out[i] + y_s[i];
-    }
-    free(gu); free(act); free(y);
-    return rc ? -1 : 0;
+    return 0;
 }
 
-/* The MoE layer for m rows x [m, h] (tokens [m]) into out [m, h]: each row exactly as moe_row
- * computes it alone, so a row's bits never depend on the other rows. With at least as many rows
- * as threads the rows are shared out (each row on one thread); otherwise each row's GEMVs split
- * their columns. Neither split touches a reduction. Returns 0, or -1 on a bad argument or a
- * failed allocation. */
+/* The whole MoE layer for m rows x [m, h] (tokens [m]) into out [m, h]: row r's output is
+ * y = sum over its routed experts, ascending, of w_e * down_e(swiglu(gate_e x, up_e x)), starting
+ * from the first term, then + shared(x): the operations, in order, of kv_route +
+ * kv_matmul_weights + kv_swiglu + numerics/rows.py's combination, so a row's bits are the same
+ * alone, among other rows and on the torch path. Each expert's rows are gathered and multiplied
+ * together (one read of its weights for all of them), the shared expert's too; every output is
+ * still native_dot.h's `dot` of its row, which no other row changes. The expert stacks
+ * w13 [E, 2I, H] and w2 [E, H, I] and the shared expert's three matrices (NULL: none) are in any
+ * of native_weights.h's formats. The gate-up matrices (every routed expert's and the shared one's)
+ * split their columns over `threads` in one parallel region, then the down matrices in another;
+ * neither split touches a reduction. Returns 0, or -1 on a bad argument or a failed allocation. */
 static int moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t *token, int64_t threads,
                     float *out) {
-    const int64_t h = L->h;
-    int failed = 0;
-    if (m > 1 && threads > 1 && m >= threads) {
-        #pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
-        for (int64_t r = 0; r < m; r++) failed |= moe_row(L, x + r * h, token + r, 1, out + r * h) != 0;
-    } else {  /* outside any parallel region: each GEMV's team is then the process's pool, not a nested one */
-        for (int64_t r = 0; r < m; r++) failed |= moe_row(L, x + r * h, token + r, threads, out + r * h) != 0;
+    const int64_t h = L->h, inter = L->inter, si = L->shared_inter, k = L->k, e = L->e, pairs = m * k;
+    const int shared = L->shared_gate != NULL;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(2 * pairs + e + 1)); /* ids, each pair's slot, first */
+    float *wts = malloc(sizeof(float) * (size_t)(pairs + 1));
+    float *xg = malloc(sizeof(float) * (size_t)(pairs * (2 * h + 3 * inter) + m * (3 * si + h) + 1));
+    mm_job *jobs = malloc(sizeof(mm_job) * (size_t)(e + 2));
+    int rc = !ids || !wts || !xg || !jobs ? -1 : 0;
+    if (rc == 0)
+        rc = kv_route(x, m, h, L->router_w, e, L->scoring, L->bias, L->tid2eid, token, k, L->route_scale,
+                      L->n_group, L->topk_group, L->renorm, ids, wts);
+    if (rc != 0) { free(ids); free(wts); free(xg); free(jobs); return -1; }
+    /* pair p (row p / k's j-th expert, j = p mod k) sits at slot[p] of the gathered rows: by
+     * expert, then by p; expert i's slots end at first[i] once placed */
+    int64_t *slot = ids + pairs, *first = slot + pairs;
+    float *gu = xg + pairs * h, *act = gu + pairs * 2 * inter, *yg = act + pairs * inter;
+    float *gs = yg + pairs * h, *us = gs + m * si, *as = us + m * si, *ys = as + m * si;
+    memset(first, 0, sizeof(int64_t) * (size_t)(e + 1));
+    for (int64_t p = 0; p < pairs; p++) first[ids[p]]++;
+    for (int64_t i = 0, at = 0; i < e; i++) { int64_t c = first[i]; first[i] = at; at += c; }
+    for (int64_t p = 0; p < pairs; p++) slot[p] = first[ids[p]]++;
+    for (int64_t p = 0; p < pairs; p++) memcpy(xg + slot[p] * h, x + (p / k) * h, sizeof(float) * (size_t)h);
+    int64_t n = 0;
+    for (int64_t i = 0, at = 0; i < e; at = first[i++])
+        if (first[i] > at)
+            jobs[n++] = (mm_job){xg + at * h, h, L->w13, i, gu + at * 2 * inter, 2 * inter, first[i] - at, 2 * inter};
+    if (shared) {
+        jobs[n++] = (mm_job){x, h, L->shared_gate, 0, gs, si, m, si};
+        jobs[n++] = (mm_job){x, h, L->shared_up, 0, us, si, m, si};
     }
-    return failed ? -1 : 0;
+    rc = weights_all(jobs, n, threads); /* every matrix that reads x */
+    if (rc == 0) {
+        for (int64_t q = 0; q < pairs; q++)
+            swiglu(gu + q * 2 * inter, gu + q * 2 * inter + inter, act + q * inter, inter, L->limit);
+        for (int64_t r = 0; shared && r < m; r++) swiglu(gs + r * si, us + r * si, as + r * si, si, L->limit);
+        n = 0;
+        for (int64_t i = 0, at = 0; i < e; at = first[i++])
+            if (first[i] > at) jobs[n++] = (mm_job){act + at * inter, inter, L->w2, i, yg + at * h, h, first[i] - at, h};
+        if (shared) jobs[n++] = (mm_job){as, si, L->shared_down, 0, ys, h, m, h};
+        rc = weights_all(jobs, n, threads); /* then every down projection */
+    }
+    for (int64_t r = 0; rc == 0 && r < m; r++) { /* routed outputs weighted in routing order, then the shared one */
+        float *o = out + r * h;
+        const float *y0 = yg + slot[r * k] * h;
+        for (int64_t i = 0; i < h; i++) o[i] = y0[i] * wts[r * k];
+        for (int64_t j = 1; j < k; j++) {
+            const float *yj = yg + slot[r * k + j] * h;
+            for (int64_t i = 0; i < h; i++) o[i] = o[i] + yj[i] * wts[r * k + j];
+        }
+        if (shared)
+            for (int64_t i = 0; i < h; i++) o[i] = o[i] + ys[r * h + i];
+    }
+    free(ids); free(wts); free(xg); free(jobs);
+    return rc ? -1 : 0;
 }
 
 /* moe_rows on a layer given field by field (numerics/rows.py and models/deepseek_v4/moe.py) */

@@ -43,7 +43,7 @@ static int collapse_norm(const hc_entry *H, const float *streams, int64_t n, int
 }
 
 /* whether kv_block_decode_rows would refuse B before writing anything (the routing arguments
- * moe_row checks, the mHC width) */
+ * moe_rows checks, the mHC width) */
 static int block_refuses(const block_layer *B) {
     const moe_layer *M = B->moe;
     return B->hc < 1 || B->hc > HC_MAX || M->k < 1 || M->k > MOE_MAX_K || M->k > M->e || M->n_group < 1
@@ -55,7 +55,7 @@ static int block_refuses(const block_layer *B) {
  * the rows' positions; (emit_cs[r], emit_sn[r]): the rope of the entry row r's closing window emits
  * (NULL when none closes). Block.forward's calls on n rows: the token-parallel steps take all the
  * rows at once, the decode row of each sequence's attention runs on its own state, in row order.
- * Returns -2 (refused before any write) for routing arguments moe_row would refuse; -1: a buffer
+ * Returns -2 (refused before any write) for routing arguments moe_rows would refuse; -1: a buffer
  * could not be allocated (the states may then be part-written, as with kv_attn_sequence_one). */
 int kv_block_decode_rows(const block_layer *B, const sequence_layer *const *S, int64_t n, const int64_t *start,
                          const int64_t *token, const float *cs, const float *sn, const float *const *emit_cs,

@@ -452,6 +452,122 @@ WEIGHTS_ROW_TILE(fp8, KV_FP8, 1)
 WEIGHTS_ROW_TILE(fp8, KV_FP8, 4)
 WEIGHTS_ROW_TILE(fp4, KV_FP4, 1)
 WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
+
+/* outputs j0 .. j0+NC-1 of R rows of x (row r at x + r ldx, into out + r ldo), for a matrix of
+ * format FMT, the weights decoded in registers once for all R rows: each output is
+ * weights_row_*'s and native_dot.h's dot (lane j: ascending i = j mod 8 with fused multiply-adds,
+ * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail). FP8
+ * decodes through halves and the block factor (no fold of x, which is per row), which gives each
+ * fused multiply-add the same exact product (see the header); FP4 indexes each block's table as a
+ * decode row does (where e2m1_rows_exact). Only the row count differs from a decode row. */
+#define WEIGHTS_ROWS_TILE(NAME, FMT, R, NC)                                                           \
+    static void weights_rows_##NAME##_##R##x##NC(const float *x, int64_t ldx, const kv_weights *w,   \
+                                                 const uint8_t *data, const void *scale, int64_t j0,   \
+                                                 float *out, int64_t ldo) {                            \
+        const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
+        const int64_t rb = weights_row_bytes(w);                                                      \
+        const int nan_codes = (int)w->nan_codes;                                                      \
+        const int64_t values_per_line = (FMT) == KV_FP4 ? 128 : (FMT) == KV_FP8 ? 64 : 32;            \
+        __m256 acc[R][NC];                                                                            \
+        int64_t srow[NC];                                                                             \
+        for (int c = 0; c < NC; c++) {                                                                \
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();                              \
+            srow[c] = scaled(FMT) ? scale_row(w, j0 + c) : 0;                                         \
+        }                                                                                             \
+        for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
+            int64_t b1 = b0 + bc < k8 ? b0 + bc : k8, i = b0;                                         \
+            if ((FMT) == KV_FP4) {                                                                    \
+                __m256 table[NC][E2M1_TABLES];                                                        \
+                int numbers = 1;                                                                      \
+                for (int c = 0; c < NC; c++) {                                                        \
+                    const float s = scale_at(w, scale, srow[c] + blk);                                \
+                    numbers &= !isnan(s);                                                             \
+                    for (int t = 0; t < E2M1_TABLES; t++)                                             \
+                        table[c][t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s)); \
+                }                                                                                     \
+                for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
+                    for (int c = 0; c < NC; c++)                                                      \
+                        for (int r = 0; r < R; r++)                                                   \
+                            acc[r][c] = value_step(x + r * ldx, w, data, scale, j0 + c, i, acc[r][c]); \
+                for (; i < b1; i += LANES) {                                                          \
+                    __m256 xv[R];                                                                     \
+                    if ((i & 127) == 0) prefetch_rows(data + (j0 + 2 * NC) * rb + i / 2, rb, NC);     \
+                    for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);             \
+                    for (int c = 0; c < NC; c++) {                                                    \
+                        const __m256 wv = e2m1x8_lookup(data + (j0 + c) * rb, i, table[c]);           \
+                        for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]); \
+                    }                                                                                 \
+                }                                                                                     \
+                continue;                                                                             \
+            }                                                                                         \
+            __m256 f[NC];                                                                             \
+            int exact = 1;                                                                            \
+            for (int c = 0; c < NC; c++) {                                                            \
+                float fc = scaled(FMT) ? block_factor(FMT, scale_at(w, scale, srow[c] + blk)) : 1.0f;  \
+                exact &= fc != 0.0f || !scaled(FMT);                                                  \
+                f[c] = _mm256_set1_ps(fc);                                                            \
+            }                                                                                         \
+            if (exact)                                                                                \
+                for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                         \
+                    __m256 x0[R], x1[R];                                                              \
+                    if (i % values_per_line == 0) /* two tiles on, a line of each row: prefetch_rows */ \
+                        prefetch_rows(data + (j0 + 2 * NC) * rb + i * rb / k, rb, NC);                \
+                    for (int r = 0; r < R; r++) {                                                     \
+                        x0[r] = _mm256_loadu_ps(x + r * ldx + i);                                     \
+                        x1[r] = _mm256_loadu_ps(x + r * ldx + i + LANES);                             \
+                    }                                                                                 \
+                    for (int c = 0; c < NC; c++) {                                                    \
+                        __m256 lo, hi;                                                                \
+                        codes16(FMT, nan_codes, data + (j0 + c) * rb, i, &lo, &hi);                   \
+                        if (scaled(FMT)) { lo = _mm256_mul_ps(lo, f[c]); hi = _mm256_mul_ps(hi, f[c]); } \
+                        for (int r = 0; r < R; r++) {                                                 \
+                            acc[r][c] = _mm256_fmadd_ps(x0[r], lo, acc[r][c]);                        \
+                            acc[r][c] = _mm256_fmadd_ps(x1[r], hi, acc[r][c]);                        \
+                        }                                                                             \
+                    }                                                                                 \
+                }                                                                                     \
+            for (; i < b1; i += LANES) /* a last step of 8, or 2^8 * scale overflows: value by value */ \
+                for (int c = 0; c < NC; c++)                                                          \
+                    for (int r = 0; r < R; r++)                                                       \
+                        acc[r][c] = value_step(x + r * ldx, w, data, scale, j0 + c, i, acc[r][c]);    \
+        }                                                                                             \
+        for (int r = 0; r < R; r++)                                                                   \
+            for (int c = 0; c < NC; c++) {                                                            \
+                float tail = 0.0f;                                                                    \
+                for (int64_t t = k8; t < k; t++)                                                      \
+                    tail = fmaf(x[r * ldx + t], weight_value(w, data, scale, j0 + c, t), tail);       \
+                out[r * ldo + c] = lanes_sum(acc[r][c], tail);                                        \
+            }                                                                                         \
+    }
+
+#define WEIGHTS_ROWS_TILES(R)                                                                         \
+    WEIGHTS_ROWS_TILE(bf16, KV_BF16, R, 4) WEIGHTS_ROWS_TILE(bf16, KV_BF16, R, 1)                     \
+    WEIGHTS_ROWS_TILE(fp8, KV_FP8, R, 4) WEIGHTS_ROWS_TILE(fp8, KV_FP8, R, 1)                         \
+    WEIGHTS_ROWS_TILE(fp4, KV_FP4, R, 4) WEIGHTS_ROWS_TILE(fp4, KV_FP4, R, 1)
+WEIGHTS_ROWS_TILES(2)
+WEIGHTS_ROWS_TILES(4)
+
+/* rows r0 .. r0+R-1 of x against columns [n0, n1), in tiles of R x 4 then R x 1 */
+#define ROWS_COLS(R, NAME)                                                                            \
+    {                                                                                                 \
+        int64_t c = n0;                                                                               \
+        for (; c + 4 <= n1; c += 4)                                                                   \
+            weights_rows_##NAME##_##R##x4(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo); \
+        for (; c < n1; c++)                                                                           \
+            weights_rows_##NAME##_##R##x1(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo); \
+    }
+
+/* out[r, n0 .. n1) for m rows of x, in groups of 4 rows, then 2 (a last single row: the caller's
+ * decode row); returns the rows done */
+static int64_t weights_rows_cols(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data,
+                                 const void *scale, float *out, int64_t ldo, int64_t m, int64_t n0, int64_t n1) {
+    int64_t r = 0;
+#define BY_FORMAT(R) if (w->fmt == KV_FP8) ROWS_COLS(R, fp8) else if (w->fmt == KV_FP4) ROWS_COLS(R, fp4) else ROWS_COLS(R, bf16)
+    for (; r + 4 <= m; r += 4) BY_FORMAT(4)
+    for (; r + 2 <= m; r += 2) BY_FORMAT(2)
+#undef BY_FORMAT
+    return r;
+}
 #endif
 
 #if KV_DECODE_IN_REGISTERS
@@ -505,9 +621,15 @@ static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *
 }
 #endif
 
+/* Up to this many rows (decode, verify and small batches) decode the weights in registers, each
+ * tile's once for all its rows; more decode a panel of columns once and run native_dot.h's tiles
+ * over it. */
+#define KV_REGISTER_ROWS 8
+
 /* out[m, j] = dot(x row m, weight row j) over columns [n0, n1) of matrix `index`. A fp32 matrix is
- * read as it is; one row of another format decodes in registers (AVX2), other cases decode the
- * columns a panel at a time into `panel` (room for `panel_rows` rows of k floats). */
+ * read as it is; up to KV_REGISTER_ROWS rows of another format decode in registers (AVX2), other
+ * cases decode the columns a panel at a time into `panel` (room for `panel_rows` rows of k
+ * floats). */
 static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out, int64_t ldo,
                          int64_t m, int64_t n0, int64_t n1, float *panel, int64_t panel_rows) {
     const uint8_t *data = (const uint8_t *)w->data + index * w->data_stride;
@@ -519,7 +641,11 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
         return;
     }
 #if KV_DECODE_IN_REGISTERS
-    if (m == 1 && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
+    if (m <= KV_REGISTER_ROWS && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
+        const int64_t done = weights_rows_cols(x, ldx, w, data, scale, out, ldo, m, n0, n1);
+        if (done == m) return;
+        x += done * ldx; /* the one row left decodes as a decode row */
+        out += done * ldo;
         if (panel && fp8_folds(w)) {
             const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
             fp8_folded_rows(x, w, data, scale, out, n0, n1, panel, subnormal);
