@@ -110,11 +110,14 @@ def test_every_fp8_code_and_extreme_scale_decodes_exactly():
     assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(256)]), dense.t())
 
 
-def _every_finite_fp8_code(rows_per_exponent: int, exponents: list[int], block):
+def _every_finite_fp8_code(rows_per_exponent: int, exponents: list[int], block, subnormals: bool = True):
     """[rows_per_exponent * len(exponents), 256] codes, each row every code but the two NaNs (0 in
-    their places), rolled so each code meets every lane; block rows of scales from `exponents`."""
+    their places; without `subnormals`, the subnormal codes too), rolled so each code meets every
+    lane; block rows of scales from `exponents`."""
     codes = torch.arange(256, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0
+    if not subnormals:
+        codes[((codes & 0x78) == 0) & ((codes & 0x07) != 0)] = 0
     q = torch.stack([codes.roll(i) for i in range(rows_per_exponent * len(exponents))])
     exps = torch.tensor(exponents, dtype=torch.uint8).view(-1, 1).expand(-1, 256 // block[1]).contiguous()
     return q.view(torch.float8_e4m3fn), exps
@@ -126,16 +129,20 @@ def test_fp8_scales_folded_into_a_decode_row_keep_every_product_exact():
     # factor is tiny (0, 1), ordinary (120, 127), at its limit (133: 2^126) and past it (134, 200,
     # 254, 255), with activations whose folded products round to a subnormal, overflow or are 0, inf
     # or NaN: each output must still be the dot over the dequantized weight.
+    # Subnormal codes send their blocks through halves (tile_subnormal), so the fold is tested on
+    # the normal codes alone, and on all of them.
     block = (16, 128)
-    q, exps = _every_finite_fp8_code(16, [0, 1, 120, 127, 133, 134, 200, 254, 255], block)
-    dense = dequant_fp8_blocks(q, exps, block)
-    found = describe(q, exps, block)
-    assert not found[0].nan_codes
-    for special in (None, 1e-39, 1e-30, 3e-36, 1e30, 3e38, 0.0, float("inf"), float("nan")):
-        x = rows(1, 256, 3)
-        if special is not None:
-            x[0, 5], x[0, 200] = special, -special
-        exactly(native_mm(x, *found), invariant_mm(x, dense))
+    for subnormals in (False, True):
+        q, exps = _every_finite_fp8_code(16, [0, 1, 120, 127, 133, 134, 200, 254, 255], block, subnormals)
+        dense = dequant_fp8_blocks(q, exps, block)
+        found = describe(q, exps, block)
+        assert not found[0].nan_codes and bool(found[0].subnormal_blocks) == subnormals
+        for special in (None, 1e-39, 1e-30, 3e-36, 1e30, 3e38, 0.0, float("inf"), float("nan")):
+            x = rows(6, 256, 3)
+            if special is not None:  # in a decode row (row 0), and in later rows of tiles of rows 1..
+                x[0, 5], x[0, 200], x[2, 5], x[3, 200] = special, -special, special, -special
+            for picked in (x[:1], x[1:3], x[1:6]):  # a decode row; tiles of 2 rows, of 4 rows and 1
+                exactly(native_mm(picked, *found), invariant_mm(picked, dense))
 
 
 def test_fp8_decode_rows_stay_exact_with_denormals_read_as_zero():
@@ -393,10 +400,11 @@ def test_fp8_decode_rows_stay_exact_where_a_tile_mixes_flagged_and_clean_blocks(
     dense = dequant_fp8_blocks(q, s, block)
     found = describe(q, s, block)
     assert found[0].subnormal_blocks
-    x = rows(1, 384, 6)
-    for e in range(2):
-        exactly(native_mm(x, *found, index=e), invariant_mm(x, dense[e]))
-    flat_q, flat_s = q[0].contiguous(), s[0].contiguous()
-    for desc, per, k in row_groups(describe(flat_q, flat_s, block), 8):
-        first = (desc.data - flat_q.data_ptr()) // 384
-        exactly(native_mm(x, desc, per, k), invariant_mm(x, dense[0, first:first + per]))
+    x = rows(5, 384, 6)
+    for m in (1, 2, 5):  # a decode row, a tile of two rows, tiles of four and one
+        for e in range(2):
+            exactly(native_mm(x[:m], *found, index=e), invariant_mm(x[:m], dense[e]))
+        flat_q, flat_s = q[0].contiguous(), s[0].contiguous()
+        for desc, per, k in row_groups(describe(flat_q, flat_s, block), 8):
+            first = (desc.data - flat_q.data_ptr()) // 384
+            exactly(native_mm(x[:m], desc, per, k), invariant_mm(x[:m], dense[0, first:first + per]))

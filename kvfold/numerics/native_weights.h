@@ -456,17 +456,22 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
 /* outputs j0 .. j0+NC-1 of R rows of x (row r at x + r ldx, into out + r ldo), for a matrix of
  * format FMT, the weights decoded in registers once for all R rows: each output is
  * weights_row_*'s and native_dot.h's dot (lane j: ascending i = j mod 8 with fused multiply-adds,
- * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail). FP8
- * decodes through halves and the block factor (no fold of x, which is per row), which gives each
- * fused multiply-add the same exact product (see the header); FP4 indexes each block's table as a
- * decode row does (where e2m1_rows_exact). Only the row count differs from a decode row. */
+ * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail). FP8:
+ * a block where every row's x is folded (xs, R rows of k; folded, R rows of a flag a column block:
+ * fold_fp8_scales) and no row of the tile holds a subnormal code reads e4m3x8_scaled_down's
+ * weights against xs, as a decode row does; other blocks decode through halves and the block
+ * factor. Either way each fused multiply-add sees the same exact product (see the header). FP4
+ * indexes each block's table as a decode row does (where e2m1_rows_exact). */
 #define WEIGHTS_ROWS_TILE(NAME, FMT, R, NC)                                                           \
     static void weights_rows_##NAME##_##R##x##NC(const float *x, int64_t ldx, const kv_weights *w,   \
                                                  const uint8_t *data, const void *scale, int64_t j0,   \
-                                                 float *out, int64_t ldo) {                            \
+                                                 float *out, int64_t ldo, const float *xs,             \
+                                                 const uint8_t *folded, const uint8_t *subnormal) {    \
         const int64_t k = w->k, k8 = k - k % LANES, bc = scaled(FMT) ? w->bc : (k8 ? k8 : 1);        \
         const int64_t rb = weights_row_bytes(w);                                                      \
         const int nan_codes = (int)w->nan_codes;                                                      \
+        const int64_t blocks = (k + bc - 1) / bc; /* flags a row: folded (R rows), subnormal */       \
+        const uint8_t *rows_flags = subnormal ? subnormal + j0 * blocks : NULL;                       \
         const int64_t values_per_line = (FMT) == KV_FP4 ? 128 : (FMT) == KV_FP8 ? 64 : 32;            \
         __m256 acc[R][NC];                                                                            \
         int64_t srow[NC];                                                                             \
@@ -476,6 +481,20 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
         }                                                                                             \
         for (int64_t b0 = 0, blk = 0; b0 < k8; b0 += bc, blk++) {                                     \
             int64_t b1 = b0 + bc < k8 ? b0 + bc : k8, i = b0;                                         \
+            int all_folded = (FMT) == KV_FP8 && folded != NULL;                                       \
+            for (int r = 0; all_folded && r < R; r++) all_folded = folded[r * blocks + blk];          \
+            if (all_folded && !tile_subnormal(rows_flags, blocks, NC, blk)) {                         \
+                for (; i < b1; i += LANES) {                                                          \
+                    __m256 xv[R];                                                                     \
+                    if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NC) * rb + i, rb, NC);          \
+                    for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xs + r * k + i);              \
+                    for (int c = 0; c < NC; c++) {                                                    \
+                        const __m256 wv = e4m3x8_scaled_down(data + (j0 + c) * rb, i);                \
+                        for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]); \
+                    }                                                                                 \
+                }                                                                                     \
+                continue;                                                                             \
+            }                                                                                         \
             if ((FMT) == KV_FP4) {                                                                    \
                 __m256 table[NC][E2M1_TABLES];                                                        \
                 int numbers = 1;                                                                      \
@@ -547,27 +566,6 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
 WEIGHTS_ROWS_TILES(2)
 WEIGHTS_ROWS_TILES(4)
 
-/* rows r0 .. r0+R-1 of x against columns [n0, n1), in tiles of R x 4 then R x 1 */
-#define ROWS_COLS(R, NAME)                                                                            \
-    {                                                                                                 \
-        int64_t c = n0;                                                                               \
-        for (; c + 4 <= n1; c += 4)                                                                   \
-            weights_rows_##NAME##_##R##x4(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo); \
-        for (; c < n1; c++)                                                                           \
-            weights_rows_##NAME##_##R##x1(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo); \
-    }
-
-/* out[r, n0 .. n1) for m rows of x, in groups of 4 rows, then 2 (a last single row: the caller's
- * decode row); returns the rows done */
-static int64_t weights_rows_cols(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data,
-                                 const void *scale, float *out, int64_t ldo, int64_t m, int64_t n0, int64_t n1) {
-    int64_t r = 0;
-#define BY_FORMAT(R) if (w->fmt == KV_FP8) ROWS_COLS(R, fp8) else if (w->fmt == KV_FP4) ROWS_COLS(R, fp4) else ROWS_COLS(R, bf16)
-    for (; r + 4 <= m; r += 4) BY_FORMAT(4)
-    for (; r + 2 <= m; r += 2) BY_FORMAT(2)
-#undef BY_FORMAT
-    return r;
-}
 #endif
 
 #if KV_DECODE_IN_REGISTERS
@@ -619,6 +617,50 @@ static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *
         r0 = r1;
     }
 }
+
+/* rows r .. r+R-1 of x against columns [c0, c1), in tiles of R x 4 then R x 1 */
+#define ROWS_COLS(R, NAME, c0, c1, XS, FOLDED)                                                        \
+    {                                                                                                 \
+        int64_t c = c0;                                                                               \
+        for (; c + 4 <= c1; c += 4)                                                                   \
+            weights_rows_##NAME##_##R##x4(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo, \
+                                          XS, FOLDED, subnormal);                                     \
+        for (; c < c1; c++)                                                                           \
+            weights_rows_##NAME##_##R##x1(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo, \
+                                          XS, FOLDED, subnormal);                                     \
+    }
+
+/* FP8 rows r .. r+R-1 with their x folded into `buf` (R rows of k floats, then R rows of a flag a
+ * column block) once a block row of scales, then tiles that stay inside that block row */
+#define FP8_FOLDED_ROWS(R)                                                                            \
+    for (int64_t r0 = n0; r0 < n1;) {                                                                 \
+        int64_t r1 = ((w->row_phase + r0) / w->br + 1) * w->br - w->row_phase;                        \
+        r1 = r1 < n1 ? r1 : n1;                                                                       \
+        for (int q = 0; q < (R); q++)                                                                 \
+            fold_fp8_scales(x + (r + q) * ldx, w, scale, scale_row(w, r0), buf + q * w->k, folded + q * blocks); \
+        ROWS_COLS(R, fp8, r0, r1, buf, folded)                                                        \
+        r0 = r1;                                                                                      \
+    }
+
+/* out[r, n0 .. n1) for m rows of x, in groups of 4 rows, then 2 (a last single row is the
+ * caller's decode row); `buf` (an FP8 matrix whose rows fold, else NULL): room for
+ * fold_rows_floats(w, 4). Returns the rows done. */
+static int64_t weights_rows_cols(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data,
+                                 const void *scale, float *out, int64_t ldo, int64_t m, int64_t n0, int64_t n1,
+                                 float *buf, const uint8_t *subnormal) {
+    const int64_t blocks = w->bc > 0 ? (w->k + w->bc - 1) / w->bc : 0;
+    uint8_t *folded = buf ? (uint8_t *)(buf + 4 * w->k) : NULL;
+    int64_t r = 0;
+#define BY_FORMAT(R)                                                                                  \
+    if (w->fmt == KV_FP8 && buf) { FP8_FOLDED_ROWS(R) }                                               \
+    else if (w->fmt == KV_FP8) ROWS_COLS(R, fp8, n0, n1, NULL, NULL)                                  \
+    else if (w->fmt == KV_FP4) ROWS_COLS(R, fp4, n0, n1, NULL, NULL)                                  \
+    else ROWS_COLS(R, bf16, n0, n1, NULL, NULL)
+    for (; r + 4 <= m; r += 4) BY_FORMAT(4)
+    for (; r + 2 <= m; r += 2) BY_FORMAT(2)
+#undef BY_FORMAT
+    return r;
+}
 #endif
 
 /* Up to this many rows (decode, verify and small batches) decode the weights in registers, each
@@ -642,12 +684,13 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
     }
 #if KV_DECODE_IN_REGISTERS
     if (m <= KV_REGISTER_ROWS && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
-        const int64_t done = weights_rows_cols(x, ldx, w, data, scale, out, ldo, m, n0, n1);
+        const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
+        const int64_t done = weights_rows_cols(x, ldx, w, data, scale, out, ldo, m, n0, n1,
+                                               panel && fp8_folds(w) ? panel : NULL, subnormal);
         if (done == m) return;
         x += done * ldx; /* the one row left decodes as a decode row */
         out += done * ldo;
         if (panel && fp8_folds(w)) {
-            const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
             fp8_folded_rows(x, w, data, scale, out, n0, n1, panel, subnormal);
             return;
         }
@@ -691,12 +734,21 @@ static inline int64_t job_block(const mm_job *j) {
     return block < 4 ? 4 : block;
 }
 
-/* a panel for decoded columns, or (one FP8 row) for x folded with the scales: k floats and a flag a
- * column block fit in the 4 or more rows of k a panel holds; one AVX2 FP4 row may need it too
- * (e2m1_rows_exact) */
+/* a panel for decoded columns, or (FP8 rows) for x folded with the scales (job_panel_floats); one
+ * AVX2 FP4 row may need it too (e2m1_rows_exact) */
 static inline int job_panel(const mm_job *j) {
     const int64_t fmt = j->w->fmt;
     return fmt != KV_F32 && (j->m > 1 || !KV_DECODE_IN_REGISTERS || fmt == KV_FP8 || (fmt == KV_FP4 && E2M1_TABLES == 1));
+}
+
+/* the panel's floats: `block` decoded columns; for FP8 at least 4 folded rows of x and their flags
+ * (weights_rows_cols) */
+static inline int64_t job_panel_floats(const mm_job *j, int64_t block) {
+    const kv_weights *w = j->w;
+    const int64_t floats = block * w->k;
+    if (w->fmt != KV_FP8) return floats;
+    const int64_t folds = 4 * w->k + (w->k + w->bc - 1) / w->bc; /* a float for each row's 4 flags */
+    return floats > folds ? floats : folds;
 }
 
 /* the job's column block b, of `block` columns */
@@ -719,7 +771,8 @@ static int weights_many(const mm_job *jobs, int count, int64_t threads) {
     for (int j = 0; j < count; j++) {
         block[j] = job_block(&jobs[j]);
         first[j + 1] = first[j] + (jobs[j].n + block[j] - 1) / block[j];
-        if (job_panel(&jobs[j]) && block[j] * jobs[j].w->k > panel_floats) panel_floats = block[j] * jobs[j].w->k;
+        if (job_panel(&jobs[j]) && job_panel_floats(&jobs[j], block[j]) > panel_floats)
+            panel_floats = job_panel_floats(&jobs[j], block[j]);
     }
     const int64_t total = first[count];
     int failed = 0;
