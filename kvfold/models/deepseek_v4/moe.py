@@ -192,8 +192,10 @@ def native_moe_layer(moe: MoE) -> MoeLayer | None:
 
 
 _SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one thread (the count changes no bits)
-# Past this many rows a batch's rows share experts, and the grouped path (layers/moe.py) reads each
-# expert once for all its rows; below it each row reads its own k experts, in one native call.
+# Up to this many rows (decode rows, verify rows, small batches) the layer is one native call,
+# which gathers each expert's rows and reads its weights once for them (native.c's moe_rows); past
+# it, the grouped path of layers/moe.py does the same per op (native for 128-token prefill chunks
+# was measured no faster: bench/RESULTS.md).
 NATIVE_MOE_ROWS = 16
 
 
