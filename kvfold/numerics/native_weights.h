@@ -315,6 +315,33 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
 #define PAIRED_BF16(NR)
 #endif
 
+/* the FP4 tables of columns srow[0 .. nc) at column block blk (e2m1x8_lookup); 0 where a scale is
+ * NaN (the block then goes value by value) */
+static inline int fp4_tables(const kv_weights *w, const void *scale, const int64_t *srow, int nc, int64_t blk,
+                             __m256 table[][E2M1_TABLES]) {
+    int numbers = 1;
+    for (int c = 0; c < nc; c++) {
+        const float s = scale_at(w, scale, srow[c] + blk);
+        numbers &= !isnan(s);
+        for (int t = 0; t < E2M1_TABLES; t++)
+            table[c][t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s));
+    }
+    return numbers;
+}
+
+/* the block factors of columns srow[0 .. nc) at column block blk (1 unscaled); 0 where one would
+ * overflow (block_factor: the block then goes value by value) */
+static inline int block_factors(int64_t fmt, const kv_weights *w, const void *scale, const int64_t *srow, int nc,
+                                int64_t blk, __m256 *f) {
+    int exact = 1;
+    for (int c = 0; c < nc; c++) {
+        const float fc = scaled(fmt) ? block_factor(fmt, scale_at(w, scale, srow[c] + blk)) : 1.0f;
+        exact &= fc != 0.0f || !scaled(fmt);
+        f[c] = _mm256_set1_ps(fc);
+    }
+    return exact;
+}
+
 /* outputs j0 .. j0+NR-1 of one row x, for a matrix of format FMT: native_dot.h's dot_tile_1xNR
  * with the weights decoded in registers (lane j: ascending i = j mod 8 with fused multiply-adds,
  * 16 values a step as two consecutive steps of 8, then the halving sum and the scalar tail).
@@ -354,13 +381,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
             }                                                                                         \
             if ((FMT) == KV_FP4) {                                                                    \
                 __m256 table[NR][E2M1_TABLES];                                                        \
-                int numbers = 1;                                                                      \
-                for (int c = 0; c < NR; c++) {                                                        \
-                    const float s = scale_at(w, scale, srow[c] + blk);                                \
-                    numbers &= !isnan(s);                                                             \
-                    for (int t = 0; t < E2M1_TABLES; t++)                                             \
-                        table[c][t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s)); \
-                }                                                                                     \
+                const int numbers = fp4_tables(w, scale, srow, NR, blk, table);                       \
                 for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
                     for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 for (; i < b1; i += LANES) {                                                          \
@@ -372,12 +393,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
                 continue;                                                                             \
             }                                                                                         \
             __m256 f[NR];                                                                             \
-            int exact = 1;                                                                            \
-            for (int c = 0; c < NR; c++) {                                                            \
-                float fc = scaled(FMT) ? block_factor(FMT, scale_at(w, scale, srow[c] + blk)) : 1.0f;  \
-                exact &= fc != 0.0f || !scaled(FMT);                                                  \
-                f[c] = _mm256_set1_ps(fc);                                                            \
-            }                                                                                         \
+            const int exact = block_factors(FMT, w, scale, srow, NR, blk, f);                         \
             if (!exact) { /* 2^8 * scale overflows: value by value, the same operations */            \
                 for (; i < b1; i += LANES)                                                            \
                     for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
@@ -497,13 +513,7 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
             }                                                                                         \
             if ((FMT) == KV_FP4) {                                                                    \
                 __m256 table[NC][E2M1_TABLES];                                                        \
-                int numbers = 1;                                                                      \
-                for (int c = 0; c < NC; c++) {                                                        \
-                    const float s = scale_at(w, scale, srow[c] + blk);                                \
-                    numbers &= !isnan(s);                                                             \
-                    for (int t = 0; t < E2M1_TABLES; t++)                                             \
-                        table[c][t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s)); \
-                }                                                                                     \
+                const int numbers = fp4_tables(w, scale, srow, NC, blk, table);                       \
                 for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
                     for (int c = 0; c < NC; c++)                                                      \
                         for (int r = 0; r < R; r++)                                                   \
@@ -520,12 +530,7 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
                 continue;                                                                             \
             }                                                                                         \
             __m256 f[NC];                                                                             \
-            int exact = 1;                                                                            \
-            for (int c = 0; c < NC; c++) {                                                            \
-                float fc = scaled(FMT) ? block_factor(FMT, scale_at(w, scale, srow[c] + blk)) : 1.0f;  \
-                exact &= fc != 0.0f || !scaled(FMT);                                                  \
-                f[c] = _mm256_set1_ps(fc);                                                            \
-            }                                                                                         \
+            const int exact = block_factors(FMT, w, scale, srow, NC, blk, f);                         \
             if (exact)                                                                                \
                 for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                         \
                     __m256 x0[R], x1[R];                                                              \
