@@ -3,8 +3,8 @@
  * A kv_weights describes a stack of [n, k] matrices stored as fp32, bf16, FP8 e4m3fn with block
  * scales, or packed FP4 e2m1 (low nibble = even column) with 1 x bc scales, as quant.py describes
  * them. The weights stay in that format: a decode row decodes 16 weights at a time in registers
- * inside the dot product, several rows decode a panel of columns at a time into a buffer of the
- * thread's own.
+ * inside the dot product, and so do up to KV_REGISTER_ROWS rows (tiles of 4 or 2 rows share each
+ * decoded group); more rows decode a panel of columns at a time into a buffer of the thread's own.
  *
  * Exactness, by construction: every decoder yields exactly the float32 value quant.py's
  * dequantizers write, the code's value (exact in float32) times its block's scale, one IEEE

@@ -3,7 +3,7 @@
 `describe` turns a stored weight (fp32, bf16, FP8 e4m3fn with block scales, packed FP4 e2m1 with
 1 x 32 scales, each possibly a stack of matrices such as the routed experts) into the descriptor
 the kernels read; `native_mm` runs x @ W^T on it without decoding the weight into memory: a
-decode row decodes in registers, several rows decode a panel of columns at a time.
+decode row, and up to 8 rows, decode in registers; more rows decode a panel of columns at a time.
 
 Every output is native.c's fixed-order `dot` over exactly the float32 values quant.py's
 dequantizers write (native_weights.h says why the decoding is exact), so it equals
