@@ -766,9 +766,9 @@ static void job_cols(const mm_job *j, int64_t block, int64_t b, float *panel) {
 
 /* Every job's out, each output native_dot.h's `dot`. The threads split the jobs' column blocks,
  * all jobs' in one sequence (one parallel region, so one fork and one join for several matrices
- * that read the same finished inputs), never the K reduction: which thread computes an output,
- * and beside which other job, changes nothing. Returns 0, or -1 when a panel buffer cannot be
- * allocated. */
+ * that read the same finished inputs) into runs of about equal work, never the K reduction: which
+ * thread computes an output, and beside which other job, changes nothing. Returns 0, or -1 when a
+ * panel buffer cannot be allocated. */
 static int weights_many(const mm_job *jobs, int count, int64_t threads) {
     int64_t first[MM_MAX_JOBS + 1], block[MM_MAX_JOBS], panel_floats = 0;
     if (count > MM_MAX_JOBS) return -1;
@@ -789,15 +789,25 @@ static int weights_many(const mm_job *jobs, int count, int64_t threads) {
         free(panel);
         return 0;
     }
+    /* a block's work, roughly: its weights times (its rows + what decoding them costs) */
+    int64_t cost[MM_MAX_JOBS], sum = 0;
+    for (int j = 0; j < count; j++) {
+        cost[j] = block[j] * jobs[j].w->k * (jobs[j].m + (jobs[j].w->fmt == KV_F32 ? 0 : 2));
+        sum += cost[j] * (first[j + 1] - first[j]);
+    }
     #pragma omp parallel num_threads(threads) reduction(|:failed)
     {
         float *panel = panel_floats ? panel_alloc(panel_floats) : NULL;
         if (panel_floats && !panel) failed = 1;
-        int j = 0;
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < total; g++) {
-            while (g >= first[j + 1]) j++; /* a thread's blocks ascend */
-            if (!panel_floats || panel) job_cols(&jobs[j], block[j], g - first[j], panel);
+        /* thread t takes the ascending run of blocks whose work starts in its t-th share of the sum
+         * (the jobs' rows differ, so equal block counts would not be equal work) */
+        #pragma omp for schedule(static, 1)
+        for (int64_t t = 0; t < threads; t++) {
+            int64_t before = 0;
+            for (int j = 0; j < count; j++)
+                for (int64_t b = 0; b < first[j + 1] - first[j]; b++, before += cost[j])
+                    if (before * threads / (sum > 0 ? sum : 1) == t && (!panel_floats || panel))
+                        job_cols(&jobs[j], block[j], b, panel);
         }
         free(panel);
     }
