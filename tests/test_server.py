@@ -248,10 +248,13 @@ def test_inputs_that_crashed_a_request_get_a_400_and_keep_the_connection(server)
 
 def test_queue_full_is_503(tiny):
     """One running sequence, one waiting: the third request is refused with 503, the others complete."""
-    engine = kvfold.Engine(tiny, max_seq_len=512, max_running=1, max_queue=1)
+    # the long runner must still be running when the third request arrives and when it hangs up:
+    # 8000 tokens past any EOS take seconds, where 400 (greedy, EOS allowed) sometimes finished first
+    engine = kvfold.Engine(tiny, max_seq_len=8192, max_running=1, max_queue=1)
     with serving(create_app(engine, model_name="tiny-random")) as url:
         c = client(url)
-        first = c.completions.create(model="tiny-random", prompt="long runner", max_tokens=400, temperature=0, stream=True)
+        first = c.completions.create(model="tiny-random", prompt="long runner", max_tokens=8000, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
         next(iter(first))  # its first token: it is running now
         waiting = {}
         t = threading.Thread(target=lambda: waiting.update(
