@@ -690,13 +690,13 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
 #if KV_DECODE_IN_REGISTERS
     if (m <= KV_REGISTER_ROWS && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
         const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
-        const int64_t done = weights_rows_cols(x, ldx, w, data, scale, out, ldo, m, n0, n1,
-                                               panel && fp8_folds(w) ? panel : NULL, subnormal);
+        float *fold = panel && fp8_folds(w) ? panel : NULL; /* room to fold x into FP8 block scales */
+        const int64_t done = weights_rows_cols(x, ldx, w, data, scale, out, ldo, m, n0, n1, fold, subnormal);
         if (done == m) return;
         x += done * ldx; /* the one row left decodes as a decode row */
         out += done * ldo;
-        if (panel && fp8_folds(w)) {
-            fp8_folded_rows(x, w, data, scale, out, n0, n1, panel, subnormal);
+        if (fold) {
+            fp8_folded_rows(x, w, data, scale, out, n0, n1, fold, subnormal);
             return;
         }
         int64_t c = n0;
@@ -739,11 +739,13 @@ static inline int64_t job_block(const mm_job *j) {
     return block < 4 ? 4 : block;
 }
 
-/* a panel for decoded columns, or (FP8 rows) for x folded with the scales (job_panel_floats); one
- * AVX2 FP4 row may need it too (e2m1_rows_exact) */
+/* a panel for decoded columns (more than KV_REGISTER_ROWS rows, or no vector decoders), or (FP8
+ * rows) for x folded with the scales (job_panel_floats); AVX2 FP4 rows may need it too
+ * (e2m1_rows_exact) */
 static inline int job_panel(const mm_job *j) {
     const int64_t fmt = j->w->fmt;
-    return fmt != KV_F32 && (j->m > 1 || !KV_DECODE_IN_REGISTERS || fmt == KV_FP8 || (fmt == KV_FP4 && E2M1_TABLES == 1));
+    return fmt != KV_F32 && (j->m > KV_REGISTER_ROWS || !KV_DECODE_IN_REGISTERS || fmt == KV_FP8
+                             || (fmt == KV_FP4 && E2M1_TABLES == 1));
 }
 
 /* the panel's floats: `block` decoded columns; for FP8 at least 4 folded rows of x and their flags

@@ -150,10 +150,6 @@ def _decode_rows(batch) -> bool:
         and triton_ops.serving(batch.token_ids.device) is None
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
-
-
 def _pointers(items) -> ctypes.Array:
     """A C array of pointers: ctypes structures by address, tensors by data pointer, None as NULL."""
     return (ctypes.c_void_p * len(items))(*(
