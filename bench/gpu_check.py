@@ -11,10 +11,14 @@ every check, so a run cut short still says what it measured. The report (JSON, `
   way round (each continued and compared), a CPU state refused by the device model and unchanged,
   and batched against alone (`torch.equal`);
 - `triton`: the tiny V4 with the Triton kernels on against off, on the device;
+- `graphs`: the tiny V4's decode steps replayed from captured CUDA graphs (engine/graphs.py)
+  against the same step run eagerly on a twin arena (`torch.equal` of logits and of every arena
+  tensor), and against the forward (max |diff|), through a rewind and an admission;
 - `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
   shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
   contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
-  reach; and transformers' decode of the same model on the same device where it imports.
+  reach, each also as replayed graphs (`graph_*`); and transformers' decode of the same model on
+  the same device where it imports.
 
 On the GPU machine (torch and triton are there; transformers 5.23 is not):
     pip download --no-deps transformers==5.23.0 -d .gpu-wheels    # here, once
@@ -194,6 +198,54 @@ def check_triton(device: torch.device) -> dict:
     return {"triton_vs_torch_max_diff": max_diff(got, want), "logit_scale": want.abs().max().item()}
 
 
+def check_graphs(dtype: torch.dtype, device: torch.device) -> dict:
+    """Graph replay against eager on twin arenas, and against the forward."""
+    from kvfold.engine.graphs import DecodeGraphs
+    model = Dsv4Model(tiny_config(num_nextn_predict_layers=0), dtype=dtype, device=device)
+    cpu = Dsv4Model(model.config, dtype=dtype)
+    init_random_(cpu, 0)
+    model.load_state_dict(cpu.state_dict())
+    model.set_batch_invariant(False)
+    cap, lens = 512, (1, 30, 127, 200)
+    pools = [model.new_page_pool(24) for _ in range(3)]
+    arenas = [model.new_decode_arena(5, cap, pools[i], max_rewind=2) for i in range(2)]
+    states = [[], [], []]  # replayed, eager twin, forward twin
+    for n in lens:
+        ids = prompt(model, n, seed=n)
+        for k in range(3):
+            st = model.new_state(capacity=cap, max_rewind=2, pages=pools[k], arena=arenas[k] if k < 2 else None)
+            model.forward(ids, st)
+            states[k].append(st)
+    graphs = DecodeGraphs(model, arenas[0], 5)
+    same_logits = same_arena = True
+    worst, scale = 0.0, 0.0
+    for i in range(24):
+        if i == 8:  # a rewind of two tokens, in all three
+            for k in range(3):
+                states[k][1].rewind_to(states[k][1].pos - 2)
+        if i == 12:  # an admission mid-run
+            ids = prompt(model, 70, seed=70)
+            for k in range(3):
+                st = model.new_state(capacity=cap, max_rewind=2, pages=pools[k], arena=arenas[k] if k < 2 else None)
+                model.forward(ids, st)
+                states[k].append(st)
+        toks = [(7 * i + j) % 200 + 2 for j in range(len(states[0]))]
+        got = graphs.step(list(zip(toks, states[0])))
+        twin = states[1]
+        eager = model.decode_graph_step(arenas[1], torch.tensor(toks, device=device),
+                                        torch.tensor([st.pos for st in twin], device=device),
+                                        torch.tensor([st.slot for st in twin], device=device))
+        for st in twin:
+            st.pos = st.written_until = st.pos + 1
+        want = torch.cat(model.forward_batch([([t], st) for t, st in zip(toks, states[2])]))
+        same_logits &= torch.equal(got, eager[:len(toks)])
+        worst, scale = max(worst, max_diff(got, want)), max(scale, want.abs().max().item())
+    for a, b in zip(arenas[0].rings.values(), arenas[1].rings.values()):
+        same_arena &= torch.equal(a, b)
+    return {"replay_equals_eager": same_logits, "arenas_equal": same_arena, "vs_forward_max_diff": worst,
+            "logit_scale": scale, "captured": graphs.capture, **graphs.stats()}
+
+
 @torch.no_grad()
 def device_random_(model: torch.nn.Module, seed: int = 0) -> None:
     """init_random_'s kinds of values drawn on the model's device (a V4-Flash-shaped stack is too
@@ -247,12 +299,19 @@ def bytes_per_step(model, batch: int, state_bytes: int) -> int:
     return int(total + experts * share + state_bytes)
 
 
-def decode_cell(model, batch: int, context: int, steps: int) -> dict:
+def decode_cell(model, batch: int, context: int, steps: int, graphs: bool = False) -> dict:
     """Median decode step of `batch` sequences at `context`: one prefill, its snapshot restored into
-    every other state (exact, and cheaper than `batch` prefills)."""
+    every other state (exact, and cheaper than `batch` prefills). `graphs`: the states in an arena
+    and each step replayed from a captured graph (engine/graphs.py)."""
     device = model.device
     cap = context + steps + 8
-    first = model.new_state(capacity=cap)
+    kw, runner = {}, None
+    if graphs:
+        from kvfold.engine.graphs import DecodeGraphs
+        pool = model.new_page_pool(batch * -(-cap // model.page_tokens) + 1)
+        arena = model.new_decode_arena(batch, cap, pool)
+        kw, runner = {"pages": pool, "arena": arena}, DecodeGraphs(model, arena, batch)
+    first = model.new_state(capacity=cap, **kw)
     ids = prompt(model, context)
     sync(device)
     t = time.perf_counter()
@@ -260,14 +319,17 @@ def decode_cell(model, batch: int, context: int, steps: int) -> dict:
     sync(device)
     prefill_s = time.perf_counter() - t
     blob = first.snapshot()
-    states = [first] + [model.new_state(capacity=cap) for _ in range(batch - 1)]
+    states = [first] + [model.new_state(capacity=cap, **kw) for _ in range(batch - 1)]
     for st in states[1:]:
         st.restore(blob)
     times = []
     for i in range(steps + 3):
         sync(device)
         t = time.perf_counter()
-        model.forward_batch([([(7 * i + j) % 200 + 2], st) for j, st in enumerate(states)])
+        if runner is not None:
+            runner.step([((7 * i + j) % 200 + 2, st) for j, st in enumerate(states)])
+        else:
+            model.forward_batch([([(7 * i + j) % 200 + 2], st) for j, st in enumerate(states)])
         sync(device)
         times.append(time.perf_counter() - t)
     step = sorted(times[3:])[len(times[3:]) // 2]
@@ -335,12 +397,23 @@ def time_model(args, model, entry: dict, save) -> None:
                 entry["cells"].append({"batch": batch, "context": context, "skipped": "--time-budget spent"})
                 continue
             cell = run_check(lambda: decode_cell(model, batch, context, args.steps))
-            if "bytes_per_step" in cell and args.bandwidth:
-                cell["bandwidth_fraction"] = cell["bytes_per_step"] / (cell["step_ms"] / 1e3) / args.bandwidth
+            if not args.no_graphs and time.perf_counter() < deadline:
+                graph = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
+                cell.update({f"graph_{k}": v for k, v in graph.items() if k in ("step_ms", "tok_s", "error")})
+            for prefix in ("", "graph_"):
+                if prefix + "step_ms" in cell and "bytes_per_step" in cell and args.bandwidth:
+                    cell[prefix + "bandwidth_fraction"] = \
+                        cell["bytes_per_step"] / (cell[prefix + "step_ms"] / 1e3) / args.bandwidth
             entry["cells"].append(cell)
             save()
+            if device_is_cuda(model):
+                torch.cuda.empty_cache()
     if time.perf_counter() < deadline:  # at the shortest context: its prefill is the cheapest
         entry["transformers"] = run_check(lambda: hf_decode(model, min(args.contexts), args.steps))
+
+
+def device_is_cuda(model) -> bool:
+    return model.device.type == "cuda"
 
 
 def medium_model(name: str, dtype: torch.dtype, device: torch.device) -> Dsv4Model:
@@ -376,6 +449,7 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="the device's memory bandwidth, bytes/s")
     p.add_argument("--no-speed", action="store_true", help="the correctness checks only")
     p.add_argument("--no-triton", action="store_true", help="leave out the Triton check")
+    p.add_argument("--no-graphs", action="store_true", help="leave out the graph-decode checks and cells")
     p.add_argument("--time-budget", type=float, default=500, help="seconds after which no speed cell starts")
     args = p.parse_args(argv)
     args.contexts = [int(c) for c in args.contexts.split(",")]
@@ -397,6 +471,10 @@ def main(argv=None) -> int:
                 save()
         if not args.no_triton:
             report["triton"] = run_check(lambda: check_triton(device))
+            save()
+        if not args.no_graphs:
+            report["graphs"] = {str(dt)[6:]: run_check(lambda: check_graphs(dt, device))
+                                for dt in (torch.float32, torch.bfloat16)}
             save()
         if not args.no_speed:
             speed(args, device, report, save)

@@ -68,7 +68,7 @@ def fp32_paths_bound(logits: torch.Tensor, n_layers: int, dtype: torch.dtype = t
 
 
 def flat_rows(rows: dict):
-    """Attention._project's rows (tensors and pairs of tensors by name; "positions" aside) as one
+    """Attention.project's rows (tensors and pairs of tensors by name; "positions" aside) as one
     flat tensor, in name order: two such dicts compare with one torch.equal."""
     import torch
     return torch.cat([t.flatten() for k in sorted(rows) if k != "positions"

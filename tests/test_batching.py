@@ -146,8 +146,7 @@ def test_a_row_takes_the_same_moe_bits_alone_in_a_few_rows_and_in_a_batch(invari
 
 def attention_halves(model, n_rows: int, seed: int = 0):
     """For every layer: the fused native halves (project_rows, output_rows) and the per-op path
-    (Attention._project; de-rotation, wo_a, wo_b) on the same n_rows rows, as flat tensors."""
-    from kvfold.layers.rows import RowBatch, Segment
+    (Attention.project; de-rotation, wo_a, wo_b) on the same n_rows rows, as flat tensors."""
     from kvfold.models.deepseek_v4.config import SLIDING
     from kvfold.models.deepseek_v4.native_attention import output_rows, project_rows
     from kvfold.numerics import apply_rope
@@ -159,10 +158,9 @@ def attention_halves(model, n_rows: int, seed: int = 0):
         attn = layer.self_attn
         table = model.rope_main if attn.kind == SLIDING else model.rope_compress
         cos, sin = table.cos_sin(positions)
-        segment = Segment(0, n_rows, int(positions[0]), None)  # a lone row's position is its segment's start
-        batch = RowBatch(torch.zeros(n_rows, dtype=torch.long), positions, [segment])
+        first = int(positions[0]) if n_rows == 1 else None  # a lone row gives its position as an int
         o = torch.randn(n_rows, attn.n_heads, attn.head_dim, generator=g)
-        fused, per_op = project_rows(attn, x, positions, cos, sin), attn._project(x, batch, cos, sin)
+        fused, per_op = project_rows(attn, x, positions, cos, sin), attn.project(x, positions, first, cos, sin)
         assert fused is not None and set(fused) == set(per_op)
         rotated = apply_rope(o, cos, sin, inverse=True)
         y = attn.o_b_proj(attn.o_a_proj(rotated.reshape(n_rows, attn.o_groups, -1)))

@@ -33,10 +33,16 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_every_same_device_comparison_ex
         assert got["other_device_state_refused"] == "same device"
         if name.endswith("float32"):  # batch-invariant mode runs fp32 on the CPU: exact by construction
             assert got["batched_equals_alone_invariant"], name
+    for name, got in report["graphs"].items():  # eager on the CPU: "replay" and eager are one computation
+        assert "error" not in got, (name, got.get("traceback"))
+        assert got["replay_equals_eager"] and got["arenas_equal"] and not got["captured"], name
+        dtype = getattr(torch, name)
+        assert got["vs_forward_max_diff"] <= 2 * 8 * 4 * torch.finfo(dtype).eps * got["logit_scale"], (name, got)
+        assert got["graph_captures"] == 2 and got["graph_recaptures"] == 0, got  # buckets 4, then 5 (of 1, 2, 4, 5)
     for label in ("tiny-bench-fp32", "tiny-bench-bf16"):
         speed = report["speed"][label]
         assert [(c["batch"], c["context"]) for c in speed["cells"]] == [(1, 48), (2, 48)], speed
-        assert all(c["tok_s"] > 0 and c["bytes_per_step"] > 0 for c in speed["cells"])
+        assert all(c["tok_s"] > 0 and c["bytes_per_step"] > 0 and c["graph_tok_s"] > 0 for c in speed["cells"])
         hf = speed["transformers"]
         assert "error" not in hf and hf["weights_not_loaded"] == 0 and hf["unexpected_weights"] == 0, hf
 

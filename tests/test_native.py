@@ -430,14 +430,12 @@ def _tiny_attention(seed):
 
 
 def _case_attn_project(g):
-    from kvfold.layers.rows import RowBatch, Segment
     from helpers import flat_rows
     from kvfold.models.deepseek_v4.native_attention import project_rows
     attn, cfg, positions, cos, sin = _tiny_attention(5)
     x = torch.randn(7, cfg.hidden_size, generator=g)
-    batch = RowBatch(torch.zeros(7, dtype=torch.long), positions, [Segment(0, 7, 0, None)])
     with torch.inference_mode():
-        got, want = project_rows(attn, x, positions, cos, sin), torch_path(attn._project, x, batch, cos, sin)
+        got, want = project_rows(attn, x, positions, cos, sin), torch_path(attn.project, x, positions, None, cos, sin)
     assert set(got) == set(want)
     return flat_rows(got), flat_rows(want)
 
@@ -458,7 +456,7 @@ def _case_attn_sequence_one(g):
     """A CSA layer's decode row at a position that closes a compressor window: the one native call
     against the per-op torch path on a copy of the same state."""
     import kvfold
-    from kvfold.layers.rows import RowBatch, Segment
+    from kvfold.layers.rows import Segment
     from kvfold.models.deepseek_v4.native_attention import sequence_row
     model = kvfold.load_model("tiny-random")
     model.set_batch_invariant(False)
@@ -472,8 +470,7 @@ def _case_attn_sequence_one(g):
         x = torch.randn(1, model.config.hidden_size, generator=g)
         positions = torch.tensor([63])
         cos, sin = model.rope_compress.cos_sin(positions)
-        rows = attn._project(x, RowBatch(torch.zeros(1, dtype=torch.long), positions, [Segment(0, 1, 63, st)]),
-                             cos, sin)
+        rows = attn.project(x, positions, 63, cos, sin)
         got = sequence_row(attn, st.layers[1], 63, rows, lambda a: a, model.rope_compress)
         want = torch_path(attn._one_sequence, Segment(0, 1, 63, twin), lambda a: a, rows, model.rope_compress)
     return got, want
@@ -617,13 +614,8 @@ def test_matrices_sharing_one_parallel_region_keep_each_output_s_bits():
         torch.set_num_threads(before)
     assert torch.equal(shared, alone)
     with torch.inference_mode():
-        want = torch.cat([flat_rows(torch_path(attn._project, x, _one_row_batch(positions), cos, sin)),
+        want = torch.cat([flat_rows(torch_path(attn.project, x, positions, int(positions[0]), cos, sin)),
                           torch_path(lambda: attn.o_b_proj(attn.o_a_proj(
                               apply_rope(o, cos, sin, inverse=True).reshape(1, attn.o_groups, -1)))).flatten(),
                           torch_path(moe, x, ids).flatten()])
     assert (shared - want).abs().max().item() <= 256 * torch.finfo(torch.float32).eps * want.abs().max().item()
-
-
-def _one_row_batch(positions):
-    from kvfold.layers.rows import RowBatch, Segment
-    return RowBatch(torch.zeros(1, dtype=torch.long), positions, [Segment(0, 1, int(positions[0]), None)])

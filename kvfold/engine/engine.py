@@ -46,7 +46,8 @@ class Engine:
     def __init__(self, model: Any, *, max_seq_len: int = 4096, max_running: int = 16, max_queue: int = 256,
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
                  prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
-                 batch_invariant: bool | None = None, speculative: str | None = None, num_draft: int = 4):
+                 batch_invariant: bool | None = None, speculative: str | None = None, num_draft: int = 4,
+                 decode_graphs: bool = False):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
@@ -64,7 +65,12 @@ class Engine:
         `speculative`: None, "ngram" or "mtp" (the checkpoint's MTP layer; MtpUnavailableError
         without one): every decoding sequence drafts up to `num_draft` tokens a step, verified in
         the step's forward (speculation.py); greedy output is unchanged, sampling keeps each
-        request's distribution."""
+        request's distribution. `decode_graphs`: run decode-only steps as the model's capturable
+        decode step, replayed from one CUDA graph per batch bucket on a CUDA model (graphs.py;
+        on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
+        It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4,
+        numerics "hf", plain expert stacks): ConfigError otherwise. Its rows agree with the
+        forward's to rounding, not bit for bit."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -95,7 +101,11 @@ class Engine:
         self.scheduler = Scheduler(max_running=max_running, max_queue=max_queue,
                                    max_state_bytes=self.max_state_bytes, max_batch_tokens=max_batch_tokens,
                                    prefill_chunk=prefill_chunk)
-        self.pages = _page_pool(model, kv_page_bytes, max_running, max_seq_len, self.max_state_bytes, prefill_chunk)
+        self.pages = _page_pool(model, kv_page_bytes, max_running, max_seq_len, self.max_state_bytes, prefill_chunk,
+                                extra=1 if decode_graphs else 0)  # the arena's scratch page
+        self.arena = self.graphs = None
+        if decode_graphs:
+            self._start_graphs(max_running, max_seq_len)
         root = f"{model.fingerprint}/{model.dtype}".encode()
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root, self.pages) \
             if prefix_cache_bytes else None
@@ -105,6 +115,30 @@ class Engine:
             ["requests_added", "requests_rejected", "requests_cancelled", "finished_stop", "finished_length",
              "finished_error", "prompt_tokens", "prefill_tokens", "generation_tokens", "steps", "batch_seqs",
              "batch_tokens", "last_batch_seqs", "last_batch_tokens", "states_allocated", "states_freed"], 0)
+
+    def _start_graphs(self, max_running: int, max_seq_len: int) -> None:
+        from .graphs import DecodeGraphs
+        from ..errors import ConfigError
+        if self.pages is None:
+            raise ConfigError("decode_graphs reads the compressed pools through the shared page pool; "
+                              "leave kv_page_bytes at None or > 0 (a model with the `pages` capability)")
+        if not hasattr(self.model, "new_decode_arena"):
+            raise ConfigError(f"{type(self.model).__name__} has no capturable decode step (graph decode "
+                              f"serves DeepSeek-V4); use decode_graphs=False")
+        why = self.model.graph_unsupported()
+        if why is not None:
+            raise ConfigError(why)
+        self.arena = self.model.new_decode_arena(max_running, max_seq_len, self.pages, self.max_rewind)
+        self.graphs = DecodeGraphs(self.model, self.arena, max_running)
+
+    def _state_kw(self) -> dict:
+        """What every new state of this engine is made with (new_state's keywords)."""
+        kw = {"max_rewind": self.max_rewind}
+        if self.pages is not None:
+            kw["pages"] = self.pages
+        if self.arena is not None:
+            kw["arena"] = self.arena
+        return kw
 
     # ---- sizes -------------------------------------------------------------------------------
     def state_bytes(self, capacity: int) -> int:
@@ -295,9 +329,14 @@ class Engine:
         wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
         hidden = self.spec is not None and self.spec.needs_hidden
         try:
-            out = self.model.forward_batch([(ids, seq.state) for seq, ids in batch],
-                                           last_only=[not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)],
-                                           **({"return_hidden": True} if hidden else {}))
+            if self.graphs is not None and not hidden and all(seq.output and not seq.drafts for seq, _ in batch):
+                rows = self.graphs.step([(int(ids[0]), seq.state) for seq, ids in batch])  # decode rows only
+                out = list(rows[:, None, :].unbind(0))
+            else:
+                out = self.model.forward_batch(
+                    [(ids, seq.state) for seq, ids in batch],
+                    last_only=[not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)],
+                    **({"return_hidden": True} if hidden else {}))
         except Exception as exc:  # the whole batch is suspect: end its requests, keep serving the rest
             for seq, _ in batch:
                 self._fail(seq, f"model forward failed: {exc!r}", outputs)
@@ -372,10 +411,10 @@ class Engine:
         paged state gives them its whole prompt pages by reference (and the rest in a snapshot
         without those rows); each then chooses its first token from the leader's last logits."""
         followers, leader.followers = leader.followers, []
-        kw, prefix = {"max_rewind": self.max_rewind}, {}
+        kw, prefix = self._state_kw(), {}
         if self.pages is not None:
             whole = len(leader.prompt) // self.pages.page_tokens * self.pages.page_tokens
-            kw["pages"], prefix = self.pages, {"prefix_pages": leader.state.share_prefix(whole)}
+            prefix = {"prefix_pages": leader.state.share_prefix(whole)}
         blob = leader.state.snapshot(pools=self.pages is None)
         try:
             for f in followers:
@@ -422,7 +461,7 @@ class Engine:
         n, entry = 0, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a hit skips the prompt's logits
             n, _, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
-        kw = {"max_rewind": self.max_rewind} | ({} if self.pages is None else {"pages": self.pages})
+        kw = self._state_kw()
         prefix = {"prefix_pages": list(entry.pages)} if entry is not None and entry.pages else {}
         try:
             seq.state = self.model.new_state(capacity=seq.capacity, **kw, **prefix)
@@ -535,6 +574,9 @@ class Engine:
                                 "page_bytes_total", "page_bytes_used"), 0))
         if self.pages is not None:
             m.update(self.pages.stats())
+        m.update(dict.fromkeys(("graph_captures", "graph_recaptures", "graph_replays", "graph_buckets"), 0))
+        if self.graphs is not None:
+            m.update(self.graphs.stats())
         pc = self.prefix_cache
         if pc is None:  # disabled: report an empty cache
             pc = PrefixCache(self.prefill_chunk, 0)
@@ -555,7 +597,7 @@ class Engine:
 
 
 def _page_pool(model: Any, kv_page_bytes: int | None, max_running: int, max_seq_len: int, max_state_bytes: float,
-               prefill_chunk: int):
+               prefill_chunk: int, extra: int = 0):
     """The engine's shared page pool, or None (private pools: models without the `pages`
     capability, kv_page_bytes=0, or a prefill chunk that is not a whole number of pages)."""
     if not model.capabilities.pages or kv_page_bytes == 0:
@@ -572,4 +614,4 @@ def _page_pool(model: Any, kv_page_bytes: int | None, max_running: int, max_seq_
         n = max_running * per_seq
         if max_state_bytes != math.inf:
             n = min(n, max(per_seq, int(max_state_bytes) // page_bytes))
-    return model.new_page_pool(n)
+    return model.new_page_pool(n + extra)

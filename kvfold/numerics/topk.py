@@ -1,17 +1,19 @@
 import torch
 
 
-def topk_lower_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_lower_index(scores: torch.Tensor, k: int, host_sync: bool = True) -> torch.Tensor:
     """Top-k along the last dim with a defined tie rule: higher score first, ties to the lower
     index. Entries scored -inf are not selectable and come back as -1. The selected indices are
     returned in ascending order (-1 padding last), so results are reproducible.
 
     torch.topk leaves the order of ties undefined; a stable descending sort does not.
+    `host_sync=False` skips the torch.topk shortcut, whose check reads a value back to the host
+    (a CUDA graph cannot capture that): the sort alone, the same picks.
     """
     k = min(k, scores.shape[-1])
     if k == 0:
         return torch.empty(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
-    if scores.shape[-1] > k and scores.numel() > 0:
+    if host_sync and scores.shape[-1] > k and scores.numel() > 0:
         # torch.topk picks the same set whenever no entry outside it ties the k-th value (then
         # exactly k entries are >= it, and it is finite); the ascending order is then the same too
         values, order = torch.topk(scores, k, dim=-1)

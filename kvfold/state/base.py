@@ -22,7 +22,7 @@ def next_kv_id() -> int:
 class SequenceState:
     def __init__(self, layers: list, *, capacity: int, max_rewind: int, fingerprint: str,
                  device: torch.device, dtype: torch.dtype, pages=None, page_table: list[int] | None = None,
-                 prefix_tokens: int = 0):
+                 prefix_tokens: int = 0, arena=None, slot: int | None = None):
         self.layers: list | None = layers
         self.capacity = capacity
         self.max_rewind = max_rewind
@@ -41,6 +41,8 @@ class SequenceState:
         self.pages = pages
         self._page_table: list[int] = list(page_table or [])
         self.prefix_tokens = prefix_tokens
+        # states made in a SlotArena (state/arena.py): their rings are views of slot `slot`
+        self.arena, self.slot = arena, slot
 
     @property
     def freed(self) -> bool:
@@ -52,6 +54,8 @@ class SequenceState:
         if self.layers is not None and self.pages is not None:
             table, self._page_table = self._page_table, []
             self.pages.decref(table)
+        if self.layers is not None and self.arena is not None:
+            self.arena.release(self.slot)
         self.layers = None
 
     def start_at(self, n: int) -> None:

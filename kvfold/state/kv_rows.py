@@ -36,6 +36,14 @@ class KvRows:
             self.nope = torch.zeros(rows, fp8_nope, dtype=torch.float8_e4m3fn, device=device)
             self.rope = torch.zeros(rows, width - fp8_nope, dtype=dtype, device=device)
 
+    @classmethod
+    def over(cls, data: torch.Tensor) -> "KvRows":
+        """Plain rows held in `data` [rows, width], a tensor somebody else owns (a slot of a
+        `SlotArena`): reads and writes go to it in place."""
+        rows = cls.__new__(cls)
+        rows.dtype, rows.width, rows.fp8_nope, rows.data = data.dtype, data.shape[1], None, data
+        return rows
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.data.shape[0] if self.fp8_nope is None else self.nope.shape[0], self.width)

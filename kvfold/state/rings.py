@@ -16,6 +16,13 @@ class PositionRing:
         self.rows = rows
         self.store = KvRows(rows, width, dtype, device, fp8_nope, fill)
 
+    @classmethod
+    def over(cls, data: torch.Tensor) -> "PositionRing":
+        """A ring whose slots are the rows of `data` [rows, width] (plain dtype), owned elsewhere."""
+        ring = cls.__new__(cls)
+        ring.rows, ring.store = data.shape[0], KvRows.over(data)
+        return ring
+
     @property
     def data(self) -> torch.Tensor:
         """Every slot, decoded (a view in the plain dtype; a copy in FP8 mode)."""

@@ -137,7 +137,8 @@ class Attention(nn.Module):
         rope, cos, sin = batch.rope[SLIDING if self.kind == SLIDING else "compressed"]
         rows = project_rows(self, x, batch.positions, cos, sin)  # native.c's fused projections, else per op
         if rows is None:
-            rows = self._project(x, batch, cos, sin)
+            first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
+            rows = self.project(x, batch.positions, first, cos, sin)
         out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
         for seg in batch.segments:
             o = self._one_sequence(seg, self._taker(seg, t), rows, rope)
@@ -145,14 +146,20 @@ class Attention(nn.Module):
                 out = o
             else:
                 out[seg.rows] = o
+        return self.output(out, x.dtype, cos, sin)
+
+    def output(self, out: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Token-parallel: the heads' outputs [R, H, D] (fp32) de-rotated and projected to [R, hidden]."""
         y = output_rows(self, out, cos, sin)
         if y is None:
-            out = apply_rope(out if out.dtype == x.dtype else out.to(x.dtype), cos, sin, inverse=True)
-            y = self.o_b_proj(self.o_a_proj(out.reshape(t, self.o_groups, -1)))
+            out = apply_rope(out if out.dtype == dtype else out.to(dtype), cos, sin, inverse=True)
+            y = self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)))
         return y if self.tp is None else self.tp.all_reduce_sum(y)  # this rank's heads: one part of the sum
 
-    def _project(self, x: torch.Tensor, batch: RowBatch, cos: torch.Tensor, sin: torch.Tensor) -> dict:
-        """Token-parallel: every projection of every row at once."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, first: int | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> dict:
+        """Token-parallel: every projection of every row at once (`first`: a lone row's position
+        as an int, which spares an index tensor; else None)."""
         t = x.shape[0]
         q_lora = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
@@ -165,15 +172,14 @@ class Attention(nn.Module):
         if self.simulate_kv:
             rows["kv"] = simulate_kv_fp8(rows["kv"], self.head_dim - self.rope_dim)
         if self.compressor is not None:
-            first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
             with scope("compressors"):
-                rows["comp"] = self.compressor.project(x, batch.positions, first)
+                rows["comp"] = self.compressor.project(x, positions, first)
                 if self.kind == CSA:
-                    rows["idx_kv"] = self.compressor.indexer.project(x, batch.positions, first)
+                    rows["idx_kv"] = self.compressor.indexer.project(x, positions, first)
             if self.kind == CSA:
                 with scope("indexer select"):
                     rows["idx_q"] = self.compressor.indexer.queries(x, q_lora, cos, sin)
-        rows["positions"] = batch.positions
+        rows["positions"] = positions
         return rows
 
     @staticmethod
@@ -279,39 +285,27 @@ class Attention(nn.Module):
                       local_start: int, start: int, pool, sel: torch.Tensor | None, sinks: torch.Tensor
                       ) -> torch.Tensor:
         """Queries b0..b1-1 of the chunk (scaled qb [nb, h, d] at positions qpos)."""
-        nb, h, _ = qb.shape
+        nb = qb.shape[0]
         w, f32 = self.window, torch.float32
         # band of window keys for this block, in local (position - local_start) coordinates
         k0 = max(0, start + b0 - w + 1 - local_start)
         keys_w = local[k0:start + b1 - local_start]
-        logits_w = qb @ keys_w.t()
+        keys, masks = [keys_w], [None]
         if nb > 1:  # a lone query's band is exactly its window: nothing to mask
             kpos = torch.arange(k0, k0 + keys_w.shape[0], device=qb.device) + local_start
-            band = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
-            logits_w = logits_w.masked_fill(~band[:, None, :], float("-inf"))
-        parts = [logits_w]
-        keys_c = None
+            masks[0] = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
         if self.kind == HCA:
             n_vis = (start + b1) // self.ratio
             keys_c = pool[:n_vis]
-            keys_c = keys_c if keys_c.dtype == f32 else keys_c.float()
-            logits_c = qb @ keys_c.t()
-            if nb > 1:  # the last query of a block sees all n_vis entries
-                vis = torch.arange(n_vis, device=qb.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
-                logits_c = logits_c.masked_fill(~vis[:, None, :], float("-inf"))
-            parts.append(logits_c)
+            keys.append(keys_c if keys_c.dtype == f32 else keys_c.float())
+            # the last query of a block sees all n_vis entries
+            masks.append(torch.arange(n_vis, device=qb.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+                         if nb > 1 else None)
         elif self.kind == CSA and sel is not None and sel.shape[1] > 0:
             keys_c = pool[sel.clamp(min=0)]  # [nb, k, d]
-            keys_c = keys_c if keys_c.dtype == f32 else keys_c.float()
-            parts.append(torch.bmm(qb, keys_c.transpose(1, 2)).masked_fill((sel < 0)[:, None, :], float("-inf")))
-        parts.append(sinks[None, :, None].expand(nb, h, 1))  # the sink: one more logit per head, no value
-        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
-        nw = keys_w.shape[0]
-        acc = p[..., :nw] @ keys_w
-        if keys_c is not None:
-            pc = p[..., nw:-1]
-            acc = acc + (pc @ keys_c if self.kind == HCA else torch.bmm(pc, keys_c))
-        return acc
+            keys.append(keys_c if keys_c.dtype == f32 else keys_c.float())
+            masks.append(sel >= 0)
+        return sink_attention(qb, keys, masks, sinks)
 
     def _attend_release(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, pool,
                         selected: torch.Tensor | None, n_comp: int, sinks: torch.Tensor,
@@ -347,6 +341,27 @@ class Attention(nn.Module):
                 keys, valid = torch.cat([keys, comp], 1), torch.cat([valid, sel >= 0], 1)
             out[b0:b1] = release_sparse_attn(q[b0:b1], keys, valid, sinks, d ** -0.5)
         return out
+
+
+def sink_attention(q: torch.Tensor, keys: list[torch.Tensor], masks: list[torch.Tensor | None],
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """The attention core of every V4 query (K = V): one softmax over the logits q . k of each
+    key set (-inf where its mask is False) and one sink logit per head, which has no value; the
+    output is the probability-weighted sum of the keys. q [nb, H, D] (scaled); each key set is
+    [n, D] (every query's) or [nb, n, D] (one per query), its mask broadcasts to [nb, n] or is None."""
+    nb, h, _ = q.shape
+    parts = []
+    for k, mask in zip(keys, masks):
+        logits = q @ k.transpose(-1, -2)
+        parts.append(logits if mask is None else logits.masked_fill(~mask[:, None, :], float("-inf")))
+    parts.append(sinks[None, :, None].expand(nb, h, 1))
+    p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    acc, c0 = None, 0
+    for k, logits in zip(keys, parts):
+        term = p[..., c0:c0 + logits.shape[-1]] @ k
+        acc = term if acc is None else acc + term
+        c0 += logits.shape[-1]
+    return acc
 
 
 def _native_attend_one(q: torch.Tensor, window: list[torch.Tensor], pool, selected: torch.Tensor | None,

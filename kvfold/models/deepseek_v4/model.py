@@ -19,7 +19,8 @@ from .moe import MoE
 from .native_block import block_row, model_row
 from ...layers.rows import RowBatch
 from ...numerics import RopeTable
-from .state import Dsv4State, LayerState, compressor_state
+from .state import Dsv4State, LayerState, compressor_ring_rows, compressor_state
+from ...state.arena import SlotArena
 from ...state.kv_rows import kv_row_bytes
 from ...state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
 from ...state.rings import PositionRing
@@ -146,7 +147,8 @@ class Dsv4Model(CausalLM):
                         kv_fp8=nope is not None)
 
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, *,
-                  pages: PagePool | None = None, prefix_pages: list[int] | None = None) -> Dsv4State:
+                  pages: PagePool | None = None, prefix_pages: list[int] | None = None,
+                  arena: SlotArena | None = None) -> Dsv4State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later).
 
         `kv_dtype="fp8"` stores window rows and compressed entries as float8_e4m3fn at unit
@@ -156,8 +158,10 @@ class Dsv4Model(CausalLM):
         `new_page_pool`, with the same kv_dtype): the state takes ceil(capacity / page_tokens)
         pages up front and returns them on `free()`. `prefix_pages`: the first pages taken by
         reference from another holder (a prefix-cache entry); such a state must restore the
-        snapshot taken at their end (`snapshot(pools=False)`) before it runs. Refusals
-        (PagesExhaustedError included) allocate nothing."""
+        snapshot taken at their end (`snapshot(pools=False)`) before it runs. `arena`: hold the
+        rings in a free slot of that `SlotArena` (from `new_decode_arena`, with its `pages`), where
+        a captured decode graph reads them (graph_step.py). Refusals (PagesExhaustedError and
+        ArenaFullError included) allocate nothing."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
         nope = self._kv_nope(kv_dtype)
@@ -165,28 +169,57 @@ class Dsv4Model(CausalLM):
         table: list[int] = []
         if pages is None and prefix_pages:
             raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
+        if arena is not None:
+            if nope is not None:
+                raise ConfigError("a state in a SlotArena stores its KV in the model dtype; use kv_dtype=None")
+            arena.check_fits(capacity, max_rewind, pages, self.fingerprint)
         if pages is not None:
             table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=self.dtype,
                                      device=self.device, kv_fp8=nope is not None)
+        slot = arena.take() if arena is not None else None
         layers, memo = [], {}
         for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
-            window = PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device,
-                                  fp8_nope=nope)
+            window = arena.ring((i, "window"), slot) if arena is not None else \
+                PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device, fp8_nope=nope)
             ls = LayerState(window=window)
             rows = -(-capacity // ratio) if ratio else 0
-            if kind != SLIDING:
-                view = pages.view(i, COMPRESSOR, table, rows, memo) if pages is not None else None
-                ls.compressor = compressor_state(ratio, kind == CSA, cfg.head_dim, capacity, max_rewind,
-                                                 self.dtype, self.device, fp8_nope=nope, pool=view)
-            if kind == CSA:
-                view = pages.view(i, INDEXER, table, rows, memo) if pages is not None else None
-                ls.indexer = compressor_state(ratio, True, cfg.index_head_dim, capacity, max_rewind,
-                                              self.dtype, self.device, pool=view)
+            for pool_kind, width in ((COMPRESSOR, cfg.head_dim), (INDEXER, cfg.index_head_dim)):
+                if kind == SLIDING or (pool_kind == INDEXER and kind != CSA):
+                    continue
+                view = pages.view(i, pool_kind, table, rows, memo) if pages is not None else None
+                rings = None if arena is None else \
+                    (arena.ring((i, pool_kind, "kv"), slot), arena.ring((i, pool_kind, "score"), slot))
+                c = compressor_state(ratio, kind == CSA, width, capacity, max_rewind, self.dtype, self.device,
+                                     fp8_nope=nope if pool_kind == COMPRESSOR else None, pool=view, rings=rings)
+                setattr(ls, pool_kind, c)
             layers.append(ls)
-        return Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind,
-                         fingerprint=self.fingerprint, device=self.device, dtype=self.dtype, kv_fp8=nope is not None,
-                         pages=pages, page_table=table,
-                         prefix_tokens=len(prefix_pages or []) * pages.page_tokens if pages is not None else 0)
+        state = Dsv4State(layers, window=cfg.sliding_window, capacity=capacity, max_rewind=max_rewind,
+                          fingerprint=self.fingerprint, device=self.device, dtype=self.dtype, kv_fp8=nope is not None,
+                          pages=pages, page_table=table, arena=arena, slot=slot,
+                          prefix_tokens=len(prefix_pages or []) * pages.page_tokens if pages is not None else 0)
+        if arena is not None:
+            arena.bind(slot, state)
+        return state
+
+    def new_decode_arena(self, slots: int, capacity: int, pages: PagePool, max_rewind: int = 0) -> SlotArena:
+        """Fixed-address rings for `slots` states of up to `capacity` tokens whose pools live in
+        `pages`: what a captured decode graph reads (graph_step.py)."""
+        from .graph_step import arena_specs
+        return SlotArena(arena_specs(self.config, self.dtype, max_rewind), slots, pages, capacity=capacity,
+                         max_rewind=max_rewind, fingerprint=self.fingerprint)
+
+    # ---- a decode step a CUDA graph captures (graph_step.py; engine/graphs.py replays it) -------
+    def graph_unsupported(self) -> str | None:
+        """Why `decode_graph_step` cannot run this model, or None."""
+        from .graph_step import graph_unsupported
+        return graph_unsupported(self)
+
+    def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+                          slots: torch.Tensor) -> torch.Tensor:
+        """One token per arena slot, shapes fixed by the inputs' length: logits [N, vocab] fp32.
+        No checks and no cursor moves: the caller (engine/graphs.py) does both."""
+        from .graph_step import decode_step
+        return decode_step(self, arena, tokens, positions, slots)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -221,7 +254,7 @@ class Dsv4Model(CausalLM):
             if kind == CSA:
                 compressors.append((cfg.index_head_dim, True, None))
             for width, overlap, fp8 in compressors:
-                ring_rows = (2 * ratio if overlap else ratio) + max_rewind
+                ring_rows = compressor_ring_rows(ratio, overlap, max_rewind)
                 fixed += 2 * ring_rows * kv_row_bytes((2 if overlap else 1) * width, torch.float32, None)
                 pools.append((ratio, kv_row_bytes(width, self.dtype, fp8)))
         return fixed, pools

@@ -1,5 +1,5 @@
 """The token-parallel halves of a V4 attention layer in one native call each (native_attention.h):
-the projections (`Attention._project`) and the output (de-rotation, grouped wo_a, wo_b).
+the projections (`Attention.project`) and the output (de-rotation, grouped wo_a, wo_b).
 
 They run where the per-op path would run native.c's kernels on the same rows: an fp32 model on
 the CPU whose matmuls read their weights natively (`reads_as_stored`: decode and verify rows, and

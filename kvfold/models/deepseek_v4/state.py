@@ -50,16 +50,24 @@ class LayerState:
 
 def compressor_state(ratio: int, overlap: bool, width: int, capacity: int, max_rewind: int,
                      dtype: torch.dtype, device: torch.device, fp8_nope: int | None = None,
-                     pool: PagedRows | None = None) -> CompressorState:
-    """`pool`: the entry pool as a view of shared pages; None reserves a private one."""
+                     pool: PagedRows | None = None, rings: tuple[PositionRing, PositionRing] | None = None
+                     ) -> CompressorState:
+    """`pool`: the entry pool as a view of shared pages; None reserves a private one. `rings`: the
+    (kv, score) rings as views of an arena's slot (`compressor_rings`); None reserves them."""
     m = 2 if overlap else 1
-    rows = (2 * ratio if overlap else ratio) + max_rewind
+    rows = compressor_ring_rows(ratio, overlap, max_rewind)
+    kv, score = rings if rings is not None else (PositionRing(rows, m * width, torch.float32, device, 0.0),
+                                                 PositionRing(rows, m * width, torch.float32, device, float("-inf")))
     return CompressorState(
-        ratio=ratio, overlap=overlap,
-        kv=PositionRing(rows, m * width, torch.float32, device, 0.0),
-        score=PositionRing(rows, m * width, torch.float32, device, float("-inf")),
+        ratio=ratio, overlap=overlap, kv=kv, score=score,
         pool=pool if pool is not None else KvRows(-(-capacity // ratio), width, dtype, device, fp8_nope),
     )
+
+
+def compressor_ring_rows(ratio: int, overlap: bool, max_rewind: int) -> int:
+    """Rows of a compressor's rings: the open window (and, overlapping, the one before it) plus
+    the rows a rewind may take back."""
+    return (2 * ratio if overlap else ratio) + max_rewind
 
 
 class Dsv4State(SequenceState):
@@ -67,9 +75,11 @@ class Dsv4State(SequenceState):
 
     def __init__(self, layers: list[LayerState], *, window: int, capacity: int, max_rewind: int,
                  fingerprint: str, device: torch.device, dtype: torch.dtype, kv_fp8: bool = False,
-                 pages: PagePool | None = None, page_table: list[int] | None = None, prefix_tokens: int = 0):
+                 pages: PagePool | None = None, page_table: list[int] | None = None, prefix_tokens: int = 0,
+                 arena=None, slot: int | None = None):
         super().__init__(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=fingerprint,
-                         device=device, dtype=dtype, pages=pages, page_table=page_table, prefix_tokens=prefix_tokens)
+                         device=device, dtype=dtype, pages=pages, page_table=page_table, prefix_tokens=prefix_tokens,
+                         arena=arena, slot=slot)
         self.window = window
         self.kv_fp8 = kv_fp8  # window rows and compressed entries stored as FP8 (non-rope dims)
 

@@ -1,0 +1,153 @@
+"""Decode steps replayed from CUDA graphs: one graph per batch-size bucket, captured once.
+
+A decode-only step of n sequences runs the model's capturable decode step
+(models/deepseek_v4/graph_step.py) in the smallest bucket that holds n. The rows past n are
+padding in the arena's scratch slot. The graph's inputs are static device tensors: tokens,
+positions and arena slots, refilled before each replay. Its state is the `SlotArena`, whose
+tensors never move. So admission, cancellation, rewind and prefix hits change only what the
+inputs and the page tables hold, and the captured graphs stay valid.
+
+What could make a graph stale is a tensor it captured being replaced: a weight reassigned or
+loaded anew, the page pool's storage, the arena's rings. Before every replay `signature()` is
+compared with the one taken at capture: the address of every tensor the step reads, and the
+model's numerics. A difference recaptures that bucket and counts it in `recaptures`; a graph is
+never replayed on what it was not captured on.
+
+On the CPU nothing is captured: each step runs the same function eagerly on the same static
+tensors, through the same checks, so the engine's bookkeeping is the same on both devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured at: powers of two below `max_batch`, then max_batch."""
+    return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+@dataclass
+class _Bucket:
+    tokens: torch.Tensor  # [B] long
+    positions: torch.Tensor  # [B] long
+    slots: torch.Tensor  # [B] long
+    logits: torch.Tensor | None = None  # [B, vocab]: the graph's output (CUDA)
+    graph: object = None  # torch.cuda.CUDAGraph
+    signature: tuple | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, model, arena, max_batch: int):
+        step = getattr(model, "decode_graph_step", None)
+        why = model.graph_unsupported() if step is not None else \
+            f"{type(model).__name__} has no capturable decode step (graph decode serves DeepSeek-V4)"
+        if why is not None:
+            raise ConfigError(why)
+        self.model, self.arena, self.step_fn = model, arena, step
+        self.capture = arena.device.type == "cuda"
+        self.buckets = buckets_for(max_batch)
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None  # the graphs' shared CUDA memory pool
+        self.captures = self.recaptures = self.replays = 0
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise CapacityError(f"a graph step takes at most {self.buckets[-1]} sequences, got {n}")
+
+    def signature(self) -> tuple:
+        """What a captured graph depends on: every tensor address it reads, and the numerics."""
+        m = self.model
+        ptrs = [t.data_ptr() for t in self.arena.tensors()]
+        ptrs += [t.data_ptr() for t in m.parameters()] + [t.data_ptr() for t in m.buffers()]
+        return m.numerics, getattr(m, "batch_invariant", False), tuple(ptrs)
+
+    def check(self, pairs: list) -> None:
+        """Every refusal of a step, before anything is written: each state must be live, in this
+        arena, with room for one more token, and must own the page its next token writes."""
+        seen = set()
+        for _, st in pairs:
+            st.check_usable(self.model.fingerprint, self.model.device, self.model.dtype)
+            if st.arena is not self.arena or self.arena.holders[st.slot] is not st:
+                raise StateMismatchError("graph decode runs states made in its arena: new_state(..., arena=arena)")
+            if st.slot in seen:
+                raise StateMismatchError("a graph step got the same state twice; a state advances once per step")
+            seen.add(st.slot)
+            if st.pos + 1 > st.capacity:
+                raise CapacityError(f"decode at pos {st.pos} would pass the state's capacity {st.capacity}")
+            page = st._next_page_shared()
+            if page is not None:
+                raise SharedPageWriteError(f"the next token's pool rows fall in page {page}, which other holders "
+                                           f"reference; shared pages are immutable")
+
+    def step(self, pairs: list) -> torch.Tensor:
+        """One token for each (token id, state) pair: logits [n, vocab] fp32, each state advanced."""
+        self.check(pairs)
+        n = len(pairs)
+        b = self._ready(self.bucket(n))
+        dev = self.arena.device
+        host = torch.tensor([[tok, st.pos, st.slot] for tok, st in pairs], dtype=torch.long)
+        b.tokens.zero_()
+        b.positions.zero_()
+        b.slots.fill_(self.arena.scratch)
+        b.tokens[:n].copy_(host[:, 0].to(dev, non_blocking=True))
+        b.positions[:n].copy_(host[:, 1].to(dev, non_blocking=True))
+        b.slots[:n].copy_(host[:, 2].to(dev, non_blocking=True))
+        if b.graph is not None:
+            b.graph.replay()
+            self.replays += 1
+            logits = b.logits
+        else:
+            logits = self._run(b)
+        for _, st in pairs:
+            st.pos = st.written_until = st.pos + 1
+        return logits[:n].clone()
+
+    def _run(self, b: _Bucket) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.step_fn(self.arena, b.tokens, b.positions, b.slots)
+
+    def _ready(self, size: int) -> _Bucket:
+        """The bucket's graph, captured now if it never was or if what it captured has changed."""
+        sig = self.signature()
+        b = self._buckets.get(size)
+        if b is not None and b.signature == sig:
+            return b
+        if b is not None:
+            self.recaptures += 1
+        dev = self.arena.device
+        b = _Bucket(torch.zeros(size, dtype=torch.long, device=dev), torch.zeros(size, dtype=torch.long, device=dev),
+                    torch.full((size,), self.arena.scratch, dtype=torch.long, device=dev))
+        if self.capture:
+            self._capture(b)
+        b.signature = sig
+        self._buckets[size] = b
+        self.captures += 1
+        return b
+
+    def _capture(self, b: _Bucket) -> None:
+        """Warm up on a side stream, then capture; every row is padding then, so the runs write
+        only the scratch slot and page."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run(b)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            b.logits = self._run(b)
+        b.graph = graph
+
+    def stats(self) -> dict[str, int]:
+        return dict(graph_captures=self.captures, graph_recaptures=self.recaptures, graph_replays=self.replays,
+                    graph_buckets=len(self._buckets))

@@ -1,0 +1,195 @@
+"""A DeepSeek-V4 decode step that a CUDA graph can capture: one token for each of N sequences.
+
+A captured graph replays fixed kernels on fixed addresses. So this step's every shape follows
+from N and the arena alone, and every value that changes between steps is read from a device
+tensor: the tokens, the positions, the slots, and the page tables the arena holds. Nothing is
+read back to the host. The forward (model.py) instead takes its sizes from each sequence's
+`pos`: how many window rows exist, whether a compressor window closes, how many entries the
+indexer scores. Here each of these is a mask over the largest case:
+  * window: a query at p reads ring slots of positions p - W + 1 .. p, those before 0 masked;
+  * compressors: every step pools the rows of the window holding p, and writes the entry to its
+    pool row only where p closes it (position p = (w + 1) r - 1); elsewhere the write goes to
+    the scratch page;
+  * indexer and HCA: score every entry the slot's pages can hold, and mask those not yet visible.
+The attention core (`sink_attention`), the pooling (`pool_windows`), the projections, mHC, norms
+and the top-k rule are the forward's own functions. The per-row work differs only in sizes and in
+masked terms, whose softmax weight is exactly 0, so a row's values agree with the forward's to
+rounding. Replays of one captured graph give the same bits as this function run eagerly on the
+same inputs. `graph_unsupported` says which models cannot take the step.
+
+The engine's `DecodeGraphs` (engine/graphs.py) captures it per batch bucket and replays it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...layers.basic import QuantizedWeight
+from ...layers.mhc import HyperConnection
+from ...numerics import apply_rope, pool_windows, topk_lower_index
+from ...numerics.rows import combine_experts, swiglu
+from ...state.arena import RingSpec, SlotArena
+from ...state.pages import COMPRESSOR, INDEXER
+from .attention import sink_attention
+from .config import CSA, SLIDING, Dsv4Config
+from .state import compressor_ring_rows
+
+
+def arena_specs(cfg: Dsv4Config, dtype: torch.dtype, max_rewind: int) -> list[RingSpec]:
+    """Every ring a V4 state holds outside its pools, as `new_state` sizes and fills them."""
+    specs = []
+    for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
+        specs.append(RingSpec((i, "window"), cfg.sliding_window + max_rewind, cfg.head_dim, dtype))
+        for pool_kind, width in ((COMPRESSOR, cfg.head_dim), (INDEXER, cfg.index_head_dim)):
+            if kind == SLIDING or (pool_kind == INDEXER and kind != CSA):
+                continue
+            rows, m = compressor_ring_rows(ratio, kind == CSA, max_rewind), 2 if kind == CSA else 1
+            specs += [RingSpec((i, pool_kind, "kv"), rows, m * width, torch.float32, 0.0),
+                      RingSpec((i, pool_kind, "score"), rows, m * width, torch.float32, float("-inf"))]
+    return specs
+
+
+def graph_unsupported(model) -> str | None:
+    """Why `decode_step` cannot run this model (None: it can)."""
+    if model.tp is not None:
+        return "graph decode runs one rank's whole model; tensor parallelism is not supported"
+    if model.numerics != "hf":
+        return "graph decode runs numerics='hf'; the reference numerics' roundings run in the forward only"
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+        if isinstance(ex.gate_up_proj, QuantizedWeight) or isinstance(ex.down_proj, QuantizedWeight):
+            return "graph decode gathers each row's experts from plain stacks; load the model with weights='dequant'"
+    return None
+
+
+@dataclass
+class _Rows:
+    """What every layer of one step reads: the rows' positions and slots, their page tables."""
+    arena: SlotArena
+    positions: torch.Tensor  # [N] long
+    slots: torch.Tensor  # [N] long
+    tables: torch.Tensor  # [N, max_pages] long
+
+    def pool(self, layer: int, kind: str, ratio: int) -> tuple[torch.Tensor, int]:
+        """(storage [pool rows, width], rows per page) of a layer pool."""
+        pages = self.arena.pages
+        return pages.storages[(layer, kind)].data, pages.rows_per_page(ratio)
+
+    def entry_rows(self, entries: torch.Tensor, per: int) -> torch.Tensor:
+        """Physical pool row of each entry [N, E] of each row's sequence."""
+        return self.tables.gather(1, entries // per) * per + entries % per
+
+
+@torch.no_grad()
+def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n].
+    Writes each row's window, compressor and pool rows, and returns logits [N, vocab] fp32.
+    The caller advances each state's cursors (`pos`, `written_until`) afterwards."""
+    cfg = model.config
+    rows = _Rows(arena, positions, slots, arena.tables.index_select(0, slots))
+    rope = {SLIDING: (model.rope_main, *model.rope_main.cos_sin(positions))}
+    if any(k != SLIDING for k in cfg.layer_types):
+        rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(positions))
+    streams = model.model.embed_tokens(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
+    for block in model.model.layers:
+        x, post, comb = block.attn_hc.collapse(streams)
+        y = _attention(block.self_attn, block.input_layernorm(x), rows, rope)
+        streams = HyperConnection.expand(streams, y, post, comb)
+        x, post, comb = block.ffn_hc.collapse(streams)
+        y = _moe(block.mlp, block.post_attention_layernorm(x), tokens)
+        streams = HyperConnection.expand(streams, y, post, comb)
+    return model.lm_head(model.model.norm(model.model.hc_head(streams))).float()
+
+
+def _attention(attn, x: torch.Tensor, rows: _Rows, rope: dict) -> torch.Tensor:
+    """Attention.forward for one decode row per sequence, with masks in place of sizes."""
+    table, cos, sin = rope[SLIDING if attn.kind == SLIDING else "compressed"]
+    proj = attn.project(x, rows.positions, None, cos, sin)
+    i, p, f32 = attn.layer_idx, rows.positions, torch.float32
+    window = rows.arena.rings[(i, "window")]  # [slots + 1, W + max_rewind, D]
+    ring = window.shape[1]
+    # this row first: position p takes the slot of p - ring, which no query here reads (ring >= W)
+    window[rows.slots, p % ring] = proj["kv"].to(window.dtype)
+    wpos = p[:, None] - attn.window + 1 + torch.arange(attn.window, device=p.device)
+    keys = [_masked(window[rows.slots[:, None], wpos % ring], wpos >= 0)]
+    masks = [wpos >= 0]
+    if attn.compressor is not None:
+        comp = attn.compressor
+        storage, per = rows.pool(i, COMPRESSOR, attn.ratio)
+        _fold(comp, *proj["comp"], rows, (i, COMPRESSOR), storage, per, table)
+        entries = torch.arange(rows.arena.max_pages * per, device=p.device).expand(p.shape[0], -1)
+        if attn.kind == CSA:
+            ix_storage, ix_per = rows.pool(i, INDEXER, attn.ratio)
+            _fold(comp.indexer, *proj["idx_kv"], rows, (i, INDEXER), ix_storage, ix_per, table)
+            entries = _select(comp.indexer, *proj["idx_q"], rows, ix_storage, ix_per)
+            visible = entries >= 0
+        else:
+            visible = entries < ((p + 1) // attn.ratio)[:, None]
+        keys.append(_masked(storage[rows.entry_rows(entries.clamp(min=0), per)], visible))
+        masks.append(visible)
+    q = proj["q"].float() * attn.head_dim ** -0.5
+    sinks = attn.sinks if attn.sinks.dtype == f32 else attn.sinks.float()
+    out = sink_attention(q, [k if k.dtype == f32 else k.float() for k in keys], masks, sinks)
+    return attn.output(out, x.dtype, cos, sin)
+
+
+def _masked(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Keys [N, n, D] with the masked ones zeroed: their weight is 0, and a stale row of the ring
+    or of a recycled page (anything at all) must not make 0 * key a NaN."""
+    return torch.where(valid[..., None], keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+
+
+def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: _Rows, key: tuple, storage: torch.Tensor, per: int,
+          rope) -> None:
+    """Compressor.fold for one row per sequence: keep the row in the rings, pool the window that
+    holds p, and write its entry to pool row p // r where p closes it (else to the scratch page)."""
+    r, p = comp.ratio, rows.positions
+    ring_kv, ring_sc = rows.arena.rings[key + ("kv",)], rows.arena.rings[key + ("score",)]
+    n_ring = ring_kv.shape[1]
+    ring_kv[rows.slots, p % n_ring] = kv
+    ring_sc[rows.slots, p % n_ring] = score
+    w = p // r
+    span = 2 * r if comp.overlap else r  # the window, and for CSA the one before it
+    rpos = (w * r - (span - r))[:, None] + torch.arange(span, device=p.device)
+    real = (rpos >= 0)[..., None]  # window 0 has no previous window: empty slots, weight 0
+    where = rows.slots[:, None], rpos % n_ring
+    pooled = pool_windows(torch.where(real, ring_kv[where], 0.0), torch.where(real, ring_sc[where], float("-inf")),
+                          r, comp.overlap)[:, 0]
+    cos, sin = rope.cos_sin(w * r)
+    entry = comp._simulate(apply_rope(comp.kv_norm(pooled.to(storage.dtype)), cos, sin))
+    closes = (p + 1) % r == 0
+    target = torch.where(closes, rows.entry_rows(w[:, None], per)[:, 0], rows.arena.scratch_page * per)
+    storage[target] = entry.to(storage.dtype)
+
+
+def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: _Rows, storage: torch.Tensor, per: int
+            ) -> torch.Tensor:
+    """Indexer.select for one query per sequence over every entry its pages can hold, the
+    invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
+    n_entries = rows.arena.max_pages * per
+    entries = torch.arange(n_entries, device=q.device)
+    keys = storage[rows.entry_rows(entries.expand(q.shape[0], -1), per)]  # [N, E, d]
+    s = torch.relu(q @ keys.to(q.dtype).transpose(1, 2))  # [N, H, E]
+    scores = torch.bmm(w[:, None, :], s)[:, 0]
+    scores = scores.masked_fill(entries[None, :] >= ((rows.positions + 1) // indexer.ratio)[:, None], float("-inf"))
+    return topk_lower_index(scores.float(), indexer.topk, host_sync=False)
+
+
+def _moe(moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """MoE.forward with each row's k experts gathered from the stacks (no host-side grouping):
+    one matmul per (row, slot), combined in slot order as the batch-invariant path does."""
+    weights, ids = moe.gate(x, tokens)
+    ex = moe.experts
+    per_slot = []
+    for j in range(ids.shape[1]):
+        w13, w2 = ex.gate_up_proj[ids[:, j]], ex.down_proj[ids[:, j]]  # [N, 2I, H], [N, H, I]
+        gate, up = torch.bmm(w13, x.to(w13.dtype)[:, :, None])[..., 0].chunk(2, dim=-1)
+        y = torch.bmm(w2, swiglu(gate, up, ex.limit).to(w2.dtype)[:, :, None])[..., 0]
+        per_slot.append(y.float())
+    y = combine_experts(torch.stack(per_slot, dim=1), weights)
+    if moe.shared_experts is not None:
+        shared = moe.shared_experts(x)
+        y = y + shared.float()
+    return y if y.dtype == x.dtype else y.to(x.dtype)
