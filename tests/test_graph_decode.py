@@ -195,7 +195,6 @@ def test_graph_refusals_change_nothing(model):
     assert pool.free_pages == free_pages
     # the page the next token writes is shared (a prefix-cache entry holds it): refused, not written
     held = a.share_prefix(128)
-    a.rewind_to(128) if a.pos - 128 <= REWIND else None
     shared = model.new_state(capacity=256, max_rewind=REWIND, pages=pool, arena=arena, prefix_pages=held)
     before = unchanged()
     with pytest.raises(SharedPageWriteError):
@@ -204,8 +203,6 @@ def test_graph_refusals_change_nothing(model):
     assert all(torch.equal(x, y) for x, y in zip(before[0], after[0])) and shared.pos == 0
     with pytest.raises(ArenaFullError):
         model.new_state(capacity=256, max_rewind=REWIND, pages=pool, arena=arena)
-    full = model.new_state(capacity=1, max_rewind=REWIND, pages=pool)
-    assert full.capacity == 1
     shared.free()
     one = model.new_state(capacity=1, max_rewind=REWIND, pages=pool, arena=arena)
     graphs.step([(1, one)])
@@ -280,4 +277,16 @@ def test_graph_decode_refuses_what_it_cannot_run():
     glm.tokenizer = v4.tokenizer
     with pytest.raises(ConfigError, match="capturable"):
         Engine(glm, max_seq_len=256, decode_graphs=True, batch_invariant=False)
+    with pytest.raises(ConfigError, match="batch invariance"):
+        Engine(v4, max_seq_len=256, decode_graphs=True, batch_invariant=True)
+    engine = Engine(v4, max_seq_len=256, decode_graphs=True)  # None: graph decode without the invariant mode
+    assert not v4.batch_invariant and engine.graphs is not None
+    # switching the mode after a capture is refused at the next step, before anything is written
+    st = v4.new_state(capacity=256, pages=engine.pages, arena=engine.arena)
+    engine.graphs.step([(3, st)])
+    v4.set_batch_invariant(True)
+    before = [t.clone() for t in engine.arena.tensors()]
+    with pytest.raises(ConfigError, match="batch invariance"):
+        engine.graphs.step([(4, st)])
+    assert st.pos == 1 and all(torch.equal(a, b) for a, b in zip(before, engine.arena.tensors()))
     assert buckets_for(16) == [1, 2, 4, 8, 16] and buckets_for(12) == [1, 2, 4, 8, 12]

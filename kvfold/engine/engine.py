@@ -69,8 +69,9 @@ class Engine:
         decode step, replayed from one CUDA graph per batch bucket on a CUDA model (graphs.py;
         on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4,
-        numerics "hf", plain expert stacks): ConfigError otherwise. Its rows agree with the
-        forward's to rounding, not bit for bit."""
+        numerics "hf", plain expert stacks) outside batch-invariant mode (batch_invariant=None
+        leaves it off then): ConfigError otherwise. Its rows agree with the forward's to
+        rounding, not bit for bit."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -90,7 +91,13 @@ class Engine:
         self.heartbeat_s = HEARTBEAT_S if self._replicas is not None else None
         self.max_rewind = self.spec.max_rewind if self.spec is not None else 0
         self.model = model
-        model.set_batch_invariant(model.supports_batch_invariance if batch_invariant is None else batch_invariant)
+        if batch_invariant is None:  # graph decode's kernels are torch's: it runs without the invariant mode
+            batch_invariant = model.supports_batch_invariance and not decode_graphs
+        if batch_invariant and decode_graphs:
+            from ..errors import ConfigError
+            raise ConfigError("decode_graphs runs torch's kernels, which promise no batch invariance; "
+                              "use batch_invariant=False or None with it")
+        model.set_batch_invariant(batch_invariant)
         self.tokenizer = model.tokenizer
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk

@@ -120,6 +120,9 @@ class DecodeGraphs:
         b = self._buckets.get(size)
         if b is not None and b.signature == sig:
             return b
+        why = self.model.graph_unsupported()  # what changed may be the model's mode
+        if why is not None:
+            raise ConfigError(why)
         if b is not None:
             self.recaptures += 1
         dev = self.arena.device

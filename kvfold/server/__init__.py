@@ -54,6 +54,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "MTP layer and verifies in the batched step (default: none)")
     p.add_argument("--num-draft", type=_int_at_least(1), default=4,
                    help="most draft tokens per sequence and step with --speculative (default 4)")
+    p.add_argument("--decode-graphs", action="store_true",
+                   help="run decode-only steps as one captured CUDA graph per batch bucket (DeepSeek-V4 on "
+                        "--device cuda; on the CPU the same step runs eagerly); implies --no-batch-invariant")
     p.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="shard the model over N ranks (DeepSeek-V4): torchrun --nproc-per-node N -m kvfold serve "
                         "... --tp N; rank 0 serves HTTP and schedules, the others follow")
@@ -101,7 +104,8 @@ def build_engine(args: argparse.Namespace):
                       max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
                       max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
                       kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
-                      speculative=args.speculative, num_draft=args.num_draft)
+                      speculative=args.speculative, num_draft=args.num_draft,
+                      decode_graphs=getattr(args, "decode_graphs", False))
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
 

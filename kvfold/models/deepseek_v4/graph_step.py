@@ -54,6 +54,9 @@ def graph_unsupported(model) -> str | None:
     """Why `decode_step` cannot run this model (None: it can)."""
     if model.tp is not None:
         return "graph decode runs one rank's whole model; tensor parallelism is not supported"
+    if getattr(model, "batch_invariant", False):
+        return ("graph decode runs torch's kernels, which promise no batch invariance; "
+                "set_batch_invariant(False) (Engine(batch_invariant=False))")
     if model.numerics != "hf":
         return "graph decode runs numerics='hf'; the reference numerics' roundings run in the forward only"
     for layer in model.model.layers:
