@@ -398,7 +398,10 @@ def time_model(args, model, entry: dict, save) -> None:
                 continue
             cell = run_check(lambda: decode_cell(model, batch, context, args.steps))
             if not args.no_graphs and time.perf_counter() < deadline:
+                invariant = model.batch_invariant  # (on for fp32 CPU models: graph decode runs without it)
+                model.set_batch_invariant(False)
                 graph = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
+                model.set_batch_invariant(invariant)
                 cell.update({f"graph_{k}": v for k, v in graph.items() if k in ("step_ms", "tok_s", "error")})
             for prefix in ("", "graph_"):
                 if prefix + "step_ms" in cell and "bytes_per_step" in cell and args.bandwidth:

@@ -238,6 +238,7 @@ def test_graph_decode_in_the_engine_gives_the_forward_engines_tokens_through_adm
     assert len(got[2]) < 24 and all(len(t) == 24 for i, t in enumerate(got) if i != 2)
     assert m["prefix_cache_hits"] == m_want["prefix_cache_hits"] >= 2
     assert m["graph_buckets"] == m["graph_captures"] >= 2 and m["graph_recaptures"] == 0
+    assert m["graph_steps"] >= 24 and m["graph_replays"] == 0  # on the CPU every graph step runs eagerly
     assert engine.arena.free_slots == 3 and m["live_states"] == 0
 
 
@@ -290,3 +291,22 @@ def test_graph_decode_refuses_what_it_cannot_run():
         engine.graphs.step([(4, st)])
     assert st.pos == 1 and all(torch.equal(a, b) for a, b in zip(before, engine.arena.tensors()))
     assert buckets_for(16) == [1, 2, 4, 8, 16] and buckets_for(12) == [1, 2, 4, 8, 12]
+
+
+def test_graph_decode_continues_exactly_where_speculative_verify_rewound():
+    """With n-gram drafts, verify steps (several rows a sequence) run the forward and rewind the
+    rejected tokens; decode-only steps in between replay graphs on those rewound states. Greedy
+    tokens are the forward engine's; both kinds of step ran."""
+    model = kvfold.load_model("tiny")
+    text = long_ids(model, 400, "repeat")  # repeated lines: the n-gram drafter finds matches
+    prompts = [text[:n] for n in (90, 150, 60)]
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(model, max_seq_len=320, max_running=3, decode_graphs=graphs, batch_invariant=False,
+                        speculative="ngram", num_draft=3)
+        out = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        runs[graphs] = ([o.token_ids for o in out], engine.metrics())
+    (want, _), (got, m) = runs[False], runs[True]
+    assert got == want
+    assert 0 < m["graph_steps"] < m["steps"] and m["graph_recaptures"] == 0  # both kinds of step ran
+    assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]  # drafts were rejected: states rewound

@@ -54,7 +54,7 @@ class DecodeGraphs:
         self.buckets = buckets_for(max_batch)
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None  # the graphs' shared CUDA memory pool
-        self.captures = self.recaptures = self.replays = 0
+        self.captures = self.recaptures = self.replays = self.steps = 0  # replays: on CUDA, every step
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -108,6 +108,7 @@ class DecodeGraphs:
             logits = self._run(b)
         for _, st in pairs:
             st.pos = st.written_until = st.pos + 1
+        self.steps += 1
         return logits[:n].clone()
 
     def _run(self, b: _Bucket) -> torch.Tensor:
@@ -152,5 +153,5 @@ class DecodeGraphs:
         b.graph = graph
 
     def stats(self) -> dict[str, int]:
-        return dict(graph_captures=self.captures, graph_recaptures=self.recaptures, graph_replays=self.replays,
-                    graph_buckets=len(self._buckets))
+        return dict(graph_steps=self.steps, graph_captures=self.captures, graph_recaptures=self.recaptures,
+                    graph_replays=self.replays, graph_buckets=len(self._buckets))
