@@ -310,3 +310,22 @@ def test_graph_decode_continues_exactly_where_speculative_verify_rewound():
     assert got == want
     assert 0 < m["graph_steps"] < m["steps"] and m["graph_recaptures"] == 0  # both kinds of step ran
     assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]  # drafts were rejected: states rewound
+
+
+def test_a_failed_capture_leaves_its_bucket_eager_and_says_why(model):
+    """A capture that raises (here: capturing on a machine without CUDA) is recorded once per
+    bucket, and the step runs eagerly with the same logits as a step that never tried."""
+    pool = model.new_page_pool(16)
+    arenas = [model.new_decode_arena(2, CAP, pool) for _ in range(2)]
+    ids = random_ids(40, model.config.vocab_size, seed=6)
+    states = []
+    for arena in arenas:
+        st = model.new_state(capacity=CAP, pages=pool, arena=arena)
+        model.forward(ids, st)
+        states.append(st)
+    trying, eager = DecodeGraphs(model, arenas[0], 2), DecodeGraphs(model, arenas[1], 2)
+    trying.capture = True
+    for tok in (3, 4, 5):
+        assert torch.equal(trying.step([(tok, states[0])]), eager.step([(tok, states[1])]))
+    assert len(trying.capture_errors) == 1 and trying.capture_errors[0].startswith("bucket 1:")
+    assert trying.stats()["graph_capture_errors"] == 1 and trying.replays == 0

@@ -14,7 +14,9 @@ model's numerics. A difference recaptures that bucket and counts it in `recaptur
 never replayed on what it was not captured on.
 
 On the CPU nothing is captured: each step runs the same function eagerly on the same static
-tensors, through the same checks, so the engine's bookkeeping is the same on both devices.
+tensors, through the same checks, so the engine's bookkeeping is the same on both devices. A
+capture that fails on CUDA leaves that bucket eager, with the reason in `capture_errors`: the
+step is slower, never wrong.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class _Bucket:
     logits: torch.Tensor | None = None  # [B, vocab]: the graph's output (CUDA)
     graph: object = None  # torch.cuda.CUDAGraph
     signature: tuple | None = None
+    capture_error: str | None = None  # why this bucket runs eagerly on CUDA
 
 
 class DecodeGraphs:
@@ -55,6 +58,7 @@ class DecodeGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None  # the graphs' shared CUDA memory pool
         self.captures = self.recaptures = self.replays = self.steps = 0  # replays: on CUDA, every step
+        self.capture_errors: list[str] = []
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -130,7 +134,11 @@ class DecodeGraphs:
         b = _Bucket(torch.zeros(size, dtype=torch.long, device=dev), torch.zeros(size, dtype=torch.long, device=dev),
                     torch.full((size,), self.arena.scratch, dtype=torch.long, device=dev))
         if self.capture:
-            self._capture(b)
+            try:
+                self._capture(b)
+            except Exception as exc:  # the step itself is the same eagerly: run it so, and say why
+                b.graph, b.logits, b.capture_error = None, None, f"bucket {size}: {exc!r}"
+                self.capture_errors.append(b.capture_error)
         b.signature = sig
         self._buckets[size] = b
         self.captures += 1
@@ -154,4 +162,5 @@ class DecodeGraphs:
 
     def stats(self) -> dict[str, int]:
         return dict(graph_steps=self.steps, graph_captures=self.captures, graph_recaptures=self.recaptures,
-                    graph_replays=self.replays, graph_buckets=len(self._buckets))
+                    graph_replays=self.replays, graph_buckets=len(self._buckets),
+                    graph_capture_errors=len(self.capture_errors))
