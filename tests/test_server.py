@@ -697,3 +697,25 @@ def test_serving_threads_leave_the_http_front_end_a_core(monkeypatch):
     args = parser.parse_args(["serve", "--threads", "3", "--weights", "quantized"])
     assert (args.threads, args.weights) == (3, "quantized")
     assert parser.parse_args(["serve"]).threads is None
+
+
+def test_serve_with_decode_graphs_answers_the_openai_client_as_the_forward_does(tiny):
+    """`kvfold serve --decode-graphs`: a streamed greedy completion through the real OpenAI client
+    gives generate()'s tokens, and /metrics counts the graph-decode steps."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    app = build_app(parser.parse_args(["serve", "--model", "tiny-random", "--max-seq-len", "256", "--decode-graphs",
+                                       "--api-key", KEY]))
+    engine = app.state.engine.engine
+    assert engine.graphs is not None and not engine.model.batch_invariant
+    ref = kvfold.generate(tiny, prompt_ids(tiny, "Once upon a time"), 16).tokens
+    with serving(app) as url:
+        ids = []
+        for ch in client(url).completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=16,
+                                                 temperature=0, stream=True, extra_body={"return_token_ids": True}):
+            if ch.choices:
+                ids += ch.choices[0].token_ids
+        m = wait_idle(url)
+    assert ids == ref
+    assert m["kvfold_graph_steps_total"] >= len(ref) - 1 and m["kvfold_graph_recaptures_total"] == 0

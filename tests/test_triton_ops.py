@@ -150,3 +150,45 @@ def test_the_model_through_the_kernels_is_the_model():
     with triton_ops.use_triton():
         got = run()
     assert (got - want).abs().max() <= fp32_paths_bound(want, model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("per_slot", [False, True])
+def test_expert_rows_are_each_rows_expert_matmuls_read_in_place(per_slot):
+    """Each (row, slot) output against float64, within the fp32 rounding of its K-term sum
+    (K eps sum |w x| for each side); a row alone gets the bits it gets in the batch."""
+    n, k, e, n_out, k_in = 5, 3, 6, 70, 150
+    w = torch.randn(e, n_out, k_in, generator=gen(1))
+    x = torch.randn(n * k if per_slot else n, k_in, generator=gen(2))
+    ids = torch.randint(0, e, (n, k), generator=gen(3))
+    got = T.expert_rows(x, w, ids, per_slot=per_slot)
+    xs = x.view(n, k, k_in) if per_slot else x[:, None, :].expand(n, k, k_in)
+    want = torch.einsum("nkoi,nki->nko", w.double()[ids], xs.double())
+    bound = 2 * k_in * EPS * torch.einsum("nkoi,nki->nko", w.double().abs()[ids], xs.double().abs())
+    assert got.shape == (n, k, n_out) and ((got.double() - want).abs() <= bound).all()
+    alone = T.expert_rows(x[k:2 * k] if per_slot else x[1:2], w, ids[1:2], per_slot=per_slot)
+    assert torch.equal(alone[0], got[1])
+
+
+def test_a_graph_decode_step_through_the_expert_kernel_is_the_torch_step():
+    """The tiny V4's capturable decode step with the Triton experts against the torch gather,
+    within the bound of two fp32 evaluations (helpers.fp32_paths_bound)."""
+    import kvfold
+    from helpers import fp32_paths_bound, random_ids
+    model = kvfold.load_model("tiny-random")
+    model.set_batch_invariant(False)
+    pool = model.new_page_pool(12)
+    arenas = [model.new_decode_arena(2, 256, pool) for _ in range(2)]
+    lens = (9, 70)
+    states = [[], []]
+    for n in lens:
+        for arena, group in zip(arenas, states):
+            st = model.new_state(capacity=256, pages=pool, arena=arena)
+            model.forward(random_ids(n, model.config.vocab_size, seed=n), st)
+            group.append(st)
+    tokens = torch.tensor([5, 9])
+    with torch.inference_mode():
+        want = model.decode_graph_step(arenas[1], tokens, torch.tensor(lens), torch.tensor([s.slot for s in states[1]]))
+        with triton_ops.use_triton():
+            got = model.decode_graph_step(arenas[0], tokens, torch.tensor(lens),
+                                          torch.tensor([s.slot for s in states[0]]))
+    assert (got - want).abs().max().item() <= fp32_paths_bound(want, model.config.num_hidden_layers)

@@ -1,5 +1,6 @@
 """Triton kernels for the sparse parts on CUDA: the compressor's window pooling, attention over a
-query's window, selected compressed entries and sink, and the indexer's scoring and top-k.
+query's window, selected compressed entries and sink, the indexer's scoring and top-k, and the
+routed experts of a graph-decode step (each row's experts read where they lie, not gathered).
 
 Each is checked against the torch formula it stands for (tests/test_triton_ops.py, on the CPU
 under `TRITON_INTERPRET=1`). They are off by default and have not run on a GPU; triton_ops.py is
@@ -138,6 +139,41 @@ def _topk_kernel(scores, out, n, k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
         written += tl.sum(pick.to(tl.int32), axis=0)
     pad = tl.arange(0, BLOCK_K)
     tl.store(out + t * k + pad, tl.full([BLOCK_K], -1, tl.int64), mask=(pad >= written) & (pad < k))
+
+
+@triton.jit
+def _expert_rows_kernel(x, w, ids, out, n_out, k_in, n_slots, X_PER_SLOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """Outputs [n0, n0 + BLOCK_N) of one (row, slot): w[ids[row, slot]] @ x, x the row's (or, with
+    X_PER_SLOT, the slot's own) input; fp32 products summed over K in one fixed order."""
+    rs = tl.program_id(0)  # row * n_slots + slot
+    x_row = rs if X_PER_SLOT else rs // n_slots
+    e = tl.load(ids + rs).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = w + e * n_out * k_in  # int64: a stack of experts passes 2^31 elements
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xv = tl.load(x + x_row * k_in + kk, mask=kk < k_in, other=0.0).to(tl.float32)
+        wv = tl.load(base + cols[:, None].to(tl.int64) * k_in + kk[None, :],
+                     mask=(cols[:, None] < n_out) & (kk[None, :] < k_in), other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(out + rs * n_out + cols, acc, mask=cols < n_out)
+
+
+def expert_rows(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, per_slot: bool = False) -> torch.Tensor:
+    """y[n, j] = w[ids[n, j]] @ x[n] (per_slot: x[n * k + j]) for a stack w [E, n_out, K], x in w's
+    dtype, ids [N, k]: [N, k, n_out] fp32, each expert read in place (graph_step.py's `_moe` gathers
+    copies of them instead). One program per (row, slot) and block of outputs."""
+    n, k = ids.shape
+    e, n_out, k_in = w.shape
+    out = torch.empty(n, k, n_out, dtype=torch.float32, device=w.device)
+    if n and k and n_out:
+        block_n = min(64, _pow2(n_out))
+        _expert_rows_kernel[(n * k, triton.cdiv(n_out, block_n))](
+            x.contiguous(), w.contiguous(), ids.to(torch.int64).contiguous(), out, n_out, k_in, k,
+            X_PER_SLOT=per_slot, BLOCK_N=block_n, BLOCK_K=min(128, _pow2(k_in)))
+    return out
 
 
 def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:

@@ -48,6 +48,13 @@ _METRICS = [
     ("page_bytes_used", "kvfold_kv_page_bytes_used", "gauge", "Bytes of the pages in use."),
     ("spec_draft_tokens", "kvfold_spec_decode_draft_tokens_total", "counter", "Draft tokens proposed and verified."),
     ("spec_accepted_tokens", "kvfold_spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    ("graph_steps", "kvfold_graph_steps_total", "counter", "Decode steps run by graph decode (--decode-graphs)."),
+    ("graph_replays", "kvfold_graph_replays_total", "counter", "Graph-decode steps replayed from a CUDA graph."),
+    ("graph_captures", "kvfold_graph_captures_total", "counter", "Batch buckets captured (or set up, on the CPU)."),
+    ("graph_recaptures", "kvfold_graph_recaptures_total", "counter",
+     "Captures redone because a tensor the graph read had moved."),
+    ("graph_capture_errors", "kvfold_graph_capture_errors_total", "counter",
+     "Captures that failed (that bucket then runs eagerly)."),
 ]
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ...layers.basic import QuantizedWeight
 from ...layers.mhc import HyperConnection
-from ...numerics import apply_rope, pool_windows, topk_lower_index
+from ...numerics import apply_rope, pool_windows, topk_lower_index, triton_ops
 from ...numerics.rows import combine_experts, swiglu
 from ...state.arena import RingSpec, SlotArena
 from ...state.pages import COMPRESSOR, INDEXER
@@ -181,17 +181,27 @@ def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: _Rows, storage: tor
 
 
 def _moe(moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """MoE.forward with each row's k experts gathered from the stacks (no host-side grouping):
-    one matmul per (row, slot), combined in slot order as the batch-invariant path does."""
+    """MoE.forward with no host-side grouping: one matmul per (row, slot) with that slot's
+    expert, the outputs in the weights' dtype as the forward's, combined in slot order as the
+    batch-invariant path does. Torch gathers copies of each row's experts; the Triton kernel
+    (triton_ops.py, off by default) reads them in place."""
     weights, ids = moe.gate(x, tokens)
     ex = moe.experts
-    per_slot = []
-    for j in range(ids.shape[1]):
-        w13, w2 = ex.gate_up_proj[ids[:, j]], ex.down_proj[ids[:, j]]  # [N, 2I, H], [N, H, I]
-        gate, up = torch.bmm(w13, x.to(w13.dtype)[:, :, None])[..., 0].chunk(2, dim=-1)
-        y = torch.bmm(w2, swiglu(gate, up, ex.limit).to(w2.dtype)[:, :, None])[..., 0]
-        per_slot.append(y.float())
-    y = combine_experts(torch.stack(per_slot, dim=1), weights)
+    w13, w2 = ex.gate_up_proj, ex.down_proj  # [E, 2I, H], [E, H, I]
+    kernels = triton_ops.serving(x.device)
+    if kernels is not None:
+        gate, up = kernels.expert_rows(x.to(w13.dtype), w13, ids).to(w13.dtype).chunk(2, dim=-1)
+        act = swiglu(gate, up, ex.limit).to(w2.dtype)  # [N, k, I]
+        per_slot = kernels.expert_rows(act.reshape(-1, act.shape[-1]), w2, ids, per_slot=True).to(w2.dtype).float()
+    else:
+        slots = []
+        for j in range(ids.shape[1]):
+            w13_j, w2_j = w13[ids[:, j]], w2[ids[:, j]]  # [N, 2I, H], [N, H, I]
+            gate, up = torch.bmm(w13_j, x.to(w13.dtype)[:, :, None])[..., 0].chunk(2, dim=-1)
+            y = torch.bmm(w2_j, swiglu(gate, up, ex.limit).to(w2.dtype)[:, :, None])[..., 0]
+            slots.append(y.float())
+        per_slot = torch.stack(slots, dim=1)
+    y = combine_experts(per_slot, weights)
     if moe.shared_experts is not None:
         shared = moe.shared_experts(x)
         y = y + shared.float()
