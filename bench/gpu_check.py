@@ -232,9 +232,10 @@ def check_graphs(dtype: torch.dtype, device: torch.device) -> dict:
         toks = [(7 * i + j) % 200 + 2 for j in range(len(states[0]))]
         got = graphs.step(list(zip(toks, states[0])))
         twin = states[1]
+        context = graphs.context_bucket(max(st.pos for st in twin) + 1)  # the same shapes as the replayed step
         eager = model.decode_graph_step(arenas[1], torch.tensor(toks, device=device),
                                         torch.tensor([st.pos for st in twin], device=device),
-                                        torch.tensor([st.slot for st in twin], device=device))
+                                        torch.tensor([st.slot for st in twin], device=device), context)
         for st in twin:
             st.pos = st.written_until = st.pos + 1
         want = torch.cat(model.forward_batch([([t], st) for t, st in zip(toks, states[2])]))

@@ -291,6 +291,10 @@ def test_graph_decode_refuses_what_it_cannot_run():
         engine.graphs.step([(4, st)])
     assert st.pos == 1 and all(torch.equal(a, b) for a, b in zip(before, engine.arena.tensors()))
     assert buckets_for(16) == [1, 2, 4, 8, 16] and buckets_for(12) == [1, 2, 4, 8, 12]
+    assert [engine.graphs.context_bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 256, 256]  # capacity 256
+    v4.set_batch_invariant(False)
+    wide = DecodeGraphs(v4, v4.new_decode_arena(1, 3000, v4.new_page_pool(30)), 1)
+    assert [wide.context_bucket(n) for n in (1, 256, 257, 1025, 2999)] == [256, 256, 512, 2048, 3000]
 
 
 def test_graph_decode_continues_exactly_where_speculative_verify_rewound():
@@ -327,5 +331,5 @@ def test_a_failed_capture_leaves_its_bucket_eager_and_says_why(model):
     trying.capture = True
     for tok in (3, 4, 5):
         assert torch.equal(trying.step([(tok, states[0])]), eager.step([(tok, states[1])]))
-    assert len(trying.capture_errors) == 1 and trying.capture_errors[0].startswith("bucket 1:")
+    assert len(trying.capture_errors) == 1 and trying.capture_errors[0].startswith("bucket 1 x 256:")
     assert trying.stats()["graph_capture_errors"] == 1 and trying.replays == 0

@@ -1,8 +1,10 @@
-"""Decode steps replayed from CUDA graphs: one graph per batch-size bucket, captured once.
+"""Decode steps replayed from CUDA graphs: one graph per bucket, captured once.
 
 A decode-only step of n sequences runs the model's capturable decode step
-(models/deepseek_v4/graph_step.py) in the smallest bucket that holds n. The rows past n are
-padding in the arena's scratch slot. The graph's inputs are static device tensors: tokens,
+(models/deepseek_v4/graph_step.py) in the smallest batch bucket that holds n, and the smallest
+context bucket (a power of two from CONTEXT_MIN, at most the arena's capacity) above every
+row's position: the step's shapes, and so the pool entries its indexer and HCA read, follow the
+context bucket, not the arena's capacity. The rows past n are padding in the arena's scratch slot. The graph's inputs are static device tensors: tokens,
 positions and arena slots, refilled before each replay. Its state is the `SlotArena`, whose
 tensors never move. So admission, cancellation, rewind and prefix hits change only what the
 inputs and the page tables hold, and the captured graphs stay valid.
@@ -27,6 +29,7 @@ import torch
 from ..errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CONTEXT_MIN = 256
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -36,6 +39,7 @@ def buckets_for(max_batch: int) -> list[int]:
 
 @dataclass
 class _Bucket:
+    context: int
     tokens: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B] long
     slots: torch.Tensor  # [B] long
@@ -66,6 +70,13 @@ class DecodeGraphs:
                 return b
         raise CapacityError(f"a graph step takes at most {self.buckets[-1]} sequences, got {n}")
 
+    def context_bucket(self, end: int) -> int:
+        """The context bucket of a step whose positions are all below `end`."""
+        c = CONTEXT_MIN
+        while c < end:
+            c *= 2
+        return min(c, self.arena.capacity)
+
     def signature(self) -> tuple:
         """What a captured graph depends on: every tensor address it reads, and the numerics."""
         m = self.model
@@ -95,7 +106,7 @@ class DecodeGraphs:
         """One token for each (token id, state) pair: logits [n, vocab] fp32, each state advanced."""
         self.check(pairs)
         n = len(pairs)
-        b = self._ready(self.bucket(n))
+        b = self._ready(self.bucket(n), self.context_bucket(max(st.pos for _, st in pairs) + 1))
         dev = self.arena.device
         host = torch.tensor([[tok, st.pos, st.slot] for tok, st in pairs], dtype=torch.long)
         b.tokens.zero_()
@@ -117,12 +128,12 @@ class DecodeGraphs:
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         with torch.inference_mode():
-            return self.step_fn(self.arena, b.tokens, b.positions, b.slots)
+            return self.step_fn(self.arena, b.tokens, b.positions, b.slots, b.context)
 
-    def _ready(self, size: int) -> _Bucket:
+    def _ready(self, size: int, context: int) -> _Bucket:
         """The bucket's graph, captured now if it never was or if what it captured has changed."""
         sig = self.signature()
-        b = self._buckets.get(size)
+        b = self._buckets.get((size, context))
         if b is not None and b.signature == sig:
             return b
         why = self.model.graph_unsupported()  # what changed may be the model's mode
@@ -131,16 +142,17 @@ class DecodeGraphs:
         if b is not None:
             self.recaptures += 1
         dev = self.arena.device
-        b = _Bucket(torch.zeros(size, dtype=torch.long, device=dev), torch.zeros(size, dtype=torch.long, device=dev),
+        b = _Bucket(context, torch.zeros(size, dtype=torch.long, device=dev),
+                    torch.zeros(size, dtype=torch.long, device=dev),
                     torch.full((size,), self.arena.scratch, dtype=torch.long, device=dev))
         if self.capture:
             try:
                 self._capture(b)
             except Exception as exc:  # the step itself is the same eagerly: run it so, and say why
-                b.graph, b.logits, b.capture_error = None, None, f"bucket {size}: {exc!r}"
+                b.graph, b.logits, b.capture_error = None, None, f"bucket {size} x {context}: {exc!r}"
                 self.capture_errors.append(b.capture_error)
         b.signature = sig
-        self._buckets[size] = b
+        self._buckets[(size, context)] = b
         self.captures += 1
         return b
 

@@ -10,7 +10,8 @@ indexer scores. Here each of these is a mask over the largest case:
   * compressors: every step pools the rows of the window holding p, and writes the entry to its
     pool row only where p closes it (position p = (w + 1) r - 1); elsewhere the write goes to
     the scratch page;
-  * indexer and HCA: score every entry the slot's pages can hold, and mask those not yet visible.
+  * indexer and HCA: score every entry of the positions below the step's `context` bound (a
+    power of two the caller picks), and mask those not yet visible.
 The attention core (`sink_attention`), the pooling (`pool_windows`), the projections, mHC, norms
 and the top-k rule are the forward's own functions. The per-row work differs only in sizes and in
 masked terms, whose softmax weight is exactly 0, so a row's values agree with the forward's to
@@ -73,6 +74,11 @@ class _Rows:
     positions: torch.Tensor  # [N] long
     slots: torch.Tensor  # [N] long
     tables: torch.Tensor  # [N, max_pages] long
+    context: int  # every row's position is below it
+
+    def n_entries(self, ratio: int, per: int) -> int:
+        """Pool entries a row of this step may see: those of positions below `context`."""
+        return min(self.arena.max_pages * per, -(-self.context // ratio))
 
     def pool(self, layer: int, kind: str, ratio: int) -> tuple[torch.Tensor, int]:
         """(storage [pool rows, width], rows per page) of a layer pool."""
@@ -86,12 +92,15 @@ class _Rows:
 
 @torch.no_grad()
 def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
     """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n].
     Writes each row's window, compressor and pool rows, and returns logits [N, vocab] fp32.
-    The caller advances each state's cursors (`pos`, `written_until`) afterwards."""
+    `context`: a bound on every position + 1 (default the arena's capacity); the indexer and HCA
+    read the pool entries below it, so a step's cost follows it, not the capacity. The caller
+    advances each state's cursors (`pos`, `written_until`) afterwards."""
     cfg = model.config
-    rows = _Rows(arena, positions, slots, arena.tables.index_select(0, slots))
+    rows = _Rows(arena, positions, slots, arena.tables.index_select(0, slots),
+                 arena.capacity if context is None else context)
     rope = {SLIDING: (model.rope_main, *model.rope_main.cos_sin(positions))}
     if any(k != SLIDING for k in cfg.layer_types):
         rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(positions))
@@ -122,7 +131,7 @@ def _attention(attn, x: torch.Tensor, rows: _Rows, rope: dict) -> torch.Tensor:
         comp = attn.compressor
         storage, per = rows.pool(i, COMPRESSOR, attn.ratio)
         _fold(comp, *proj["comp"], rows, (i, COMPRESSOR), storage, per, table)
-        entries = torch.arange(rows.arena.max_pages * per, device=p.device).expand(p.shape[0], -1)
+        entries = torch.arange(rows.n_entries(attn.ratio, per), device=p.device).expand(p.shape[0], -1)
         if attn.kind == CSA:
             ix_storage, ix_per = rows.pool(i, INDEXER, attn.ratio)
             _fold(comp.indexer, *proj["idx_kv"], rows, (i, INDEXER), ix_storage, ix_per, table)
@@ -171,7 +180,7 @@ def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: _Rows, storage: tor
             ) -> torch.Tensor:
     """Indexer.select for one query per sequence over every entry its pages can hold, the
     invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
-    n_entries = rows.arena.max_pages * per
+    n_entries = rows.n_entries(indexer.ratio, per)
     entries = torch.arange(n_entries, device=q.device)
     keys = storage[rows.entry_rows(entries.expand(q.shape[0], -1), per)]  # [N, E, d]
     s = torch.relu(q @ keys.to(q.dtype).transpose(1, 2))  # [N, H, E]

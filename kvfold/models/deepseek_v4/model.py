@@ -215,11 +215,12 @@ class Dsv4Model(CausalLM):
         return graph_unsupported(self)
 
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
-                          slots: torch.Tensor) -> torch.Tensor:
-        """One token per arena slot, shapes fixed by the inputs' length: logits [N, vocab] fp32.
-        No checks and no cursor moves: the caller (engine/graphs.py) does both."""
+                          slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
+        """One token per arena slot, shapes fixed by the inputs' length and `context` (a bound on
+        every position + 1): logits [N, vocab] fp32. No checks and no cursor moves: the caller
+        (engine/graphs.py) does both."""
         from .graph_step import decode_step
-        return decode_step(self, arena, tokens, positions, slots)
+        return decode_step(self, arena, tokens, positions, slots, context)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
