@@ -333,3 +333,52 @@ def test_a_failed_capture_leaves_its_bucket_eager_and_says_why(model):
         assert torch.equal(trying.step([(tok, states[0])]), eager.step([(tok, states[1])]))
     assert len(trying.capture_errors) == 1 and trying.capture_errors[0].startswith("bucket 1 x 256:")
     assert trying.stats()["graph_capture_errors"] == 1 and trying.replays == 0
+
+
+def test_a_graph_step_writes_only_its_rows_slots_and_pages_and_the_scratch(model):
+    """Steps of two and of three of four slots (the second padded to a bucket of four): the slot
+    outside them keeps every ring byte, and no page changes but the scratch page and the pages
+    the stepped rows' positions fall in."""
+    pool = model.new_page_pool(24)
+    arena = model.new_decode_arena(4, CAP, pool, max_rewind=REWIND)
+    vocab = model.config.vocab_size
+    states = [model.new_state(capacity=CAP, max_rewind=REWIND, pages=pool, arena=arena) for _ in range(4)]
+    for i, st in enumerate(states):
+        model.forward(random_ids(127 + i, vocab, seed=i), st)  # the steps cross page 1 and close windows
+    graphs = DecodeGraphs(model, arena, 4)
+    pool_rows = {k: v.data.clone() for k, v in pool.storages.items()}
+    rings = {k: v.clone() for k, v in arena.rings.items()}
+    first = {id(st): st.pos for st in states}
+    for tok in (3, 4):
+        graphs.step([(tok, st) for st in (states[0], states[2])])
+    graphs.step([(5, states[0]), (6, states[2]), (7, states[1])])
+    assert graphs.bucket(2) == 2 and graphs.bucket(3) == 4
+    for key, before in rings.items():
+        assert torch.equal(arena.rings[key][states[3].slot], before[states[3].slot]), key
+    touched = {arena.scratch_page} | {st.page_table[p // pool.page_tokens] for st in states[:3]
+                                       for p in range(first[id(st)], st.pos)}
+    for spec in pool.specs:
+        per, key = pool.rows_per_page(spec.ratio), (spec.layer, spec.kind)
+        after, before = pool.storages[key].data, pool_rows[key]
+        for page in set(range(pool.num_pages)) - touched:
+            assert torch.equal(after[page * per:(page + 1) * per], before[page * per:(page + 1) * per]), (key, page)
+
+
+def test_graph_decode_serves_the_choices_of_one_prompt_from_forked_states():
+    """n = 3 sampled choices: the followers' states are forked into arena slots from the leader's
+    (its whole pages by reference); each choice's tokens are the forward engine's, and every slot
+    is free again at the end."""
+    model = kvfold.load_model("tiny")
+    prompt = long_ids(model, 1000, "fork")[:200]
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(model, max_seq_len=320, max_running=4, decode_graphs=graphs, batch_invariant=False)
+        ids = engine.add_choices(prompt, [SamplingParams(max_tokens=20, temperature=0.8, seed=s) for s in range(3)])
+        out = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs[graphs] = ([out[i] for i in ids], engine)
+    (want, _), (got, engine) = runs[False], runs[True]
+    assert got == want and len({tuple(t) for t in got}) == 3
+    assert engine.metrics()["graph_steps"] >= 19 and engine.arena.free_slots == 4
