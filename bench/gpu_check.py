@@ -198,38 +198,38 @@ def check_triton(device: torch.device) -> dict:
     return {"triton_vs_torch_max_diff": max_diff(got, want), "logit_scale": want.abs().max().item()}
 
 
-def check_graphs(dtype: torch.dtype, device: torch.device) -> dict:
-    """Graph replay against eager on twin arenas, and against the forward."""
+def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """Graph replay against eager on twin arenas, and against the forward (DeepSeek-V4 through a
+    rewind; GLM-5.3's graph decode runs at max_rewind 0)."""
     from kvfold.engine.graphs import DecodeGraphs
-    model = Dsv4Model(tiny_config(num_nextn_predict_layers=0), dtype=dtype, device=device)
-    cpu = Dsv4Model(model.config, dtype=dtype)
-    init_random_(cpu, 0)
-    model.load_state_dict(cpu.state_dict())
+    _, model = tiny_pair(family, dtype, device)
     model.set_batch_invariant(False)
+    rewind = 2 if family == "deepseek_v4" else 0
     cap, lens = 512, (1, 30, 127, 200)
     pools = [model.new_page_pool(24) for _ in range(3)]
-    arenas = [model.new_decode_arena(5, cap, pools[i], max_rewind=2) for i in range(2)]
+    arenas = [model.new_decode_arena(5, cap, pools[i], max_rewind=rewind) for i in range(2)]
     states = [[], [], []]  # replayed, eager twin, forward twin
     for n in lens:
         ids = prompt(model, n, seed=n)
         for k in range(3):
-            st = model.new_state(capacity=cap, max_rewind=2, pages=pools[k], arena=arenas[k] if k < 2 else None)
+            st = model.new_state(capacity=cap, max_rewind=rewind, pages=pools[k], arena=arenas[k] if k < 2 else None)
             model.forward(ids, st)
             states[k].append(st)
     graphs = DecodeGraphs(model, arenas[0], 5)
     same_logits = same_arena = True
     worst, scale = 0.0, 0.0
     for i in range(24):
-        if i == 8:  # a rewind of two tokens, in all three
+        if i == 8 and rewind:  # a rewind of two tokens, in all three
             for k in range(3):
                 states[k][1].rewind_to(states[k][1].pos - 2)
         if i == 12:  # an admission mid-run
             ids = prompt(model, 70, seed=70)
             for k in range(3):
-                st = model.new_state(capacity=cap, max_rewind=2, pages=pools[k], arena=arenas[k] if k < 2 else None)
+                st = model.new_state(capacity=cap, max_rewind=rewind, pages=pools[k],
+                                     arena=arenas[k] if k < 2 else None)
                 model.forward(ids, st)
                 states[k].append(st)
-        toks = [(7 * i + j) % 200 + 2 for j in range(len(states[0]))]
+        toks = [(7 * i + j) % (model.config.vocab_size - 4) + 2 for j in range(len(states[0]))]
         got = graphs.step(list(zip(toks, states[0])))
         twin = states[1]
         context = graphs.context_bucket(max(st.pos for st in twin) + 1)  # the same shapes as the replayed step
@@ -477,8 +477,8 @@ def main(argv=None) -> int:
             report["triton"] = run_check(lambda: check_triton(device))
             save()
         if not args.no_graphs:
-            report["graphs"] = {str(dt)[6:]: run_check(lambda: check_graphs(dt, device))
-                                for dt in (torch.float32, torch.bfloat16)}
+            report["graphs"] = {f"{family}-{str(dt)[6:]}": run_check(lambda: check_graphs(family, dt, device))
+                                for family in ("deepseek_v4", "glm5_next") for dt in (torch.float32, torch.bfloat16)}
             save()
         if not args.no_speed:
             speed(args, device, report, save)

@@ -36,8 +36,13 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_every_same_device_comparison_ex
     for name, got in report["graphs"].items():  # eager on the CPU: "replay" and eager are one computation
         assert "error" not in got, (name, got.get("traceback"))
         assert got["replay_equals_eager"] and got["arenas_equal"] and not got["captured"], name
-        dtype = getattr(torch, name)
-        assert got["vs_forward_max_diff"] <= 2 * 8 * 4 * torch.finfo(dtype).eps * got["logit_scale"], (name, got)
+        dtype = getattr(torch, name.split("-")[1])
+        # in units of L eps max|logit|: helpers.fp32_paths_bound's 16 for DeepSeek-V4; for this
+        # GLM-5.3 the forward measured up to 24 from float64 and the graph step is held to twice
+        # the forward's error (tests/test_glm5_graph_decode.py), so the two are within 24 + 48
+        units = 16 if name.startswith("deepseek") else 72
+        layers = 4 if name.startswith("deepseek") else 5
+        assert got["vs_forward_max_diff"] <= units * layers * torch.finfo(dtype).eps * got["logit_scale"], (name, got)
         assert got["graph_captures"] == 2 and got["graph_recaptures"] == 0, got  # buckets 4, then 5 (of 1, 2, 4, 5)
     for label in ("tiny-bench-fp32", "tiny-bench-bf16"):
         speed = report["speed"][label]

@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs: one graph per bucket, captured once.
 
 A decode-only step of n sequences runs the model's capturable decode step
-(models/deepseek_v4/graph_step.py) in the smallest batch bucket that holds n, and the smallest
+(models/deepseek_v4/graph_step.py, models/glm5/graph_step.py) in the smallest batch bucket that holds n, and the smallest
 context bucket (a power of two from CONTEXT_MIN, at most the arena's capacity) above every
 row's position: the step's shapes, and so the pool entries its indexer and HCA read, follow the
 context bucket, not the arena's capacity. The rows past n are padding in the arena's scratch slot. The graph's inputs are static device tensors: tokens,
@@ -53,7 +53,7 @@ class DecodeGraphs:
     def __init__(self, model, arena, max_batch: int):
         step = getattr(model, "decode_graph_step", None)
         why = model.graph_unsupported() if step is not None else \
-            f"{type(model).__name__} has no capturable decode step (graph decode serves DeepSeek-V4)"
+            f"{type(model).__name__} has no capturable decode step"
         if why is not None:
             raise ConfigError(why)
         self.model, self.arena, self.step_fn = model, arena, step
@@ -122,7 +122,7 @@ class DecodeGraphs:
         else:
             logits = self._run(b)
         for _, st in pairs:
-            st.pos = st.written_until = st.pos + 1
+            st.after_decode_step()
         self.steps += 1
         return logits[:n].clone()
 

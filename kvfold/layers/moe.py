@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..numerics import triton_ops
 from ..numerics.quant import act_quant_fp8
 from ..numerics.reference import release_swiglu
 from ..numerics.rows import combine_experts, row_mm, rows_invariant, swiglu
@@ -47,6 +48,28 @@ class Experts(nn.Module):
             else:
                 out.index_add_(0, rows, ye * weights.reshape(-1)[slots, None])
         return combine_experts(per_slot.view(*ids.shape, -1), weights) if invariant else out
+
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`forward` with no host-side grouping, for a step a CUDA graph captures: one matmul per
+        (row, slot) with that slot's expert, outputs in the weights' dtype as `_expert`'s, combined
+        in slot order (`combine_experts`). Torch gathers copies of each row's experts; the Triton
+        kernel (numerics/triton_ops.py, off by default) reads them in place. Plain stacks only."""
+        w13, w2 = self.gate_up_proj, self.down_proj  # [E, 2I, H], [E, H, I]
+        kernels = triton_ops.serving(x.device)
+        if kernels is not None:
+            gate, up = kernels.expert_rows(x.to(w13.dtype), w13, ids).to(w13.dtype).chunk(2, dim=-1)
+            act = swiglu(gate, up, self.limit).to(w2.dtype)  # [N, k, I]
+            per_slot = kernels.expert_rows(act.reshape(-1, act.shape[-1]), w2, ids, per_slot=True)
+            per_slot = per_slot.to(w2.dtype).float()
+        else:
+            slots = []
+            for j in range(ids.shape[1]):
+                w13_j, w2_j = w13[ids[:, j]], w2[ids[:, j]]  # [N, 2I, H], [N, H, I]
+                gate, up = torch.bmm(w13_j, x.to(w13.dtype)[:, :, None])[..., 0].chunk(2, dim=-1)
+                y = torch.bmm(w2_j, swiglu(gate, up, self.limit).to(w2.dtype)[:, :, None])[..., 0]
+                slots.append(y.float())
+            per_slot = torch.stack(slots, dim=1)
+        return combine_experts(per_slot, weights)
 
     def _groups(self, ids: torch.Tensor):
         """(expert e, its (row, slot) indices into ids.reshape(-1), their rows) for each expert

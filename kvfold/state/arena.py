@@ -17,7 +17,7 @@ before each replay that it is still what the graph was captured on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -92,6 +92,10 @@ class SlotArena:
         """The ring `key` of `slot`, as a view."""
         return PositionRing.over(self.rings[key][slot])
 
+    def buffer(self, key: tuple, slot: int) -> torch.Tensor:
+        """The buffer `key` of `slot` [rows, width], as a view (state that is no position ring)."""
+        return self.rings[key][slot]
+
     def bind(self, slot: int, state) -> None:
         """`state` holds `slot` now: its page table goes to the device table."""
         self.holders[slot] = state
@@ -121,3 +125,35 @@ class SlotArena:
         if self.scratch_page is not None:
             self.pages.decref([self.scratch_page])
             self.scratch_page = None
+
+
+@dataclass
+class ArenaRows:
+    """What every layer of one graph-decode step reads: the rows' positions and slots, their page
+    tables, and the bound `context` on every position + 1 that fixes the step's shapes."""
+    arena: SlotArena
+    positions: torch.Tensor  # [N] long
+    slots: torch.Tensor  # [N] long
+    context: int
+    tables: torch.Tensor = field(init=False)  # [N, max_pages] long
+
+    def __post_init__(self):
+        self.tables = self.arena.tables.index_select(0, self.slots)
+
+    def pool(self, layer: int, kind: str, ratio: int) -> tuple[torch.Tensor, int]:
+        """(storage [pool rows, width], rows per page) of a layer pool."""
+        pages = self.arena.pages
+        return pages.storages[(layer, kind)].data, pages.rows_per_page(ratio)
+
+    def entry_rows(self, entries: torch.Tensor, per: int) -> torch.Tensor:
+        """Physical pool row of each entry [N, E] of each row's sequence."""
+        return self.tables.gather(1, entries // per) * per + entries % per
+
+    def n_entries(self, ratio: int, per: int) -> int:
+        """Pool entries a row of this step may see: those of positions below `context`."""
+        return min(self.arena.max_pages * per, -(-self.context // ratio))
+
+    def scratch_row(self, per: int) -> int:
+        """A pool row of the scratch page: where a step's masked-off pool writes land."""
+        return self.arena.scratch_page * per
+

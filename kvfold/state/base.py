@@ -58,6 +58,11 @@ class SequenceState:
             self.arena.release(self.slot)
         self.layers = None
 
+    def after_decode_step(self) -> None:
+        """The cursors after one decode token whose rows a graph step (engine/graphs.py) wrote
+        without host bookkeeping: the position, and the rows written."""
+        self.pos = self.written_until = self.pos + 1
+
     def start_at(self, n: int) -> None:
         """Begin a fresh state at position n, as if positions [0, n) had been fed but left nothing
         (zero rows, never rewound to): a drafter that joins a sequence late. Refused unless the

@@ -22,15 +22,12 @@ The engine's `DecodeGraphs` (engine/graphs.py) captures it per batch bucket and 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...layers.basic import QuantizedWeight
 from ...layers.mhc import HyperConnection
-from ...numerics import apply_rope, pool_windows, topk_lower_index, triton_ops
-from ...numerics.rows import combine_experts, swiglu
-from ...state.arena import RingSpec, SlotArena
+from ...numerics import apply_rope, pool_windows, topk_lower_index
+from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import COMPRESSOR, INDEXER
 from .attention import sink_attention
 from .config import CSA, SLIDING, Dsv4Config
@@ -67,29 +64,6 @@ def graph_unsupported(model) -> str | None:
     return None
 
 
-@dataclass
-class _Rows:
-    """What every layer of one step reads: the rows' positions and slots, their page tables."""
-    arena: SlotArena
-    positions: torch.Tensor  # [N] long
-    slots: torch.Tensor  # [N] long
-    tables: torch.Tensor  # [N, max_pages] long
-    context: int  # every row's position is below it
-
-    def n_entries(self, ratio: int, per: int) -> int:
-        """Pool entries a row of this step may see: those of positions below `context`."""
-        return min(self.arena.max_pages * per, -(-self.context // ratio))
-
-    def pool(self, layer: int, kind: str, ratio: int) -> tuple[torch.Tensor, int]:
-        """(storage [pool rows, width], rows per page) of a layer pool."""
-        pages = self.arena.pages
-        return pages.storages[(layer, kind)].data, pages.rows_per_page(ratio)
-
-    def entry_rows(self, entries: torch.Tensor, per: int) -> torch.Tensor:
-        """Physical pool row of each entry [N, E] of each row's sequence."""
-        return self.tables.gather(1, entries // per) * per + entries % per
-
-
 @torch.no_grad()
 def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
@@ -99,8 +73,7 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
     read the pool entries below it, so a step's cost follows it, not the capacity. The caller
     advances each state's cursors (`pos`, `written_until`) afterwards."""
     cfg = model.config
-    rows = _Rows(arena, positions, slots, arena.tables.index_select(0, slots),
-                 arena.capacity if context is None else context)
+    rows = ArenaRows(arena, positions, slots, arena.capacity if context is None else context)
     rope = {SLIDING: (model.rope_main, *model.rope_main.cos_sin(positions))}
     if any(k != SLIDING for k in cfg.layer_types):
         rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(positions))
@@ -115,7 +88,7 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
     return model.lm_head(model.model.norm(model.model.hc_head(streams))).float()
 
 
-def _attention(attn, x: torch.Tensor, rows: _Rows, rope: dict) -> torch.Tensor:
+def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tensor:
     """Attention.forward for one decode row per sequence, with masks in place of sizes."""
     table, cos, sin = rope[SLIDING if attn.kind == SLIDING else "compressed"]
     proj = attn.project(x, rows.positions, None, cos, sin)
@@ -153,7 +126,7 @@ def _masked(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid[..., None], keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
 
 
-def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: _Rows, key: tuple, storage: torch.Tensor, per: int,
+def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: ArenaRows, key: tuple, storage: torch.Tensor, per: int,
           rope) -> None:
     """Compressor.fold for one row per sequence: keep the row in the rings, pool the window that
     holds p, and write its entry to pool row p // r where p closes it (else to the scratch page)."""
@@ -172,11 +145,11 @@ def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: _Rows, key: tuple, 
     cos, sin = rope.cos_sin(w * r)
     entry = comp._simulate(apply_rope(comp.kv_norm(pooled.to(storage.dtype)), cos, sin))
     closes = (p + 1) % r == 0
-    target = torch.where(closes, rows.entry_rows(w[:, None], per)[:, 0], rows.arena.scratch_page * per)
+    target = torch.where(closes, rows.entry_rows(w[:, None], per)[:, 0], rows.scratch_row(per))
     storage[target] = entry.to(storage.dtype)
 
 
-def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: _Rows, storage: torch.Tensor, per: int
+def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage: torch.Tensor, per: int
             ) -> torch.Tensor:
     """Indexer.select for one query per sequence over every entry its pages can hold, the
     invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
@@ -190,28 +163,9 @@ def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: _Rows, storage: tor
 
 
 def _moe(moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """MoE.forward with no host-side grouping: one matmul per (row, slot) with that slot's
-    expert, the outputs in the weights' dtype as the forward's, combined in slot order as the
-    batch-invariant path does. Torch gathers copies of each row's experts; the Triton kernel
-    (triton_ops.py, off by default) reads them in place."""
+    """MoE.forward with no host-side grouping (`Experts.gathered`)."""
     weights, ids = moe.gate(x, tokens)
-    ex = moe.experts
-    w13, w2 = ex.gate_up_proj, ex.down_proj  # [E, 2I, H], [E, H, I]
-    kernels = triton_ops.serving(x.device)
-    if kernels is not None:
-        gate, up = kernels.expert_rows(x.to(w13.dtype), w13, ids).to(w13.dtype).chunk(2, dim=-1)
-        act = swiglu(gate, up, ex.limit).to(w2.dtype)  # [N, k, I]
-        per_slot = kernels.expert_rows(act.reshape(-1, act.shape[-1]), w2, ids, per_slot=True).to(w2.dtype).float()
-    else:
-        slots = []
-        for j in range(ids.shape[1]):
-            w13_j, w2_j = w13[ids[:, j]], w2[ids[:, j]]  # [N, 2I, H], [N, H, I]
-            gate, up = torch.bmm(w13_j, x.to(w13.dtype)[:, :, None])[..., 0].chunk(2, dim=-1)
-            y = torch.bmm(w2_j, swiglu(gate, up, ex.limit).to(w2.dtype)[:, :, None])[..., 0]
-            slots.append(y.float())
-        per_slot = torch.stack(slots, dim=1)
-    y = combine_experts(per_slot, weights)
+    y = moe.experts.gathered(x, weights, ids)
     if moe.shared_experts is not None:
-        shared = moe.shared_experts(x)
-        y = y + shared.float()
+        y = y + moe.shared_experts(x).float()
     return y if y.dtype == x.dtype else y.to(x.dtype)

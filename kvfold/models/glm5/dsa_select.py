@@ -117,6 +117,58 @@ def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, g
     return out.to(torch.int32)
 
 
+def dsa_select_last(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
+                    valid: torch.Tensor, ape: torch.Tensor, seq: torch.Tensor, *, topk: int, kpool: int,
+                    select_tail: bool = True) -> torch.Tensor:
+    """`dsa_select` of the last row of each of N sequences at once, with shapes that depend on the
+    buffers' length S only (a graph-captured decode step): row n's rows are the first seq[n] of
+    k_normed, gate [N, S, d] and valid [N, S]; the rest count as past its end. q [N, H, d],
+    weights [N, H], seq [N] long (>= 1). The same definitions (module docstring) with per-row
+    lengths: pools past a row's end are invalid, so `select_k` may count picks that come back -1,
+    and the tail sits after them; read as a set, as the MLA does, the selection is `dsa_select`'s."""
+    n, _, d = q.shape
+    s_rows = k_normed.shape[1]
+    device = q.device
+    out_width = topk + (kpool - 1 if select_tail else 0)
+    ids = torch.arange(s_rows, device=device)
+    is_valid = (valid != 0) & (ids[None] < seq[:, None])
+    # first valid row, or seq when there is none: the first maximum of the validity (argmax's rule)
+    first = torch.where(is_valid.any(dim=1), is_valid.to(torch.uint8).argmax(dim=1), seq)
+    q_pos = seq - 1
+    visible = torch.cumsum(is_valid.long(), dim=1).gather(1, q_pos[:, None])[:, 0]
+
+    n_pools = s_rows // kpool
+    rows = first[:, None, None] + torch.arange(n_pools * kpool, device=device).view(1, n_pools, kpool)
+    safe = rows.clamp(max=max(s_rows - 1, 0)).flatten(1)  # [N, P * kp]
+    slot_valid = (rows < seq[:, None, None]) & is_valid.gather(1, safe).view_as(rows)
+    pick = safe[..., None].expand(-1, -1, d)
+    logits = gate.gather(1, pick).view(n, n_pools, kpool, d).float() + ape.float()[None, None]
+    logits = logits.masked_fill(~slot_valid[..., None], float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(logits, dim=2)).to(k_normed.dtype)
+    keys = (probs * k_normed.gather(1, pick).view(n, n_pools, kpool, d)).sum(dim=2)  # [N, P, d]
+    out = torch.full((n, out_width), -1, dtype=torch.long, device=device)
+    select_k = min(topk // kpool, n_pools)
+    if select_k:
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(1, 2)) * d ** -0.5)  # [N, H, P]
+        index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [N, P]
+        selectable = slot_valid.all(dim=2) & (rows[..., -1] <= q_pos[:, None])
+        index = index.masked_fill(~selectable, torch.finfo(index.dtype).min)
+        picks = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :select_k]
+        picked = rows.gather(1, picks[..., None].expand(-1, -1, kpool))  # [N, select_k, kp]
+        picked = picked.masked_fill(~selectable.gather(1, picks)[..., None], -1)
+        out[:, :select_k * kpool] = picked.flatten(1)
+    if select_tail and kpool > 1:
+        tail = visible % kpool
+        offsets = torch.arange(kpool - 1, device=device)
+        tail_rows = (first + visible - tail)[:, None] + offsets
+        safe_tail = tail_rows.clamp(max=s_rows - 1)
+        keep = (offsets[None] < tail[:, None]) & (tail_rows < seq[:, None]) & is_valid.gather(1, safe_tail) \
+            & (tail_rows <= q_pos[:, None])
+        out[:, select_k * kpool:select_k * kpool + kpool - 1] = tail_rows.masked_fill(~keep, -1)
+    own = is_valid.gather(1, q_pos[:, None])
+    return out.masked_fill(~own, -1).to(torch.int32)
+
+
 def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Read a selection [Q, W] as a set per query: bool [Q, kv_len], True at every selected row.
     -1 entries, out-of-range entries and duplicates are ignored."""

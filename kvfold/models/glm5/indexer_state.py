@@ -144,6 +144,19 @@ class Glm5NextDsaState:
         self._valid: torch.Tensor | None = torch.zeros(self._capacity, dtype=torch.uint8, device=self.device)
 
     @classmethod
+    def over(cls, max_context: int, index_kpool: int, k_normed: torch.Tensor, gate: torch.Tensor,
+             valid: torch.Tensor) -> Glm5NextDsaState:
+        """A state whose rows live in buffers owned elsewhere (a slot of a `SlotArena`): k_normed
+        and gate [rows, d] of the state dtype, valid [rows] uint8, zeroed, rows >= the capacity."""
+        st = cls.__new__(cls)
+        st._capacity, st._d = dsa_capacity(max_context, index_kpool), k_normed.shape[1]
+        st.dtype = st.key_dtype = gate.dtype
+        st.device = gate.device
+        st._len, st._released = 0, False
+        st._k_normed, st._gate, st._valid = (t[:st._capacity] for t in (k_normed, gate, valid))
+        return st
+
+    @classmethod
     def alloc(cls, cfg: Glm5NextDsaConfig, *, dtype: torch.dtype = torch.bfloat16,
               device: torch.device | str | None = None, key_dtype: torch.dtype | None = None) -> Glm5NextDsaState:
         """Reserve for the whole addressable context: the cap, not the prompt, sizes the state

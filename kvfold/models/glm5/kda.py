@@ -190,24 +190,37 @@ class KdaAttention(nn.Module):
         KDA_CHUNK tokens). Neither input is modified. Returns (out [T, hidden], KdaStep), the step
         keeping the recurrent states at the chunk starts `keep_at` (token indices)."""
         t = x.shape[0]
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3C]
-        full = torch.cat([conv_state.to(mixed.dtype), mixed])  # [K-1+T, 3C]
+        full = torch.cat([conv_state.to(x.dtype), self.mixed(x)])  # [K-1+T, 3C]
+        q, k, v, g, beta = self.recurrence_inputs(x, full)
+        starts = kda_chunk_starts(t) if starts is None else list(starts)
+        o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), starts=starts, keep_at=keep_at)
+        return self.output(x, o), KdaStep(k, v, g, beta, full, starts, s, kept)
+
+    def mixed(self, x: torch.Tensor) -> torch.Tensor:
+        """The pre-conv rows [T, 3C] of x [T, hidden]: the q, k and v projections side by side."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def recurrence_inputs(self, x: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, g, beta) of x's T rows, fp32 and contiguous, from the conv inputs `full`
+        [..., K-1+T, 3C] (the conv state, then the rows' pre-conv rows; a leading dim of one
+        sequence per row gives each row its own, with T = 1)."""
+        t = x.shape[0]
         w = self.conv_weight()
-        win = full.float().unfold(0, self.kw, 1)  # [T, 3C, K]: taps of token t are full[t .. t+K-1]
+        win = full.float().unfold(-2, self.kw, 1)  # [..., T, 3C, K]: taps of token t are full[t .. t+K-1]
         taps = win[..., 0] * w[:, 0]  # the K taps summed in order: elementwise IEEE ops, exact in any kernel
         for j in range(1, self.kw):
             taps = taps + win[..., j] * w[:, j]
         conv = unary("silu", taps).to(x.dtype)
-        q, k, v = (z.float().view(t, self.nh, self.dk) for z in conv.split(self.c, dim=-1))
+        q, k, v = (z.float().reshape(t, self.nh, self.dk) for z in conv.split(self.c, dim=-1))
         q = l2norm(q) * self.dk ** -0.5
         # contiguous, as the replay's copies are: the recurrence sees the same tensors either way
         k, v = l2norm(k).contiguous(), v.contiguous()
         g = self.forget_gate(x).contiguous()
         beta = unary("sigmoid", self.b_proj(x).float()).contiguous()
-        starts = kda_chunk_starts(t) if starts is None else list(starts)
-        o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), starts=starts, keep_at=keep_at)
+        return q, k, v, g, beta
 
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.nh, self.dk)
-        y = self.o_norm(o.to(x.dtype), gate).reshape(t, self.c)
-        out = self.o_proj(y)
-        return out if self.tp is None else self.tp.all_reduce_sum(out), KdaStep(k, v, g, beta, full, starts, s, kept)
+    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The layer's output [T, hidden] from the recurrence's o [T, H, dv]: gated norm, o_proj."""
+        gate = self.g_b_proj(self.g_a_proj(x)).view(x.shape[0], self.nh, self.dk)
+        out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(x.shape[0], self.c))
+        return out if self.tp is None else self.tp.all_reduce_sum(out)

@@ -124,9 +124,7 @@ class IndexedMLA(nn.Module):
         t = x.shape[0]
         if dsa is not None:
             dsa.ensure_room(t)  # the seed's writer rule: before anything is computed or written
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(t, self.nh, self.dn)
-        c = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        q_resid, q, c = self.project(x)
         latent[start:start + t] = e4m3_saturate(c) if latent.dtype == KV_FP8 else c
         if self.indexer is not None:
             k, gate = self.indexer.rows(x)
@@ -136,8 +134,7 @@ class IndexedMLA(nn.Module):
         else:
             sel = prev_sel
         seq = start + t
-        wkv = matmul_weight(self.kv_b_proj.weight).view(self.nh, self.dn + self.dv, self.lat)  # FP8: decoded here
-        w_uk, w_uv = wkv[:, :self.dn], wkv[:, self.dn:]
+        w_uk, w_uv = self.absorbed()
         q_lat = torch.einsum("thd,hdl->thl", q, w_uk.to(q.dtype))  # [T, H, lat]
         rows, valid = _selected_rows(sel, seq)  # [T, W] each query's distinct selected rows
         pooled = torch.empty_like(q_lat)
@@ -145,11 +142,30 @@ class IndexedMLA(nn.Module):
         block = max(1, _GATHER_BUDGET // max(1, rows.shape[1] * self.lat))
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
-            keys = latent[rows[b0:b1]].to(q_lat.dtype)  # [b, W, lat]
-            scores = torch.bmm(q_lat[b0:b1], keys.transpose(1, 2)) * self.scale  # [b, H, W]
-            scores = scores.masked_fill(~valid[b0:b1, None, :], torch.finfo(scores.dtype).min)
-            p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            pooled[b0:b1] = torch.bmm(p, keys.to(p.dtype))  # [b, H, lat]
+            pooled[b0:b1] = self.pool_latent(q_lat[b0:b1], latent[rows[b0:b1]], valid[b0:b1])
+        return self.output(pooled, w_uv), sel
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token-parallel: (q_resid [T, q_lora], q [T, H, dn], latent rows c [T, kv_lora])."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(x.shape[0], self.nh, self.dn)
+        return q_resid, q, self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, dn, lat], W_UV [H, dv, lat]) of kv_b_proj (FP8: decoded here)."""
+        wkv = matmul_weight(self.kv_b_proj.weight).view(self.nh, self.dn + self.dv, self.lat)
+        return wkv[:, :self.dn], wkv[:, self.dn:]
+
+    def pool_latent(self, q_lat: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Each query's softmax over its latent rows keys [b, W, lat] (valid [b, W]): [b, H, lat]."""
+        keys = keys.to(q_lat.dtype)
+        scores = torch.bmm(q_lat, keys.transpose(1, 2)) * self.scale  # [b, H, W]
+        scores = scores.masked_fill(~valid[:, None, :], torch.finfo(scores.dtype).min)
+        p = torch.softmax(scores.float(), dim=-1).to(q_lat.dtype)
+        return torch.bmm(p, keys.to(p.dtype))
+
+    def output(self, pooled: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """Token-parallel: W_UV on the pooled latents [T, H, lat], then o_proj: [T, hidden]."""
         o = torch.einsum("thl,hvl->thv", pooled, w_uv.to(pooled.dtype))
-        y = self.o_proj(o.reshape(t, self.nh * self.dv))
-        return (y if self.tp is None else self.tp.all_reduce_sum(y)), sel
+        y = self.o_proj(o.reshape(pooled.shape[0], self.nh * self.dv))
+        return y if self.tp is None else self.tp.all_reduce_sum(y)

@@ -22,6 +22,7 @@ from ...layers.rows import RowBatch
 from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
+from ...state.arena import SlotArena
 from ...state.pages import LATENT, PagePool, PoolSpec
 from ..base import Capabilities, CausalLM, Embedding
 from ...parallel import check_divides
@@ -173,7 +174,8 @@ class Glm5Model(CausalLM):
                         kv_fp8=fp8 is not None)
 
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, *,
-                  pages: PagePool | None = None, prefix_pages: list[int] | None = None) -> Glm5State:
+                  pages: PagePool | None = None, prefix_pages: list[int] | None = None,
+                  arena: SlotArena | None = None) -> Glm5State:
         """Reserve every buffer of one sequence for `capacity` tokens (never grown later);
         the KDA layers keep one state plus the inputs of the tokens a rewind of up to `max_rewind`
         tokens replays (see state.py).
@@ -186,15 +188,23 @@ class Glm5Model(CausalLM):
         same kv_dtype), ceil(capacity / page_tokens) pages taken up front and returned on `free()`;
         `prefix_pages`: the first pages taken by reference from another holder, after which the
         state must restore the snapshot taken at their end (`snapshot(pools=False)`) before it runs.
-        The indexer rows stay flat per sequence (`Glm5NextDsaState`). Refusals allocate nothing."""
+        The indexer rows stay flat per sequence (`Glm5NextDsaState`). `arena`: hold the KDA states
+        and the indexer rows in a free slot of that `SlotArena` (from `new_decode_arena`, with its
+        `pages`), where a captured decode graph reads them (graph_step.py). Refusals allocate nothing."""
         if capacity < 1 or max_rewind < 0:
             raise CapacityError(f"capacity must be >= 1 and max_rewind >= 0 (got {capacity}, {max_rewind})")
         fp8 = kv_storage(kv_dtype)
         cfg, dev, dt = self.config, self.device, self.dtype
         if pages is None and prefix_pages:
             raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
+        if arena is not None:
+            if fp8 is not None:
+                raise ConfigError("a state in a SlotArena stores its KV in the model dtype; use kv_dtype=None")
+            arena.check_fits(capacity, max_rewind, pages, self.fingerprint)
         table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=dt, device=dev,
                                  kv_fp8=fp8 is not None) if pages is not None else []
+        slot = arena.take() if arena is not None else None
+        held = (lambda key, make: arena.buffer(key, slot)) if arena is not None else (lambda key, make: make())
         memo: dict = {}
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kp = max(cfg.index_kpool, 1)
@@ -205,22 +215,58 @@ class Glm5Model(CausalLM):
                 nh, dk = self.kda_heads, cfg.linear_head_dim
                 c3 = 3 * nh * dk
                 layers.append(KdaLayerState(
-                    conv=torch.zeros(cfg.linear_conv_kernel_dim - 1, c3, dtype=dt, device=dev),
-                    rec=torch.zeros(nh, dk, dk, dtype=torch.float32, device=dev),
+                    conv=held((i, "conv"), lambda: torch.zeros(cfg.linear_conv_kernel_dim - 1, c3, dtype=dt,
+                                                               device=dev)),
+                    rec=held((i, "rec"), lambda: torch.zeros(nh * dk, dk, dtype=torch.float32,
+                                                             device=dev)).view(nh, dk, dk),
                     k=torch.zeros(n_in, nh, dk, dtype=torch.float32, device=dev),
                     g=torch.zeros(n_in, nh, dk, dtype=torch.float32, device=dev),
                     v=torch.zeros(n_in, nh, dk, dtype=dt, device=dev),
                     beta=torch.zeros(n_in, nh, dtype=dt, device=dev),
                     mixed=torch.zeros(n_mix, c3, dtype=dt, device=dev)))
             else:
-                dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8) \
-                    if cfg.indexer_types[i] == "full" else None
+                dsa = None
+                if cfg.indexer_types[i] == "full" and arena is not None:
+                    dsa = Glm5NextDsaState.over(dsa_cap, kp, *(arena.buffer((i, part), slot)
+                                                               for part in ("dsa_k", "dsa_gate")),
+                                                arena.buffer((i, "dsa_valid"), slot)[:, 0])
+                elif cfg.indexer_types[i] == "full":
+                    dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8)
                 latent = pages.view(i, LATENT, table, capacity, memo) if pages is not None else \
                     torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev)
                 layers.append(MlaLayerState(latent=latent, dsa=dsa))
-        return Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
-                         device=dev, dtype=dt, kv_fp8=fp8 is not None, tp=self.tp, pages=pages, page_table=table,
-                         prefix_tokens=len(prefix_pages or []) * self.page_tokens if pages is not None else 0)
+        state = Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
+                          device=dev, dtype=dt, kv_fp8=fp8 is not None, tp=self.tp, pages=pages, page_table=table,
+                          prefix_tokens=len(prefix_pages or []) * self.page_tokens if pages is not None else 0,
+                          arena=arena, slot=slot)
+        if arena is not None:
+            arena.bind(slot, state)
+        return state
+
+    # ---- a decode step a CUDA graph captures (graph_step.py; engine/graphs.py replays it) -------
+    def new_decode_arena(self, slots: int, capacity: int, pages: PagePool, max_rewind: int = 0) -> SlotArena:
+        """Fixed-address KDA states and indexer rows for `slots` states of up to `capacity` tokens
+        whose latent rows live in `pages`: what a captured decode graph reads (graph_step.py)."""
+        from .graph_step import arena_specs
+        if max_rewind:
+            raise ConfigError("GLM-5.3's graph decode holds each KDA state at its position only (max_rewind 0); "
+                              "it does not run with speculative decoding")
+        kp = max(self.config.index_kpool, 1)
+        return SlotArena(arena_specs(self.config, self.dtype, self.kda_heads, -(-capacity // kp) * kp), slots,
+                         pages, capacity=capacity, max_rewind=0, fingerprint=self.fingerprint)
+
+    def graph_unsupported(self) -> str | None:
+        """Why `decode_graph_step` cannot run this model, or None."""
+        from .graph_step import graph_unsupported
+        return graph_unsupported(self)
+
+    def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+                          slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
+        """One token per arena slot, shapes fixed by the inputs' length and `context` (a bound on
+        every position + 1): logits [N, vocab] fp32. No checks and no cursor moves: the caller
+        (engine/graphs.py) does both."""
+        from .graph_step import decode_step
+        return decode_step(self, arena, tokens, positions, slots, context)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -237,6 +237,14 @@ class Glm5State(SequenceState):
         for dsa in dsas:
             dsa.sync_to(seq_len, k)
 
+    def after_decode_step(self) -> None:
+        """SequenceState.after_decode_step; the indexer states' counters go where decode would have
+        left them (the seed's `sync_to`), and the KDA state held is the one at the new position (a
+        graph step runs at max_rewind 0: no inputs are kept to replay)."""
+        self._dsa_sync(self.pos, 1)
+        super().after_decode_step()
+        self.kda_base, self.kda_cuts, self.kda_mix_low = self.pos, [], self.pos
+
     def start_at(self, n: int) -> None:
         """SequenceState.start_at; the indexer states advance over n rows that stay zero (valid 0:
         padding, which no selection reads) and the KDA base is n."""

@@ -1,0 +1,151 @@
+"""GLM-5.3's graph-decode step (models/glm5/graph_step.py): it agrees with the forward at every
+cursor kind (KDA states, k-pool and page boundaries, a prefix hit), issues the same ops on the same
+buffers at every cursor without a host sync, and serves the engine's requests as the forward does;
+what it cannot run is refused."""
+import pytest
+import torch
+
+from kvfold import Engine, SamplingParams
+from kvfold.engine.graphs import DecodeGraphs
+from kvfold.errors import ConfigError
+from kvfold.models.glm5.config import glm5_config_from_dict
+from kvfold.models.glm5.model import Glm5Model
+from kvfold.numerics import native
+
+from helpers import random_ids
+from test_gpu_check import _script
+from test_graph_decode import _Trace
+
+CAP = 300
+
+
+@pytest.fixture(scope="module")
+def glm():
+    """The tiny GLM-5.3 of bench/gpu_check.py (KDA, full and shared DSA layers, dense and routed
+    MLPs, k-pools of 4), random weights at O(1) activations, the byte tokenizer of tiny-random."""
+    import kvfold
+    gc = _script()
+    model = Glm5Model(glm5_config_from_dict(gc.GLM_TINY))
+    gc.glm_random_(model, 0)
+    model.set_batch_invariant(False)
+    model.tokenizer = kvfold.load_model("tiny-random").tokenizer
+    return model
+
+
+def test_a_glm_graph_step_is_as_accurate_as_the_forward_at_every_cursor(glm):
+    """Sequences at position 1 (one row), inside the first k-pool, past a few pools (restored to
+    a snapshot after 30 more tokens, whose rows stay in its slot), across the first page (128),
+    and a prefix hit (its first page by reference): over 40 steps, the graph
+    step's logits are as close to a float64 evaluation of the same model as the forward's are
+    (within twice the forward's worst error: each is one fp32 evaluation of the same formulas; a
+    wrong row, mask or selection would be off by orders of magnitude more). So is what the
+    forward computes next from the state the graph steps left, against the forward's own."""
+    g64 = Glm5Model(glm.config, dtype=torch.float64)
+    g64.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in glm.state_dict().items()})
+    g64.set_batch_invariant(False)
+    pool = glm.new_page_pool(48)
+    arena = glm.new_decode_arena(6, CAP, pool)
+    vocab = glm.config.vocab_size
+    runs = []  # (arena state, fp32 forward state, float64 state)
+    for n in (1, 3, 9, 126, 200):
+        ids = random_ids(n, vocab, seed=n)
+        run = (glm.new_state(capacity=CAP, pages=pool, arena=arena), glm.new_state(capacity=CAP, pages=pool),
+               g64.new_state(capacity=CAP))
+        for model, st in zip((glm, glm, g64), run):
+            model.forward(ids, st)
+        runs.append(run)
+    donor = runs[-1]
+    hit = glm.new_state(capacity=CAP, pages=pool, arena=arena, prefix_pages=donor[1].share_prefix(128))
+    hit.restore(donor[1].snapshot(pools=False))
+    twin, twin64 = glm.new_state(capacity=CAP, pages=pool), g64.new_state(capacity=CAP)
+    twin.restore(donor[1].snapshot())
+    g64.forward(random_ids(200, vocab, seed=200), twin64)
+    runs.append((hit, twin, twin64))
+    back = runs[2][0]  # restored to an earlier snapshot: its slot holds indexer rows past its length
+    blob = back.snapshot()
+    glm.forward(random_ids(30, vocab, seed=30), back)
+    back.restore(blob)
+    graphs = DecodeGraphs(glm, arena, 6)
+    g = torch.Generator().manual_seed(5)
+    worst_graph = worst_forward = 0.0
+    for _ in range(40):
+        toks = torch.randint(0, vocab, (len(runs),), generator=g)
+        got = graphs.step([(int(t), a) for t, (a, _, _) in zip(toks, runs)])
+        want = torch.cat(glm.forward_batch([(t[None], b) for t, (_, b, _) in zip(toks, runs)]))
+        exact = torch.cat(g64.forward_batch([(t[None], c) for t, (_, _, c) in zip(toks, runs)]))
+        worst_graph = max(worst_graph, (got.double() - exact).abs().max().item())
+        worst_forward = max(worst_forward, (want.double() - exact).abs().max().item())
+    assert 0 < worst_graph <= 2 * worst_forward
+    later_graph = later_forward = 0.0
+    for a, b, c in runs:
+        assert a.pos == b.pos == c.pos and a.kda_base == a.pos and all(d.len == a.pos for d in a._dsa_states())
+        ids = random_ids(6, vocab, seed=a.pos)
+        exact = g64.forward(ids, c)
+        later_graph = max(later_graph, (glm.forward(ids, a).double() - exact).abs().max().item())
+        later_forward = max(later_forward, (glm.forward(ids, b).double() - exact).abs().max().item())
+    assert 0 < later_graph <= 2 * later_forward
+
+
+def test_a_glm_graph_step_issues_the_same_ops_on_the_same_buffers_and_never_syncs(glm):
+    """As DeepSeek-V4's (tests/test_graph_decode.py): the same ops, shapes, strides and persistent
+    buffers at other cursors and slots (with a padding row), no value read back to the host."""
+    pool = glm.new_page_pool(20)
+    arena = glm.new_decode_arena(3, CAP, pool)
+    vocab = glm.config.vocab_size
+    states = []
+    for n in (2, 7, 140):
+        st = glm.new_state(capacity=CAP, pages=pool, arena=arena)
+        glm.forward(random_ids(n, vocab, seed=n), st)
+        states.append(st)
+    tokens, positions, slots = (torch.zeros(3, dtype=torch.long) for _ in range(3))
+    persistent = arena.tensors() + list(glm.parameters()) + list(glm.buffers()) + [tokens, positions, slots]
+    traces = []
+    with native.use_native(False), torch.inference_mode():
+        for rows in ([0, 1, 2], [2, 0, 1], [1, None, 0]):
+            for i, r in enumerate(rows):
+                tokens[i], positions[i] = 5 * i + 2, 0 if r is None else states[r].pos
+                slots[i] = arena.scratch if r is None else states[r].slot
+            trace = _Trace(persistent)
+            with trace:
+                glm.decode_graph_step(arena, tokens, positions, slots, 256)
+            traces.append(trace)
+            for r in rows:
+                if r is not None:
+                    states[r].after_decode_step()
+    assert len(traces[0].ops) > 100
+    assert all(t.syncs == [] for t in traces)
+    assert all(t.ops == traces[0].ops for t in traces[1:])
+
+
+def test_glm_graph_decode_in_the_engine_gives_the_forward_engines_tokens(glm):
+    """More requests than slots, one cancelled mid-decode, two sharing a cached 128-token prefix:
+    the same greedy tokens as the engine without graphs, no stale capture, every slot free."""
+    vocab = glm.config.vocab_size
+    shared = random_ids(128, vocab, seed=1).tolist()
+    prompts = [random_ids(5, vocab, seed=2).tolist(), shared + [3, 4, 5], random_ids(60, vocab, seed=3).tolist(),
+               shared + [7, 8], random_ids(140, vocab, seed=4).tolist()]
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(glm, max_seq_len=CAP, max_running=3, decode_graphs=graphs, batch_invariant=False)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts]
+        out, steps = {}, 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps += 1
+            if steps == 6:
+                engine.cancel(ids[2])
+        runs[graphs] = ([out.get(i, []) for i in ids], engine.metrics(), engine)
+    (want, m_want, _), (got, m, engine) = runs[False], runs[True]
+    assert got == want and len(got[2]) < 20
+    assert m["prefix_cache_hits"] == m_want["prefix_cache_hits"] >= 1
+    assert m["graph_steps"] >= 20 and m["graph_recaptures"] == 0 and engine.arena.free_slots == 3
+
+
+def test_glm_graph_decode_refuses_what_it_cannot_run(glm):
+    """Speculative decoding (KDA states held only at their position) and FP8 KV in the arena."""
+    with pytest.raises(ConfigError, match="max_rewind 0"):
+        Engine(glm, max_seq_len=CAP, decode_graphs=True, batch_invariant=False, speculative="ngram")
+    pool = glm.new_page_pool(4, kv_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        glm.new_state(capacity=CAP, pages=pool, kv_dtype="fp8", arena=glm.new_decode_arena(1, CAP, pool))
