@@ -27,6 +27,9 @@ MOVED_AT_ONCE = {("models/base.py", "as_token_ids"), ("state/blob.py", "_section
                  ("state/pages.py", "__init__"), ("state/kv_rows.py", "kv_row_bytes")}
 # the engine chooses tokens on the host, from cpu_logits' copy (decoding/logits.py), by design
 ON_THE_HOST = {("decoding/logits.py", "__init__"), ("decoding/sampling.py", "draw")}
+# graph decode: a step's tokens, positions and slots, gathered on the host and copied into the
+# graph's device inputs at once
+GRAPH_INPUTS = {("engine/graphs.py", "step")}
 
 
 class DevicelessFactories(TorchFunctionMode):
@@ -74,4 +77,21 @@ def test_the_engine_drives_a_model_without_making_tensors_off_its_device():
         engine = Engine(model, max_seq_len=256, max_running=4, batch_invariant=False)
         outs = engine.generate([gpu_check.prompt(model, 20, seed) for seed in range(3)], params)
     assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert not lint.sites, "tensors made off the model's device: " + ", ".join(lint.sites)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next"])
+def test_graph_decode_makes_every_tensor_on_the_model_s_device(family):
+    """The engine's graph decode (engine/graphs.py, models/*/graph_step.py): the arena, the
+    buckets' inputs and every step, on the torch path a CUDA model takes."""
+    from kvfold import Engine, SamplingParams
+    model, _ = gpu_check.tiny_pair(family, torch.float32, torch.device("cpu"))
+    model.set_batch_invariant(False)
+    model.tokenizer = __import__("kvfold").load_model("tiny-random").tokenizer
+    lint = DevicelessFactories(MOVED_AT_ONCE | ON_THE_HOST | GRAPH_INPUTS)
+    with native.use_native(False), lint:
+        engine = Engine(model, max_seq_len=256, max_running=3, batch_invariant=False, decode_graphs=True)
+        outs = engine.generate([gpu_check.prompt(model, 20 + 7 * seed, seed) for seed in range(3)],
+                               SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6] and engine.metrics()["graph_steps"] >= 5
     assert not lint.sites, "tensors made off the model's device: " + ", ".join(lint.sites)

@@ -144,8 +144,11 @@ def test_glm_graph_decode_in_the_engine_gives_the_forward_engines_tokens(glm):
 
 def test_glm_graph_decode_refuses_what_it_cannot_run(glm):
     """Speculative decoding (KDA states held only at their position) and FP8 KV in the arena."""
+    glm.set_batch_invariant(True)
     with pytest.raises(ConfigError, match="max_rewind 0"):
-        Engine(glm, max_seq_len=CAP, decode_graphs=True, batch_invariant=False, speculative="ngram")
+        Engine(glm, max_seq_len=CAP, decode_graphs=True, speculative="ngram")
+    assert glm.batch_invariant  # a refused engine leaves the model's mode as it was
+    glm.set_batch_invariant(False)
     pool = glm.new_page_pool(4, kv_dtype="fp8")
     with pytest.raises(ConfigError, match="kv_dtype"):
         glm.new_state(capacity=CAP, pages=pool, kv_dtype="fp8", arena=glm.new_decode_arena(1, CAP, pool))

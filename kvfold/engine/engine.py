@@ -68,10 +68,11 @@ class Engine:
         request's distribution. `decode_graphs`: run decode-only steps as the model's capturable
         decode step, replayed from one CUDA graph per batch bucket on a CUDA model (graphs.py;
         on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
-        It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4,
-        numerics "hf", plain expert stacks) outside batch-invariant mode (batch_invariant=None
-        leaves it off then): ConfigError otherwise. Its rows agree with the forward's to
-        rounding, not bit for bit."""
+        It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
+        or GLM-5.3, numerics "hf", plain expert stacks; GLM-5.3 without `speculative`) outside
+        batch-invariant mode (batch_invariant=None leaves it off then): ConfigError otherwise,
+        with the model's mode as it was. Its rows agree with the forward's to rounding, not bit
+        for bit."""
         if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
             raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
         if max_batch_tokens < max_running:
@@ -97,6 +98,7 @@ class Engine:
             from ..errors import ConfigError
             raise ConfigError("decode_graphs runs torch's kernels, which promise no batch invariance; "
                               "use batch_invariant=False or None with it")
+        invariant_before = model.batch_invariant
         model.set_batch_invariant(batch_invariant)
         self.tokenizer = model.tokenizer
         self.max_seq_len = max_seq_len
@@ -112,7 +114,11 @@ class Engine:
                                 extra=1 if decode_graphs else 0)  # the arena's scratch page
         self.arena = self.graphs = None
         if decode_graphs:
-            self._start_graphs(max_running, max_seq_len)
+            try:
+                self._start_graphs(max_running, max_seq_len)
+            except Exception:  # refused: the model as it was
+                model.set_batch_invariant(invariant_before)
+                raise
         root = f"{model.fingerprint}/{model.dtype}".encode()
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root, self.pages) \
             if prefix_cache_bytes else None
@@ -130,8 +136,7 @@ class Engine:
             raise ConfigError("decode_graphs reads the compressed pools through the shared page pool; "
                               "leave kv_page_bytes at None or > 0 (a model with the `pages` capability)")
         if not hasattr(self.model, "new_decode_arena"):
-            raise ConfigError(f"{type(self.model).__name__} has no capturable decode step (graph decode "
-                              f"serves DeepSeek-V4); use decode_graphs=False")
+            raise ConfigError(f"{type(self.model).__name__} has no capturable decode step; use decode_graphs=False")
         why = self.model.graph_unsupported()
         if why is not None:
             raise ConfigError(why)

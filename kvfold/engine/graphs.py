@@ -1,13 +1,14 @@
 """Decode steps replayed from CUDA graphs: one graph per bucket, captured once.
 
-A decode-only step of n sequences runs the model's capturable decode step
-(models/deepseek_v4/graph_step.py, models/glm5/graph_step.py) in the smallest batch bucket that holds n, and the smallest
-context bucket (a power of two from CONTEXT_MIN, at most the arena's capacity) above every
-row's position: the step's shapes, and so the pool entries its indexer and HCA read, follow the
-context bucket, not the arena's capacity. The rows past n are padding in the arena's scratch slot. The graph's inputs are static device tensors: tokens,
-positions and arena slots, refilled before each replay. Its state is the `SlotArena`, whose
-tensors never move. So admission, cancellation, rewind and prefix hits change only what the
-inputs and the page tables hold, and the captured graphs stay valid.
+A decode-only step of n sequences runs the model's capturable decode step (graph_step.py of
+models/deepseek_v4 and models/glm5) in a bucket: the smallest batch size that holds n, and the
+smallest context bound (a power of two from CONTEXT_MIN, at most the arena's capacity) above
+every row's position. The step's shapes, and so the pool entries its indexer and HCA read,
+follow the context bound, not the arena's capacity. The rows past n are padding in the arena's
+scratch slot. The graph's inputs are static device tensors (tokens, positions and arena slots),
+refilled before each replay. Its state is the `SlotArena`, whose tensors never move. So
+admission, cancellation, rewind and prefix hits change only what the inputs and the page tables
+hold, and the captured graphs stay valid.
 
 What could make a graph stale is a tensor it captured being replaced: a weight reassigned or
 loaded anew, the page pool's storage, the arena's rings. Before every replay `signature()` is
@@ -59,7 +60,7 @@ class DecodeGraphs:
         self.model, self.arena, self.step_fn = model, arena, step
         self.capture = arena.device.type == "cuda"
         self.buckets = buckets_for(max_batch)
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, int], _Bucket] = {}  # (batch size, context bound)
         self._pool = None  # the graphs' shared CUDA memory pool
         self.captures = self.recaptures = self.replays = self.steps = 0  # replays: on CUDA, every step
         self.capture_errors: list[str] = []

@@ -151,8 +151,8 @@ def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: ArenaRows, key: tup
 
 def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage: torch.Tensor, per: int
             ) -> torch.Tensor:
-    """Indexer.select for one query per sequence over every entry its pages can hold, the
-    invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
+    """Indexer.select for one query per sequence over every entry below the step's context
+    bound, the invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
     n_entries = rows.n_entries(indexer.ratio, per)
     entries = torch.arange(n_entries, device=q.device)
     keys = storage[rows.entry_rows(entries.expand(q.shape[0], -1), per)]  # [N, E, d]
