@@ -111,7 +111,7 @@ def test_a_glm_graph_step_issues_the_same_ops_on_the_same_buffers_and_never_sync
             traces.append(trace)
             for r in rows:
                 if r is not None:
-                    states[r].after_decode_step()
+                    states[r].after_graph_step(1)
     assert len(traces[0].ops) > 100
     assert all(t.syncs == [] for t in traces)
     assert all(t.ops == traces[0].ops for t in traces[1:])

@@ -291,10 +291,10 @@ def test_graph_decode_refuses_what_it_cannot_run():
     assert [wide.context_bucket(n) for n in (1, 256, 257, 1025, 2999)] == [256, 256, 512, 2048, 3000]
 
 
-def test_graph_decode_continues_exactly_where_speculative_verify_rewound():
-    """With n-gram drafts, verify steps (several rows a sequence) run the forward and rewind the
-    rejected tokens; decode-only steps in between replay graphs on those rewound states. Greedy
-    tokens are the forward engine's; both kinds of step ran."""
+def test_graph_decode_verifies_drafts_and_continues_where_the_rejected_ones_were_rewound():
+    """With n-gram drafts, verify steps (a sequence's last token and its drafts, several rows)
+    run as graph steps too; the engine rewinds the rejected tokens and the next steps continue
+    there. Greedy tokens are the forward engine's."""
     model = kvfold.load_model("tiny")
     text = long_ids(model, 400, "repeat")  # repeated lines: the n-gram drafter finds matches
     prompts = [text[:n] for n in (90, 150, 60)]
@@ -306,7 +306,8 @@ def test_graph_decode_continues_exactly_where_speculative_verify_rewound():
         runs[graphs] = ([o.token_ids for o in out], engine.metrics())
     (want, _), (got, m) = runs[False], runs[True]
     assert got == want
-    assert 0 < m["graph_steps"] < m["steps"] and m["graph_recaptures"] == 0  # both kinds of step ran
+    assert 0 < m["graph_steps"] < m["steps"] and m["graph_recaptures"] == 0  # prefills ran the forward
+    assert m["graph_draft_rows"] > 0
     assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]  # drafts were rejected: states rewound
 
 
@@ -376,3 +377,37 @@ def test_graph_decode_serves_the_choices_of_one_prompt_from_forked_states():
     (want, _), (got, engine) = runs[False], runs[True]
     assert got == want and len({tuple(t) for t in got}) == 3
     assert engine.metrics()["graph_steps"] >= 19 and engine.arena.free_slots == 4
+
+
+def test_a_graph_step_of_several_rows_a_sequence_is_the_forwards_verify_chunk(model):
+    """Rows of four consecutive positions for each sequence (max_rewind 3), across window closes
+    of both ratios and the ring's wrap: logits within the two-paths bound of the forward's chunk,
+    rewinds afterwards as after the forward; more rows than the rings' slack are refused."""
+    pool = model.new_page_pool(40)
+    arena = model.new_decode_arena(3, CAP, pool, max_rewind=3)
+    vocab = model.config.vocab_size
+    pairs = []
+    for n in (2, 29, 125):
+        ids = random_ids(n, vocab, seed=n)
+        a = model.new_state(capacity=CAP, max_rewind=3, pages=pool, arena=arena)
+        b = model.new_state(capacity=CAP, max_rewind=3, pages=pool)
+        model.forward(ids, a)
+        model.forward(ids, b)
+        pairs.append((a, b))
+    graphs = DecodeGraphs(model, arena, 12)
+    g = torch.Generator().manual_seed(8)
+    for step in range(6):
+        toks = torch.randint(0, vocab, (len(pairs), 4), generator=g)
+        got = graphs.step([(t.tolist(), a) for t, (a, _) in zip(toks, pairs)])
+        want = torch.cat(model.forward_batch([(t, b) for t, (_, b) in zip(toks, pairs)], last_only=False))
+        assert got.shape == (12, vocab)
+        assert (got - want).abs().max().item() <= fp32_paths_bound(want, model.config.num_hidden_layers)
+        for a, b in pairs:  # keep one or two of the four, as a verify does
+            back = a.pos - 3 + step % 2
+            a.rewind_to(back)
+            b.rewind_to(back)
+    a = pairs[0][0]
+    before = (a.pos, [t.clone() for t in arena.tensors()])
+    with pytest.raises(CapacityError, match="max_rewind"):
+        graphs.step([([1, 2, 3, 4, 5], a)])
+    assert a.pos == before[0] and all(torch.equal(x, y) for x, y in zip(before[1], arena.tensors()))

@@ -65,8 +65,8 @@ class Engine:
         `speculative`: None, "ngram" or "mtp" (the checkpoint's MTP layer; MtpUnavailableError
         without one): every decoding sequence drafts up to `num_draft` tokens a step, verified in
         the step's forward (speculation.py); greedy output is unchanged, sampling keeps each
-        request's distribution. `decode_graphs`: run decode-only steps as the model's capturable
-        decode step, replayed from one CUDA graph per batch bucket on a CUDA model (graphs.py;
+        request's distribution. `decode_graphs`: run steps of decode and verify rows (no prefill)
+        as the model's capturable step, replayed from one CUDA graph per bucket on a CUDA model (graphs.py;
         on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
         or GLM-5.3, numerics "hf", plain expert stacks; GLM-5.3 without `speculative`) outside
@@ -141,7 +141,7 @@ class Engine:
         if why is not None:
             raise ConfigError(why)
         self.arena = self.model.new_decode_arena(max_running, max_seq_len, self.pages, self.max_rewind)
-        self.graphs = DecodeGraphs(self.model, self.arena, max_running)
+        self.graphs = DecodeGraphs(self.model, self.arena, max_running * (self.max_rewind + 1))  # verify rows too
 
     def _state_kw(self) -> dict:
         """What every new state of this engine is made with (new_state's keywords)."""
@@ -341,9 +341,10 @@ class Engine:
         wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
         hidden = self.spec is not None and self.spec.needs_hidden
         try:
-            if self.graphs is not None and not hidden and all(seq.output and not seq.drafts for seq, _ in batch):
-                rows = self.graphs.step([(int(ids[0]), seq.state) for seq, ids in batch])  # decode rows only
-                out = list(rows[:, None, :].unbind(0))
+            if self.graphs is not None and not hidden and all(seq.output for seq, _ in batch):
+                # decode and verify rows only (no prefill): every row's logits, each sequence's in order
+                rows = self.graphs.step([(list(ids), seq.state) for seq, ids in batch])
+                out = list(rows.split([len(ids) for _, ids in batch]))
             else:
                 out = self.model.forward_batch(
                     [(ids, seq.state) for seq, ids in batch],
@@ -586,7 +587,7 @@ class Engine:
                                 "page_bytes_total", "page_bytes_used"), 0))
         if self.pages is not None:
             m.update(self.pages.stats())
-        m.update(dict.fromkeys(("graph_steps", "graph_captures", "graph_recaptures", "graph_replays", "graph_buckets",
+        m.update(dict.fromkeys(("graph_steps", "graph_draft_rows", "graph_captures", "graph_recaptures", "graph_replays", "graph_buckets",
                                 "graph_capture_errors"), 0))
         if self.graphs is not None:
             m.update(self.graphs.stats())

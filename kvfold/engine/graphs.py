@@ -5,8 +5,9 @@ models/deepseek_v4 and models/glm5) in a bucket: the smallest batch size that ho
 smallest context bound (a power of two from CONTEXT_MIN, at most the arena's capacity) above
 every row's position. The step's shapes, and so the pool entries its indexer and HCA read,
 follow the context bound, not the arena's capacity. The rows past n are padding in the arena's
-scratch slot. The graph's inputs are static device tensors (tokens, positions and arena slots),
-refilled before each replay. Its state is the `SlotArena`, whose tensors never move. So
+scratch slot. A sequence may bring several rows at consecutive positions (the last token and
+its drafts: a verify step), each a row of the step. The graph's inputs are static device tensors
+(tokens, positions and arena slots), refilled before each replay. Its state is the `SlotArena`, whose tensors never move. So
 admission, cancellation, rewind and prefix hits change only what the inputs and the page tables
 hold, and the captured graphs stay valid.
 
@@ -34,7 +35,7 @@ CONTEXT_MIN = 256
 
 
 def buckets_for(max_batch: int) -> list[int]:
-    """The batch sizes graphs are captured at: powers of two below `max_batch`, then max_batch."""
+    """The row counts graphs are captured at: powers of two below `max_batch`, then max_batch."""
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
 
 
@@ -52,6 +53,7 @@ class _Bucket:
 
 class DecodeGraphs:
     def __init__(self, model, arena, max_batch: int):
+        """`max_batch`: the most rows a step runs (the largest bucket)."""
         step = getattr(model, "decode_graph_step", None)
         why = model.graph_unsupported() if step is not None else \
             f"{type(model).__name__} has no capturable decode step"
@@ -63,13 +65,14 @@ class DecodeGraphs:
         self._buckets: dict[tuple[int, int], _Bucket] = {}  # (batch size, context bound)
         self._pool = None  # the graphs' shared CUDA memory pool
         self.captures = self.recaptures = self.replays = self.steps = 0  # replays: on CUDA, every step
+        self.draft_rows = 0  # rows past each sequence's first: drafts verified in graph steps
         self.capture_errors: list[str] = []
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
             if b >= n:
                 return b
-        raise CapacityError(f"a graph step takes at most {self.buckets[-1]} sequences, got {n}")
+        raise CapacityError(f"a graph step takes at most {self.buckets[-1]} rows, got {n}")
 
     def context_bucket(self, end: int) -> int:
         """The context bucket of a step whose positions are all below `end`."""
@@ -87,29 +90,37 @@ class DecodeGraphs:
 
     def check(self, pairs: list) -> None:
         """Every refusal of a step, before anything is written: each state must be live, in this
-        arena, with room for one more token, and must own the page its next token writes."""
+        arena, with room for its rows (at most max_rewind + 1: the rings' slack), and must own the
+        pages they write."""
         seen = set()
-        for _, st in pairs:
+        for ids, st in pairs:
             st.check_usable(self.model.fingerprint, self.model.device, self.model.dtype)
             if st.arena is not self.arena or self.arena.holders[st.slot] is not st:
                 raise StateMismatchError("graph decode runs states made in its arena: new_state(..., arena=arena)")
             if st.slot in seen:
                 raise StateMismatchError("a graph step got the same state twice; a state advances once per step")
             seen.add(st.slot)
-            if st.pos + 1 > st.capacity:
-                raise CapacityError(f"decode at pos {st.pos} would pass the state's capacity {st.capacity}")
-            page = st._next_page_shared()
+            t = len(ids)
+            if t < 1 or t > self.arena.max_rewind + 1:
+                raise CapacityError(f"a graph step runs 1 to max_rewind + 1 = {self.arena.max_rewind + 1} rows of a "
+                                    f"sequence (what its rings hold beyond the window), got {t}")
+            if st.pos + t > st.capacity:
+                raise CapacityError(f"{t} rows at pos {st.pos} would pass the state's capacity {st.capacity}")
+            page = st.shared_page_in(st.pos, st.pos + t)
             if page is not None:
-                raise SharedPageWriteError(f"the next token's pool rows fall in page {page}, which other holders "
-                                           f"reference; shared pages are immutable")
+                raise SharedPageWriteError(f"the pool rows of positions [{st.pos}, {st.pos + t}) fall in page {page}, "
+                                           f"which other holders reference; shared pages are immutable")
 
     def step(self, pairs: list) -> torch.Tensor:
-        """One token for each (token id, state) pair: logits [n, vocab] fp32, each state advanced."""
+        """One or more rows for each (token ids, state) pair (an int: one token): logits [rows,
+        vocab] fp32, the pairs' rows in order, each state advanced past its rows."""
+        pairs = [([ids] if isinstance(ids, int) else [int(i) for i in ids], st) for ids, st in pairs]
         self.check(pairs)
-        n = len(pairs)
-        b = self._ready(self.bucket(n), self.context_bucket(max(st.pos for _, st in pairs) + 1))
+        host = torch.tensor([[tok, st.pos + j, st.slot] for ids, st in pairs for j, tok in enumerate(ids)],
+                            dtype=torch.long)
+        n = host.shape[0]
+        b = self._ready(self.bucket(n), self.context_bucket(int(host[:, 1].max()) + 1))
         dev = self.arena.device
-        host = torch.tensor([[tok, st.pos, st.slot] for tok, st in pairs], dtype=torch.long)
         b.tokens.zero_()
         b.positions.zero_()
         b.slots.fill_(self.arena.scratch)
@@ -122,9 +133,10 @@ class DecodeGraphs:
             logits = b.logits
         else:
             logits = self._run(b)
-        for _, st in pairs:
-            st.after_decode_step()
+        for ids, st in pairs:
+            st.after_graph_step(len(ids))
         self.steps += 1
+        self.draft_rows += n - len(pairs)
         return logits[:n].clone()
 
     def _run(self, b: _Bucket) -> torch.Tensor:
@@ -174,6 +186,6 @@ class DecodeGraphs:
         b.graph = graph
 
     def stats(self) -> dict[str, int]:
-        return dict(graph_steps=self.steps, graph_captures=self.captures, graph_recaptures=self.recaptures,
+        return dict(graph_steps=self.steps, graph_draft_rows=self.draft_rows, graph_captures=self.captures, graph_recaptures=self.recaptures,
                     graph_replays=self.replays, graph_buckets=len(self._buckets),
                     graph_capture_errors=len(self.capture_errors))

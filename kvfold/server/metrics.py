@@ -49,6 +49,8 @@ _METRICS = [
     ("spec_draft_tokens", "kvfold_spec_decode_draft_tokens_total", "counter", "Draft tokens proposed and verified."),
     ("spec_accepted_tokens", "kvfold_spec_decode_accepted_tokens_total", "counter", "Draft tokens accepted."),
     ("graph_steps", "kvfold_graph_steps_total", "counter", "Decode steps run by graph decode (--decode-graphs)."),
+    ("graph_draft_rows", "kvfold_graph_draft_rows_total", "counter",
+     "Draft tokens verified in graph-decode steps (rows past each sequence's first)."),
     ("graph_replays", "kvfold_graph_replays_total", "counter", "Graph-decode steps replayed from a CUDA graph."),
     ("graph_captures", "kvfold_graph_captures_total", "counter", "Batch buckets captured (or set up, on the CPU)."),
     ("graph_recaptures", "kvfold_graph_recaptures_total", "counter",

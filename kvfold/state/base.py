@@ -58,10 +58,10 @@ class SequenceState:
             self.arena.release(self.slot)
         self.layers = None
 
-    def after_decode_step(self) -> None:
-        """The cursors after one decode token whose rows a graph step (engine/graphs.py) wrote
-        without host bookkeeping: the position, and the rows written."""
-        self.pos = self.written_until = self.pos + 1
+    def after_graph_step(self, k: int) -> None:
+        """The cursors after k tokens whose rows a graph step (engine/graphs.py) wrote without
+        host bookkeeping: the position, and the rows written."""
+        self.pos = self.written_until = self.pos + k
 
     def start_at(self, n: int) -> None:
         """Begin a fresh state at position n, as if positions [0, n) had been fed but left nothing
@@ -103,6 +103,16 @@ class SequenceState:
         self.pages.incref(shared)
         self.rewind_floor = max(self.rewind_floor, n_tokens)
         return list(shared)
+
+    def shared_page_in(self, a: int, b: int) -> int | None:
+        """A page holding positions in [a, b) that another holder references, if any."""
+        if self.pages is None:
+            return None
+        pt = self.pages.page_tokens
+        for page in self._page_table[a // pt:min(-(-b // pt), len(self._page_table))]:
+            if self.pages.refcount(page) > 1:
+                return page
+        return None
 
     def _next_page_shared(self) -> int | None:
         """The page the next forward writes first, if another holder references it."""

@@ -1,4 +1,9 @@
-"""A DeepSeek-V4 decode step that a CUDA graph can capture: one token for each of N sequences.
+"""A DeepSeek-V4 decode step that a CUDA graph can capture: N rows, each a token of a sequence.
+
+A sequence may bring several rows, at consecutive positions in ascending order (a verify step:
+its last token and drafts), at most max_rewind + 1 of them: each layer writes every row's window,
+compressor and pool rows before any row reads, so a row sees its sequence's earlier rows of the
+step as the forward's chunk does, and the rings' max_rewind slack keeps what the first row reads.
 
 A captured graph replays fixed kernels on fixed addresses. So this step's every shape follows
 from N and the arena alone, and every value that changes between steps is read from a device

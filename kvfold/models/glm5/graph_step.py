@@ -10,7 +10,7 @@ follows from N and the step's `context` bound, every changing value is read from
     sequence length masked (`dsa_select_last`), and the MLA over the latent rows selected.
   * Shared DSA layers reuse the last full layer's selection, as in the forward.
 The MoE gathers each row's experts (`Experts.gathered`). The cursors move on the host afterwards
-(`Glm5State.after_decode_step`: the indexer states' `sync_to`, the KDA base).
+(`Glm5State.after_graph_step`: the indexer states' `sync_to`, the KDA base).
 """
 from __future__ import annotations
 

@@ -237,12 +237,12 @@ class Glm5State(SequenceState):
         for dsa in dsas:
             dsa.sync_to(seq_len, k)
 
-    def after_decode_step(self) -> None:
-        """SequenceState.after_decode_step; the indexer states' counters go where decode would have
+    def after_graph_step(self, k: int) -> None:
+        """SequenceState.after_graph_step; the indexer states' counters go where decode would have
         left them (the seed's `sync_to`), and the KDA state held is the one at the new position (a
         graph step runs at max_rewind 0: no inputs are kept to replay)."""
-        self._dsa_sync(self.pos, 1)
-        super().after_decode_step()
+        self._dsa_sync(self.pos, k)
+        super().after_graph_step(k)
         self.kda_base, self.kda_cuts, self.kda_mix_low = self.pos, [], self.pos
 
     def start_at(self, n: int) -> None:
