@@ -55,8 +55,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft", type=_int_at_least(1), default=4,
                    help="most draft tokens per sequence and step with --speculative (default 4)")
     p.add_argument("--decode-graphs", action="store_true",
-                   help="run decode-only steps as one captured CUDA graph per batch bucket (DeepSeek-V4 on "
-                        "--device cuda; on the CPU the same step runs eagerly); implies --no-batch-invariant")
+                   help="run steps without prefill rows as one captured CUDA graph per bucket (DeepSeek-V4, "
+                        "GLM-5.3; for --device cuda: on the CPU the same step runs eagerly, slower than the "
+                        "default); implies --no-batch-invariant")
     p.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="shard the model over N ranks (DeepSeek-V4): torchrun --nproc-per-node N -m kvfold serve "
                         "... --tp N; rank 0 serves HTTP and schedules, the others follow")
