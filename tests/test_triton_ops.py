@@ -169,9 +169,10 @@ def test_expert_rows_are_each_rows_expert_matmuls_read_in_place(per_slot):
     assert torch.equal(alone[0], got[1])
 
 
-def test_a_graph_decode_step_through_the_expert_kernel_is_the_torch_step():
-    """The tiny V4's capturable decode step with the Triton experts against the torch gather,
-    within the bound of two fp32 evaluations (helpers.fp32_paths_bound)."""
+def test_a_graph_decode_step_through_the_kernels_is_the_torch_step():
+    """The tiny V4's capturable decode step with the Triton kernels (experts, attention and index
+    scores reading the arena and the pool in place) against its torch gathers, within the bound
+    of two fp32 evaluations (helpers.fp32_paths_bound)."""
     import kvfold
     from helpers import fp32_paths_bound, random_ids
     model = kvfold.load_model("tiny-random")
@@ -192,3 +193,22 @@ def test_a_graph_decode_step_through_the_expert_kernel_is_the_torch_step():
             got = model.decode_graph_step(arenas[0], tokens, torch.tensor(lens),
                                           torch.tensor([s.slot for s in states[0]]))
     assert (got - want).abs().max().item() <= fp32_paths_bound(want, model.config.num_hidden_layers)
+
+
+def test_the_kernels_read_bf16_key_tables_in_place_as_their_fp32_values():
+    """sparse_attend and index_scores on a bf16 table give the bits of the same table in fp32
+    (the kernels upcast each key as they load it); index_scores through `rows` gives each query
+    the bits it gets over its own rows as a table of their own."""
+    q = torch.randn(3, 4, 16, generator=gen(9)) * 0.3
+    table = torch.randn(40, 16, generator=gen(10)).to(torch.bfloat16)
+    idx = torch.randint(-1, 40, (3, 12), generator=gen(11))
+    sinks = torch.randn(4, generator=gen(12))
+    assert torch.equal(T.sparse_attend(q, table, idx, table, idx.flip(1), sinks),
+                       T.sparse_attend(q, table.float(), idx, table.float(), idx.flip(1), sinks))
+    w = torch.randn(3, 4, generator=gen(13))
+    rows = torch.randint(0, 40, (3, 20), generator=gen(14))
+    visible = torch.tensor([20, 7, 13])
+    got = T.index_scores(q, w, table, visible, rows=rows)
+    for t in range(3):
+        alone = T.index_scores(q[t:t + 1], w[t:t + 1], table[rows[t]].float(), visible[t:t + 1])
+        assert torch.equal(got[t:t + 1], alone)

@@ -51,14 +51,14 @@ def _pool_windows_kernel(kv, score, out, c, c_total, ratio, n_slots, OVERLAP: tl
 @triton.jit
 def _attend_part(q, keys, n_keys, idx_row, n_idx, d, m_i, l_i, acc, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Online softmax over the keys idx_row[0..n_idx) (-1 = none; an index past the n_keys rows
-    reads nothing) for a block of heads."""
+    reads nothing) for a block of heads; keys of any float dtype, read as their fp32 values."""
     dd = tl.arange(0, BLOCK_D)
     for m0 in range(0, n_idx, BLOCK_M):
         offs = m0 + tl.arange(0, BLOCK_M)
         idx = tl.load(idx_row + offs, mask=offs < n_idx, other=-1)
         valid = (idx >= 0) & (idx < n_keys)
-        k = tl.load(keys + tl.where(valid, idx, 0)[:, None] * d + dd[None, :],
-                    mask=valid[:, None] & (dd[None, :] < d), other=0.0)
+        k = tl.load(keys + tl.where(valid, idx, 0).to(tl.int64)[:, None] * d + dd[None, :],
+                    mask=valid[:, None] & (dd[None, :] < d), other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -91,16 +91,22 @@ def _sparse_attend_kernel(q, keys_w, rows_w, idx_w, n_w, keys_c, rows_c, idx_c, 
     tl.store(out + (t * h + hh[:, None]) * d + dd[None, :], o, mask=qmask)
 
 @triton.jit
-def _index_scores_kernel(q, w, keys, visible, out, h, d, n, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    """score[t, j] = sum_h w[t, h] relu(q[t, h] . keys[j]) for entries j < visible[t], else -inf."""
+def _index_scores_kernel(q, w, keys, rows, visible, out, h, d, n, HAS_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """score[t, j] = sum_h w[t, h] relu(q[t, h] . key_j) for entries j < visible[t], else -inf;
+    key_j = keys[j], or keys[rows[t, j]] with HAS_ROWS (each query's own rows of one table)."""
     t = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     hh = tl.arange(0, BLOCK_H)
     dd = tl.arange(0, BLOCK_D)
     qb = tl.load(q + (t * h + hh[:, None]) * d + dd[None, :], mask=(hh[:, None] < h) & (dd[None, :] < d),
                  other=0.0)
-    k = tl.load(keys + j[:, None] * d + dd[None, :], mask=(j[:, None] < n) & (dd[None, :] < d), other=0.0)
+    if HAS_ROWS:
+        r = tl.load(rows + t * n + j, mask=j < n, other=0).to(tl.int64)
+    else:
+        r = j.to(tl.int64)
+    k = tl.load(keys + r[:, None] * d + dd[None, :], mask=(j[:, None] < n) & (dd[None, :] < d),
+                other=0.0).to(tl.float32)
     s = tl.maximum(tl.dot(qb, tl.trans(k), input_precision="ieee"), 0.0)
     wt = tl.load(w + t * h + hh, mask=hh < h, other=0.0)
     score = tl.sum(wt[:, None] * s, axis=0)
@@ -196,14 +202,14 @@ def sparse_attend(q: torch.Tensor, keys_w: torch.Tensor, idx_w: torch.Tensor, ke
                   idx_c: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
     """Each query's softmax over its window keys keys_w[idx_w[t]], its compressed entries
     keys_c[idx_c[t]] (-1 = none in either; an index past the keys reads nothing) and one sink
-    logit per head (no value); K = V.
+    logit per head (no value); K = V. The key tables are read in place, in their own dtype.
     q [T, H, D] fp32 (already scaled), idx_* [T, M] integer -> [T, H, D] fp32."""
     t, h, d = q.shape
-    q, keys_w, sinks = q.float().contiguous(), keys_w.float().contiguous(), sinks.float().contiguous()
+    q, keys_w, sinks = q.float().contiguous(), keys_w.contiguous(), sinks.float().contiguous()
     idx_w = idx_w.to(torch.int32).contiguous()
     if keys_c is None or idx_c is None or idx_c.shape[1] == 0:
         keys_c, idx_c = keys_w, torch.full((t, 0), -1, dtype=torch.int32, device=q.device)
-    keys_c, idx_c = keys_c.float().contiguous(), idx_c.to(torch.int32).contiguous()
+    keys_c, idx_c = keys_c.contiguous(), idx_c.to(torch.int32).contiguous()
     out = torch.empty(t, h, d, dtype=torch.float32, device=q.device)
     if t:
         block_h = max(16, min(64, _pow2(h)))  # tl.dot needs 16 rows at least
@@ -214,17 +220,21 @@ def sparse_attend(q: torch.Tensor, keys_w: torch.Tensor, idx_w: torch.Tensor, ke
     return out
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """The indexer's scores for T queries over n entries: sum_h w[t, h] relu(q[t, h] . keys[j]),
-    -inf for entries j >= visible[t]. q [T, H, D], w [T, H], keys [n, D] -> [T, n] fp32."""
+    -inf for entries j >= visible[t]. q [T, H, D], w [T, H], keys [n, D] -> [T, n] fp32. With
+    `rows` [T, n]: entry j of query t is keys[rows[t, j]] (a graph-decode step's pages, read in
+    place from the pool's storage)."""
     t, h, d = q.shape
-    n = keys.shape[0]
+    n = keys.shape[0] if rows is None else rows.shape[1]
     scores = torch.empty(t, n, dtype=torch.float32, device=q.device)
     if t and n:
         block_n = min(64, max(16, _pow2(n)))
         _index_scores_kernel[(t, triton.cdiv(n, block_n))](
-            q.float().contiguous(), w.float().contiguous(), keys.float().contiguous(),
-            visible.to(torch.int32).contiguous(), scores, h, d, n,
+            q.float().contiguous(), w.float().contiguous(), keys.contiguous(),
+            scores if rows is None else rows.to(torch.int64).contiguous(), visible.to(torch.int32).contiguous(),
+            scores, h, d, n, HAS_ROWS=rows is not None,
             BLOCK_H=max(16, _pow2(h)), BLOCK_N=block_n, BLOCK_D=max(16, _pow2(d)))
     return scores
 

@@ -31,7 +31,7 @@ import torch
 
 from ...layers.basic import QuantizedWeight
 from ...layers.mhc import HyperConnection
-from ...numerics import apply_rope, pool_windows, topk_lower_index
+from ...numerics import apply_rope, pool_windows, topk_lower_index, triton_ops
 from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import COMPRESSOR, INDEXER
 from .attention import sink_attention
@@ -103,8 +103,9 @@ def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tens
     # this row first: position p takes the slot of p - ring, which no query here reads (ring >= W)
     window[rows.slots, p % ring] = proj["kv"].to(window.dtype)
     wpos = p[:, None] - attn.window + 1 + torch.arange(attn.window, device=p.device)
-    keys = [_masked(window[rows.slots[:, None], wpos % ring], wpos >= 0)]
-    masks = [wpos >= 0]
+    # each key set as (table, rows of it per query, valid): the Triton kernel reads the tables in
+    # place (triton_ops.py, off by default); torch gathers the rows
+    sets = [(window.view(-1, window.shape[-1]), rows.slots[:, None] * ring + wpos % ring, wpos >= 0)]
     if attn.compressor is not None:
         comp = attn.compressor
         storage, per = rows.pool(i, COMPRESSOR, attn.ratio)
@@ -117,11 +118,18 @@ def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tens
             visible = entries >= 0
         else:
             visible = entries < ((p + 1) // attn.ratio)[:, None]
-        keys.append(_masked(storage[rows.entry_rows(entries.clamp(min=0), per)], visible))
-        masks.append(visible)
+        sets.append((storage, rows.entry_rows(entries.clamp(min=0), per), visible))
     q = proj["q"].float() * attn.head_dim ** -0.5
     sinks = attn.sinks if attn.sinks.dtype == f32 else attn.sinks.float()
-    out = sink_attention(q, [k if k.dtype == f32 else k.float() for k in keys], masks, sinks)
+    kernels = triton_ops.serving(q.device)
+    if kernels is not None:
+        (keys_w, at_w, ok_w), *comp = sets
+        keys_c, at_c, ok_c = comp[0] if comp else (None, None, None)
+        out = kernels.sparse_attend(q, keys_w, torch.where(ok_w, at_w, -1), keys_c,
+                                    None if at_c is None else torch.where(ok_c, at_c, -1), sinks)
+    else:
+        keys = [_masked(table[at], ok) for table, at, ok in sets]
+        out = sink_attention(q, [k if k.dtype == f32 else k.float() for k in keys], [ok for _, _, ok in sets], sinks)
     return attn.output(out, x.dtype, cos, sin)
 
 
@@ -160,10 +168,15 @@ def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage:
     bound, the invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
     n_entries = rows.n_entries(indexer.ratio, per)
     entries = torch.arange(n_entries, device=q.device)
-    keys = storage[rows.entry_rows(entries.expand(q.shape[0], -1), per)]  # [N, E, d]
+    at = rows.entry_rows(entries.expand(q.shape[0], -1), per)  # [N, E] rows of the pool storage
+    visible = (rows.positions + 1) // indexer.ratio
+    kernels = triton_ops.serving(q.device)
+    if kernels is not None:  # the scores read the pool in place (triton_ops.py, off by default)
+        return kernels.topk_lower_index(kernels.index_scores(q, w, storage, visible, rows=at), indexer.topk)
+    keys = storage[at]  # [N, E, d]
     s = torch.relu(q @ keys.to(q.dtype).transpose(1, 2))  # [N, H, E]
     scores = torch.bmm(w[:, None, :], s)[:, 0]
-    scores = scores.masked_fill(entries[None, :] >= ((rows.positions + 1) // indexer.ratio)[:, None], float("-inf"))
+    scores = scores.masked_fill(entries[None, :] >= visible[:, None], float("-inf"))
     return topk_lower_index(scores.float(), indexer.topk, host_sync=False)
 
 
