@@ -471,7 +471,8 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for family in ("deepseek_v4", "glm5_next"):
             for dtype in (torch.float32, torch.bfloat16):
-                report["families"][f"{family}-{str(dtype)[6:]}"] = run_check(lambda: check_family(family, dtype, device))
+                name = f"{family}-{str(dtype)[6:]}"
+                report["families"][name] = run_check(lambda: check_family(family, dtype, device))
                 save()
         if not args.no_triton:
             report["triton"] = run_check(lambda: check_triton(device))

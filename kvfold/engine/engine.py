@@ -587,8 +587,8 @@ class Engine:
                                 "page_bytes_total", "page_bytes_used"), 0))
         if self.pages is not None:
             m.update(self.pages.stats())
-        m.update(dict.fromkeys(("graph_steps", "graph_draft_rows", "graph_captures", "graph_recaptures", "graph_replays", "graph_buckets",
-                                "graph_capture_errors"), 0))
+        m.update(dict.fromkeys(("graph_steps", "graph_draft_rows", "graph_captures", "graph_recaptures",
+                                "graph_replays", "graph_buckets", "graph_capture_errors"), 0))
         if self.graphs is not None:
             m.update(self.graphs.stats())
         pc = self.prefix_cache

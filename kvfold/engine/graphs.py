@@ -1,15 +1,16 @@
 """Decode steps replayed from CUDA graphs: one graph per bucket, captured once.
 
-A decode-only step of n sequences runs the model's capturable decode step (graph_step.py of
-models/deepseek_v4 and models/glm5) in a bucket: the smallest batch size that holds n, and the
-smallest context bound (a power of two from CONTEXT_MIN, at most the arena's capacity) above
-every row's position. The step's shapes, and so the pool entries its indexer and HCA read,
-follow the context bound, not the arena's capacity. The rows past n are padding in the arena's
-scratch slot. A sequence may bring several rows at consecutive positions (the last token and
-its drafts: a verify step), each a row of the step. The graph's inputs are static device tensors
-(tokens, positions and arena slots), refilled before each replay. Its state is the `SlotArena`, whose tensors never move. So
-admission, cancellation, rewind and prefix hits change only what the inputs and the page tables
-hold, and the captured graphs stay valid.
+A step without prefill rows runs the model's capturable decode step (graph_step.py of
+models/deepseek_v4 and models/glm5) in a bucket:
+  * the smallest row count that holds its rows; a sequence brings one row, or several at
+    consecutive positions (its last token and its drafts: a verify step);
+  * the smallest context bound (a power of two from CONTEXT_MIN, at most the arena's capacity)
+    above every row's position. The step's shapes, and so the pool entries its indexer and HCA
+    read, follow the bound, not the arena's capacity.
+The rows past the step's are padding in the arena's scratch slot. The graph's inputs are static
+device tensors (tokens, positions and arena slots), refilled before each replay. Its state is
+the `SlotArena`, whose tensors never move. So admission, cancellation, rewind and prefix hits
+change only what the inputs and the page tables hold, and the captured graphs stay valid.
 
 What could make a graph stale is a tensor it captured being replaced: a weight reassigned or
 loaded anew, the page pool's storage, the arena's rings. Before every replay `signature()` is
@@ -186,6 +187,6 @@ class DecodeGraphs:
         b.graph = graph
 
     def stats(self) -> dict[str, int]:
-        return dict(graph_steps=self.steps, graph_draft_rows=self.draft_rows, graph_captures=self.captures, graph_recaptures=self.recaptures,
-                    graph_replays=self.replays, graph_buckets=len(self._buckets),
+        return dict(graph_steps=self.steps, graph_draft_rows=self.draft_rows, graph_captures=self.captures,
+                    graph_recaptures=self.recaptures, graph_replays=self.replays, graph_buckets=len(self._buckets),
                     graph_capture_errors=len(self.capture_errors))

@@ -53,7 +53,7 @@ def graph_unsupported(model) -> str | None:
                 "set_batch_invariant(False) (Engine(batch_invariant=False))")
     for layer in model.model.layers:
         ex = getattr(layer.mlp, "experts", None)
-        if ex is not None and (isinstance(ex.gate_up_proj, QuantizedWeight) or isinstance(ex.down_proj, QuantizedWeight)):
+        if ex is not None and any(isinstance(w, QuantizedWeight) for w in (ex.gate_up_proj, ex.down_proj)):
             return "graph decode gathers each row's experts from plain stacks; load the model with weights='dequant'"
     return None
 
