@@ -17,7 +17,8 @@ every check, so a run cut short still says what it measured. The report (JSON, `
 - `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
   shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
   contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
-  reach, each also as replayed graphs (`graph_*`); and transformers' decode of the same model on
+  reach, each also as replayed graphs (`graph_*`, and `graph_triton_*` with the Triton kernels
+  reading keys and experts in place); and transformers' decode of the same model on
   the same device where it imports.
 
 On the GPU machine (torch and triton are there; transformers 5.23 is not):
@@ -399,12 +400,8 @@ def time_model(args, model, entry: dict, save) -> None:
                 continue
             cell = run_check(lambda: decode_cell(model, batch, context, args.steps))
             if not args.no_graphs and time.perf_counter() < deadline:
-                invariant = model.batch_invariant  # (on for fp32 CPU models: graph decode runs without it)
-                model.set_batch_invariant(False)
-                graph = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
-                model.set_batch_invariant(invariant)
-                cell.update({f"graph_{k}": v for k, v in graph.items() if k in ("step_ms", "tok_s", "error")})
-            for prefix in ("", "graph_"):
+                cell.update(graph_cells(args, model, batch, context))
+            for prefix in ("", "graph_", "graph_triton_"):
                 if prefix + "step_ms" in cell and "bytes_per_step" in cell and args.bandwidth:
                     cell[prefix + "bandwidth_fraction"] = \
                         cell["bytes_per_step"] / (cell[prefix + "step_ms"] / 1e3) / args.bandwidth
@@ -414,6 +411,25 @@ def time_model(args, model, entry: dict, save) -> None:
                 torch.cuda.empty_cache()
     if time.perf_counter() < deadline:  # at the shortest context: its prefill is the cheapest
         entry["transformers"] = run_check(lambda: hf_decode(model, min(args.contexts), args.steps))
+
+
+def graph_cells(args, model, batch: int, context: int) -> dict:
+    """The cell's step as graph decode (`graph_*`), and on CUDA with the Triton kernels reading
+    keys and experts in place (`graph_triton_*`; the interpreter's times would mean nothing),
+    outside the invariant mode."""
+    from kvfold.numerics import triton_ops
+    out, invariant = {}, model.batch_invariant  # (on for fp32 CPU models: graph decode runs without it)
+    model.set_batch_invariant(False)
+    try:
+        on_gpu = model.device.type == "cuda" and triton_ops.available(model.device)
+        variants = [("graph_", False)] + ([("graph_triton_", True)] if on_gpu else [])
+        for prefix, kernels in variants:
+            with triton_ops.use_triton(kernels):
+                got = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
+            out.update({prefix + k: v for k, v in got.items() if k in ("step_ms", "tok_s", "error")})
+    finally:
+        model.set_batch_invariant(invariant)
+    return out
 
 
 def device_is_cuda(model) -> bool:
