@@ -27,35 +27,44 @@ from __future__ import annotations
 import torch
 
 
-def first_valid_row(valid: torch.Tensor) -> int:
-    """Index of the first nonzero entry of `valid` [seq], or seq when there is none."""
-    nz = torch.nonzero(valid, as_tuple=False)
-    return int(nz[0, 0]) if nz.numel() else valid.shape[0]
+def _first_valid(is_valid: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """The first valid row of each buffer [B, S], or seq[b] when there is none: the first maximum
+    of the validity (argmax's rule), found on the device (no value read back to the host)."""
+    return torch.where(is_valid.any(dim=1), is_valid.to(torch.uint8).argmax(dim=1), seq)
 
 
 def dsa_pool_keys(k_normed: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor,
-                  kpool: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kpool: int, seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gate-weighted pooled keys of the complete-pool candidates.
 
     k_normed, gate: [seq, d]; valid: [seq] (nonzero = valid); ape: [kp, d] gate bias by slot.
     Returns (keys [n_pools, d] in k_normed's dtype, rows [n_pools, kp] long, pool_valid
     [n_pools] bool) with n_pools = seq // kp and rows[P, s] = first + P*kp + s (possibly out of
-    range when `first` > 0; such a pool is invalid).
+    range when `first` > 0; such a pool is invalid). Batched: k_normed, gate [B, S, d], valid
+    [B, S] and `seq` [B] (buffer b's rows are its first seq[b]; the rest count as past its end)
+    give every result a leading B, with n_pools = S // kp.
     """
-    seq, d = k_normed.shape
-    n_pools = seq // kpool
+    batched = k_normed.dim() == 3
+    if not batched:
+        k_normed, gate, valid = k_normed[None], gate[None], valid[None]
+    b, s_rows, d = k_normed.shape
     device = k_normed.device
-    first = first_valid_row(valid)
-    rows = first + torch.arange(n_pools * kpool, device=device).view(n_pools, kpool)
-    in_range = rows < seq
-    safe = rows.clamp(max=max(seq - 1, 0))
-    slot_valid = in_range & (valid[safe] != 0) if seq else in_range
-    logits = gate[safe].float() + ape.float()[None]  # [n_pools, kp, d]
+    if seq is None:
+        seq = torch.full((b,), s_rows, dtype=torch.long, device=device)
+    is_valid = (valid != 0) & (torch.arange(s_rows, device=device)[None] < seq[:, None])
+    n_pools = s_rows // kpool
+    rows = _first_valid(is_valid, seq)[:, None, None] + torch.arange(n_pools * kpool, device=device).view(
+        1, n_pools, kpool)
+    safe = rows.clamp(max=max(s_rows - 1, 0)).flatten(1)  # [B, P * kp]
+    slot_valid = (rows < seq[:, None, None]) & is_valid.gather(1, safe).view_as(rows)
+    pick = safe[..., None].expand(-1, -1, d)
+    logits = gate.gather(1, pick).view(b, n_pools, kpool, d).float() + ape.float()[None, None]
     logits = logits.masked_fill(~slot_valid[..., None], float("-inf"))
     # an all -inf column gives NaN: such a pool has no valid slot and its key is 0
-    probs = torch.nan_to_num(torch.softmax(logits, dim=1)).to(k_normed.dtype)
-    keys = (probs * k_normed[safe]).sum(dim=1)
-    return keys, rows, slot_valid.all(dim=1)
+    probs = torch.nan_to_num(torch.softmax(logits, dim=2)).to(k_normed.dtype)
+    keys = (probs * k_normed.gather(1, pick).view(b, n_pools, kpool, d)).sum(dim=2)
+    pool_valid = slot_valid.all(dim=2)
+    return (keys, rows, pool_valid) if batched else (keys[0], rows[0], pool_valid[0])
 
 
 def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
@@ -78,43 +87,11 @@ def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, g
                          f"{tuple(k_normed.shape)}, gate {tuple(gate.shape)}, valid {tuple(valid.shape)}, "
                          f"ape {tuple(ape.shape)}")
     device = q.device
-    out_width = topk + (kpool - 1 if select_tail else 0)
-    out = torch.full((q_rows, out_width), -1, dtype=torch.long, device=device)
     if q_rows == 0:
-        return out.to(torch.int32)
-
-    q_pos = torch.arange(seq - q_rows, seq, device=device)  # [Q]
-    is_valid = valid != 0
-    visible = torch.cumsum(is_valid.long(), dim=0)[q_pos]  # valid rows <= q
-
-    # pools: score every candidate, mask the ones this query cannot select
-    keys, rows, pool_valid = dsa_pool_keys(k_normed, gate, valid, ape, kpool)
-    n_pools = rows.shape[0]
-    select_k = min(topk // kpool, n_pools)
-    if select_k:
-        scores = torch.matmul(q.float(), keys.float().transpose(0, 1))  # [Q, H, P]
-        scores = torch.relu(scores * d ** -0.5)
-        index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [Q, P]
-        selectable = pool_valid[None] & (rows[:, -1][None] <= q_pos[:, None])
-        index = index.masked_fill(~selectable, torch.finfo(index.dtype).min)
-        # a stable descending sort ranks ties by lower pool index (torch.topk leaves them undefined)
-        picks = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :select_k]
-        picked_rows = rows[picks]  # [Q, select_k, kp], each pool ascending
-        picked_rows = picked_rows.masked_fill(~selectable.gather(1, picks)[..., None], -1)
-        out[:, :select_k * kpool] = picked_rows.flatten(1)
-
-    # tail: the visible rows past the last complete pool this query can see
-    if select_tail and kpool > 1:
-        first = first_valid_row(valid)
-        tail = visible % kpool
-        offsets = torch.arange(kpool - 1, device=device)
-        tail_rows = (first + visible - tail)[:, None] + offsets  # [Q, kp - 1]
-        safe = tail_rows.clamp(max=seq - 1)
-        keep = (offsets[None] < tail[:, None]) & (tail_rows < seq) & is_valid[safe] & (tail_rows <= q_pos[:, None])
-        out[:, select_k * kpool:select_k * kpool + kpool - 1] = tail_rows.masked_fill(~keep, -1)
-
-    out = out.masked_fill(~is_valid[q_pos][:, None], -1)  # a padded query selects nothing
-    return out.to(torch.int32)
+        return torch.full((0, topk + (kpool - 1 if select_tail else 0)), -1, dtype=torch.int32, device=device)
+    return _select(q, weights, k_normed[None], gate[None], valid[None], ape,
+                   torch.full((1,), seq, dtype=torch.long, device=device), torch.arange(seq - q_rows, seq, device=device),
+                   topk=topk, kpool=kpool, select_tail=select_tail)
 
 
 def dsa_select_last(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
@@ -123,50 +100,57 @@ def dsa_select_last(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tens
     """`dsa_select` of the last row of each of N sequences at once, with shapes that depend on the
     buffers' length S only (a graph-captured decode step): row n's rows are the first seq[n] of
     k_normed, gate [N, S, d] and valid [N, S]; the rest count as past its end. q [N, H, d],
-    weights [N, H], seq [N] long (>= 1). The same definitions (module docstring) with per-row
-    lengths: pools past a row's end are invalid, so `select_k` may count picks that come back -1,
-    and the tail sits after them; read as a set, as the MLA does, the selection is `dsa_select`'s."""
-    n, _, d = q.shape
-    s_rows = k_normed.shape[1]
-    device = q.device
-    out_width = topk + (kpool - 1 if select_tail else 0)
-    ids = torch.arange(s_rows, device=device)
-    is_valid = (valid != 0) & (ids[None] < seq[:, None])
-    # first valid row, or seq when there is none: the first maximum of the validity (argmax's rule)
-    first = torch.where(is_valid.any(dim=1), is_valid.to(torch.uint8).argmax(dim=1), seq)
-    q_pos = seq - 1
-    visible = torch.cumsum(is_valid.long(), dim=1).gather(1, q_pos[:, None])[:, 0]
+    weights [N, H], seq [N] long (>= 1). Pools past a row's end are invalid, so `select_k` may
+    count picks that come back -1, and the tail sits after them; read as a set, as the MLA does,
+    the selection is `dsa_select`'s."""
+    return _select(q, weights, k_normed, gate, valid, ape, seq, seq - 1, topk=topk, kpool=kpool,
+                   select_tail=select_tail)
 
-    n_pools = s_rows // kpool
-    rows = first[:, None, None] + torch.arange(n_pools * kpool, device=device).view(1, n_pools, kpool)
-    safe = rows.clamp(max=max(s_rows - 1, 0)).flatten(1)  # [N, P * kp]
-    slot_valid = (rows < seq[:, None, None]) & is_valid.gather(1, safe).view_as(rows)
-    pick = safe[..., None].expand(-1, -1, d)
-    logits = gate.gather(1, pick).view(n, n_pools, kpool, d).float() + ape.float()[None, None]
-    logits = logits.masked_fill(~slot_valid[..., None], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(logits, dim=2)).to(k_normed.dtype)
-    keys = (probs * k_normed.gather(1, pick).view(n, n_pools, kpool, d)).sum(dim=2)  # [N, P, d]
-    out = torch.full((n, out_width), -1, dtype=torch.long, device=device)
+
+def _select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
+            valid: torch.Tensor, ape: torch.Tensor, seq: torch.Tensor, q_pos: torch.Tensor, *, topk: int,
+            kpool: int, select_tail: bool) -> torch.Tensor:
+    """The selection of Q queries at positions q_pos [Q] over B buffers [B, S, .] of seq [B] rows
+    each: one buffer for all queries (B = 1, `dsa_select`; its [P] tensors broadcast over the
+    queries) or one per query (B = Q)."""
+    n_q, _, d = q.shape
+    device = q.device
+    out = torch.full((n_q, topk + (kpool - 1 if select_tail else 0)), -1, dtype=torch.long, device=device)
+    shared = k_normed.shape[0] == 1
+    of = torch.zeros(n_q, dtype=torch.long, device=device) if shared else torch.arange(n_q, device=device)
+    s_rows = k_normed.shape[1]
+    is_valid = (valid != 0) & (torch.arange(s_rows, device=device)[None] < seq[:, None])  # [B, S]
+    visible = torch.cumsum(is_valid.long(), dim=1)[of, q_pos]  # valid rows <= q
+
+    # pools: score every candidate, mask the ones this query cannot select
+    keys, rows, pool_valid = dsa_pool_keys(k_normed, gate, valid, ape, kpool, seq)  # [B, P, .]
+    n_pools = rows.shape[1]
     select_k = min(topk // kpool, n_pools)
     if select_k:
-        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(1, 2)) * d ** -0.5)  # [N, H, P]
-        index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [N, P]
-        selectable = slot_valid.all(dim=2) & (rows[..., -1] <= q_pos[:, None])
+        kt = keys[0].float().transpose(0, 1) if shared else keys.float().transpose(1, 2)  # [d, P] or [Q, d, P]
+        scores = torch.relu(torch.matmul(q.float(), kt) * d ** -0.5)  # [Q, H, P]
+        index = torch.matmul(weights.float().unsqueeze(-2), scores).squeeze(-2)  # [Q, P]
+        selectable = pool_valid & (rows[..., -1] <= q_pos[:, None])  # [Q, P] ([1, P] broadcast)
         index = index.masked_fill(~selectable, torch.finfo(index.dtype).min)
+        # a stable descending sort ranks ties by lower pool index (torch.topk leaves them undefined)
         picks = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, :select_k]
-        picked = rows.gather(1, picks[..., None].expand(-1, -1, kpool))  # [N, select_k, kp]
-        picked = picked.masked_fill(~selectable.gather(1, picks)[..., None], -1)
-        out[:, :select_k * kpool] = picked.flatten(1)
+        picked = rows[0][picks] if shared else rows.gather(1, picks[..., None].expand(-1, -1, kpool))
+        picked = picked.masked_fill(~selectable.expand(n_q, -1).gather(1, picks)[..., None], -1)
+        out[:, :select_k * kpool] = picked.flatten(1)  # [Q, select_k * kp], each pool ascending
+
+    # tail: the visible rows past the last complete pool this query can see
     if select_tail and kpool > 1:
+        first = _first_valid(is_valid, seq)[of]
         tail = visible % kpool
         offsets = torch.arange(kpool - 1, device=device)
-        tail_rows = (first + visible - tail)[:, None] + offsets
-        safe_tail = tail_rows.clamp(max=s_rows - 1)
-        keep = (offsets[None] < tail[:, None]) & (tail_rows < seq[:, None]) & is_valid.gather(1, safe_tail) \
+        tail_rows = (first + visible - tail)[:, None] + offsets  # [Q, kp - 1]
+        safe = tail_rows.clamp(max=s_rows - 1)
+        keep = (offsets[None] < tail[:, None]) & (tail_rows < seq[of][:, None]) & is_valid[of[:, None], safe] \
             & (tail_rows <= q_pos[:, None])
         out[:, select_k * kpool:select_k * kpool + kpool - 1] = tail_rows.masked_fill(~keep, -1)
-    own = is_valid.gather(1, q_pos[:, None])
-    return out.masked_fill(~own, -1).to(torch.int32)
+
+    out = out.masked_fill(~is_valid[of, q_pos][:, None], -1)  # a padded query selects nothing
+    return out.to(torch.int32)
 
 
 def selection_mask(indices: torch.Tensor, kv_len: int) -> torch.Tensor:
