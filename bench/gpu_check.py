@@ -12,8 +12,8 @@ every check, so a run cut short still says what it measured. The report (JSON, `
   and batched against alone (`torch.equal`);
 - `triton`: the tiny V4 with the Triton kernels on against off, on the device;
 - `graphs`: the tiny V4's decode steps replayed from captured CUDA graphs (engine/graphs.py)
-  against the same step run eagerly on a twin arena (`torch.equal` of logits and of every arena
-  tensor), and against the forward (max |diff|), through a rewind and an admission;
+  against the same step run eagerly on a twin arena (`torch.equal` of logits, final streams and
+  every arena tensor), and against the forward (max |diff|), through a rewind and an admission;
 - `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
   shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
   contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
@@ -231,16 +231,17 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
                 model.forward(ids, st)
                 states[k].append(st)
         toks = [(7 * i + j) % (model.config.vocab_size - 4) + 2 for j in range(len(states[0]))]
-        got = graphs.step(list(zip(toks, states[0])))
+        got, got_streams = graphs.step(list(zip(toks, states[0])), hidden=True)
         twin = states[1]
         context = graphs.context_bucket(max(st.pos for st in twin) + 1)  # the same shapes as the replayed step
-        eager = model.decode_graph_step(arenas[1], torch.tensor(toks, device=device),
-                                        torch.tensor([st.pos for st in twin], device=device),
-                                        torch.tensor([st.slot for st in twin], device=device), context)
+        eager, eager_streams = model.decode_graph_step(
+            arenas[1], torch.tensor(toks, device=device), torch.tensor([st.pos for st in twin], device=device),
+            torch.tensor([st.slot for st in twin], device=device), context)
         for st in twin:
             st.pos = st.written_until = st.pos + 1
         want = torch.cat(model.forward_batch([([t], st) for t, st in zip(toks, states[2])]))
-        same_logits &= torch.equal(got, eager[:len(toks)])
+        n = len(toks)
+        same_logits &= torch.equal(got, eager[:n]) and torch.equal(got_streams, eager_streams[:n])
         worst, scale = max(worst, max_diff(got, want)), max(scale, want.abs().max().item())
     for a, b in zip(arenas[0].rings.values(), arenas[1].rings.values()):
         same_arena &= torch.equal(a, b)

@@ -411,3 +411,32 @@ def test_a_graph_step_of_several_rows_a_sequence_is_the_forwards_verify_chunk(mo
     with pytest.raises(CapacityError, match="max_rewind"):
         graphs.step([([1, 2, 3, 4, 5], a)])
     assert a.pos == before[0] and all(torch.equal(x, y) for x, y in zip(before[1], arena.tensors()))
+
+
+def test_graph_decode_feeds_the_mtp_drafter_the_streams_the_forward_would():
+    """With MTP drafts the drafter reads each verified row's final streams: graph steps hand it
+    theirs (within the two-paths bound of the forward's), and greedy tokens are the forward
+    engine's, through accepted and rejected drafts."""
+    model = kvfold.load_model("tiny")  # ships its MTP layer
+    prompts = [long_ids(model, n, f"mtp {n}") for n in (40, 90)]
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(model, max_seq_len=256, max_running=2, decode_graphs=graphs, batch_invariant=False,
+                        speculative="mtp", num_draft=2)
+        out = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        runs[graphs] = ([o.token_ids for o in out], engine.metrics())
+    (want, _), (got, m) = runs[False], runs[True]
+    assert got == want
+    assert m["graph_steps"] > 0 and m["graph_draft_rows"] > 0 and 0 < m["spec_accepted_tokens"]
+    # the streams themselves, against the forward's
+    pool = model.new_page_pool(8)
+    arena = model.new_decode_arena(1, 256, pool, max_rewind=2)
+    a = model.new_state(capacity=256, max_rewind=2, pages=pool, arena=arena)
+    b = model.new_state(capacity=256, max_rewind=2, pages=pool)
+    for st in (a, b):
+        model.forward(prompts[0], st)
+    logits, streams = DecodeGraphs(model, arena, 3).step([([5, 6, 7], a)], hidden=True)
+    want_logits, want_streams = model.forward([5, 6, 7], b, return_hidden=True)
+    assert streams.shape == want_streams.shape
+    assert (streams - want_streams).abs().max().item() <= fp32_paths_bound(want_streams, model.config.num_hidden_layers)
+    assert (logits - want_logits).abs().max().item() <= fp32_paths_bound(want_logits, model.config.num_hidden_layers)

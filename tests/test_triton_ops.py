@@ -188,10 +188,11 @@ def test_a_graph_decode_step_through_the_kernels_is_the_torch_step():
             group.append(st)
     tokens = torch.tensor([5, 9])
     with torch.inference_mode():
-        want = model.decode_graph_step(arenas[1], tokens, torch.tensor(lens), torch.tensor([s.slot for s in states[1]]))
+        want, _ = model.decode_graph_step(arenas[1], tokens, torch.tensor(lens),
+                                          torch.tensor([s.slot for s in states[1]]))
         with triton_ops.use_triton():
-            got = model.decode_graph_step(arenas[0], tokens, torch.tensor(lens),
-                                          torch.tensor([s.slot for s in states[0]]))
+            got, _ = model.decode_graph_step(arenas[0], tokens, torch.tensor(lens),
+                                             torch.tensor([s.slot for s in states[0]]))
     assert (got - want).abs().max().item() <= fp32_paths_bound(want, model.config.num_hidden_layers)
 
 

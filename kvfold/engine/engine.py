@@ -341,10 +341,11 @@ class Engine:
         wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
         hidden = self.spec is not None and self.spec.needs_hidden
         try:
-            if self.graphs is not None and not hidden and all(seq.output for seq, _ in batch):
+            if self.graphs is not None and all(seq.output for seq, _ in batch):
                 # decode and verify rows only (no prefill): every row's logits, each sequence's in order
-                rows = self.graphs.step([(list(ids), seq.state) for seq, ids in batch])
-                out = list(rows.split([len(ids) for _, ids in batch]))
+                sizes = [len(ids) for _, ids in batch]
+                rows = self.graphs.step([(list(ids), seq.state) for seq, ids in batch], hidden=hidden)
+                out = tuple(list(r.split(sizes)) for r in rows) if hidden else list(rows.split(sizes))
             else:
                 out = self.model.forward_batch(
                     [(ids, seq.state) for seq, ids in batch],

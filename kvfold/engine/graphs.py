@@ -46,7 +46,8 @@ class _Bucket:
     tokens: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B] long
     slots: torch.Tensor  # [B] long
-    logits: torch.Tensor | None = None  # [B, vocab]: the graph's output (CUDA)
+    logits: torch.Tensor | None = None  # [B, vocab]: the graph's outputs (CUDA)
+    streams: torch.Tensor | None = None  # [B, hc, hidden]
     graph: object = None  # torch.cuda.CUDAGraph
     signature: tuple | None = None
     capture_error: str | None = None  # why this bucket runs eagerly on CUDA
@@ -112,9 +113,10 @@ class DecodeGraphs:
                 raise SharedPageWriteError(f"the pool rows of positions [{st.pos}, {st.pos + t}) fall in page {page}, "
                                            f"which other holders reference; shared pages are immutable")
 
-    def step(self, pairs: list) -> torch.Tensor:
+    def step(self, pairs: list, hidden: bool = False):
         """One or more rows for each (token ids, state) pair (an int: one token): logits [rows,
-        vocab] fp32, the pairs' rows in order, each state advanced past its rows."""
+        vocab] fp32, the pairs' rows in order, each state advanced past its rows; with `hidden`
+        also the rows' final streams [rows, hc, hidden] (what an MTP drafter reads)."""
         pairs = [([ids] if isinstance(ids, int) else [int(i) for i in ids], st) for ids, st in pairs]
         self.check(pairs)
         host = torch.tensor([[tok, st.pos + j, st.slot] for ids, st in pairs for j, tok in enumerate(ids)],
@@ -131,14 +133,14 @@ class DecodeGraphs:
         if b.graph is not None:
             b.graph.replay()
             self.replays += 1
-            logits = b.logits
+            logits, streams = b.logits, b.streams
         else:
-            logits = self._run(b)
+            logits, streams = self._run(b)
         for ids, st in pairs:
             st.after_graph_step(len(ids))
         self.steps += 1
         self.draft_rows += n - len(pairs)
-        return logits[:n].clone()
+        return (logits[:n].clone(), streams[:n].clone()) if hidden else logits[:n].clone()
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         with torch.inference_mode():
@@ -163,7 +165,8 @@ class DecodeGraphs:
             try:
                 self._capture(b)
             except Exception as exc:  # the step itself is the same eagerly: run it so, and say why
-                b.graph, b.logits, b.capture_error = None, None, f"bucket {size} x {context}: {exc!r}"
+                b.graph, b.logits, b.streams = None, None, None
+                b.capture_error = f"bucket {size} x {context}: {exc!r}"
                 self.capture_errors.append(b.capture_error)
         b.signature = sig
         self._buckets[(size, context)] = b
@@ -183,7 +186,7 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            b.logits = self._run(b)
+            b.logits, b.streams = self._run(b)
         b.graph = graph
 
     def stats(self) -> dict[str, int]:

@@ -73,7 +73,8 @@ def graph_unsupported(model) -> str | None:
 def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
     """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n].
-    Writes each row's window, compressor and pool rows, and returns logits [N, vocab] fp32.
+    Writes each row's window, compressor and pool rows, and returns (logits [N, vocab] fp32, the
+    final streams [N, hc, hidden], which an MTP drafter reads).
     `context`: a bound on every position + 1 (default the arena's capacity); the indexer and HCA
     read the pool entries below it, so a step's cost follows it, not the capacity. The caller
     advances each state's cursors (`pos`, `written_until`) afterwards."""
@@ -90,7 +91,7 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
         x, post, comb = block.ffn_hc.collapse(streams)
         y = _moe(block.mlp, block.post_attention_layernorm(x), tokens)
         streams = HyperConnection.expand(streams, y, post, comb)
-    return model.lm_head(model.model.norm(model.model.hc_head(streams))).float()
+    return model.lm_head(model.model.norm(model.model.hc_head(streams))).float(), streams
 
 
 def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tensor:

@@ -216,9 +216,9 @@ class Dsv4Model(CausalLM):
 
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
-        """One token per arena slot, shapes fixed by the inputs' length and `context` (a bound on
-        every position + 1): logits [N, vocab] fp32. No checks and no cursor moves: the caller
-        (engine/graphs.py) does both."""
+        """One token per row, shapes fixed by the inputs' length and `context` (a bound on every
+        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). No checks and no
+        cursor moves: the caller (engine/graphs.py) does both."""
         from .graph_step import decode_step
         return decode_step(self, arena, tokens, positions, slots, context)
 

@@ -62,7 +62,8 @@ def graph_unsupported(model) -> str | None:
 def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
     """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n].
-    Writes each row's KDA states, latent and indexer rows, and returns logits [N, vocab] fp32.
+    Writes each row's KDA states, latent and indexer rows, and returns (logits [N, vocab] fp32,
+    the final streams [N, hc, hidden]).
     `context`: a bound on every position + 1 (default the arena's capacity)."""
     from .model import stream_mean
     cfg = model.config
@@ -81,7 +82,7 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
         x = block.post_attention_layernorm(x)
         y = block.mlp(x) if isinstance(block.mlp, SwiGluMLP) else _moe(block.mlp, x)
         streams = HyperConnection.expand(streams, y, post, comb)
-    return model.lm_head(model.model.norm(stream_mean(streams))).float()
+    return model.lm_head(model.model.norm(stream_mean(streams))).float(), streams
 
 
 def _single_chunk(q, k, v, g, beta, s0):
