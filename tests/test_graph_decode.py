@@ -1,9 +1,10 @@
 """Graph decode (engine/graphs.py, models/deepseek_v4/graph_step.py): the capturable decode step
 agrees with the forward on every layer kind and cursor; it issues the same ops on the same
 buffers at every position and reads nothing back to the host (what a CUDA graph needs); states
-in a SlotArena behave as private ones; the engine's graph decode gives the forward engine's
-tokens through admission, cancellation and prefix hits; a replaced weight recaptures; every
-refusal changes nothing."""
+in a SlotArena behave as private ones; a step of several rows a sequence is the forward's verify
+chunk; the engine's graph decode gives the forward engine's tokens through admission,
+cancellation, prefix hits, n-gram and MTP drafts and forked choices; a replaced weight
+recaptures, a failed capture falls back; every refusal changes nothing."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
