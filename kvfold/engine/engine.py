@@ -114,8 +114,10 @@ class Engine:
                                 extra=1 if decode_graphs else 0)  # the arena's scratch page
         self.arena = self.graphs = None
         if decode_graphs:
+            from .graphs import DecodeGraphs
             try:
-                self._start_graphs(max_running, max_seq_len)
+                self.graphs = DecodeGraphs.for_engine(model, self.pages, max_running, max_seq_len, self.max_rewind)
+                self.arena = self.graphs.arena
             except Exception:  # refused: the model as it was
                 model.set_batch_invariant(invariant_before)
                 raise
@@ -128,20 +130,6 @@ class Engine:
             ["requests_added", "requests_rejected", "requests_cancelled", "finished_stop", "finished_length",
              "finished_error", "prompt_tokens", "prefill_tokens", "generation_tokens", "steps", "batch_seqs",
              "batch_tokens", "last_batch_seqs", "last_batch_tokens", "states_allocated", "states_freed"], 0)
-
-    def _start_graphs(self, max_running: int, max_seq_len: int) -> None:
-        from .graphs import DecodeGraphs
-        from ..errors import ConfigError
-        if self.pages is None:
-            raise ConfigError("decode_graphs reads the compressed pools through the shared page pool; "
-                              "leave kv_page_bytes at None or > 0 (a model with the `pages` capability)")
-        if not hasattr(self.model, "new_decode_arena"):
-            raise ConfigError(f"{type(self.model).__name__} has no capturable decode step; use decode_graphs=False")
-        why = self.model.graph_unsupported()
-        if why is not None:
-            raise ConfigError(why)
-        self.arena = self.model.new_decode_arena(max_running, max_seq_len, self.pages, self.max_rewind)
-        self.graphs = DecodeGraphs(self.model, self.arena, max_running * (self.max_rewind + 1))  # verify rows too
 
     def _state_kw(self) -> dict:
         """What every new state of this engine is made with (new_state's keywords)."""

@@ -70,6 +70,21 @@ class DecodeGraphs:
         self.draft_rows = 0  # rows past each sequence's first: drafts verified in graph steps
         self.capture_errors: list[str] = []
 
+    @classmethod
+    def for_engine(cls, model, pages, max_running: int, max_seq_len: int, max_rewind: int) -> "DecodeGraphs":
+        """An engine's graphs: an arena of max_running slots of max_seq_len in its page pool, buckets
+        up to every running sequence's verify rows. ConfigError where graph decode cannot run."""
+        if pages is None:
+            raise ConfigError("decode_graphs reads the compressed pools through the shared page pool; "
+                              "leave kv_page_bytes at None or > 0 (a model with the `pages` capability)")
+        if not hasattr(model, "new_decode_arena"):
+            raise ConfigError(f"{type(model).__name__} has no capturable decode step; use decode_graphs=False")
+        why = model.graph_unsupported()
+        if why is not None:
+            raise ConfigError(why)
+        arena = model.new_decode_arena(max_running, max_seq_len, pages, max_rewind)
+        return cls(model, arena, max_running * (max_rewind + 1))
+
     def bucket(self, n: int) -> int:
         for b in self.buckets:
             if b >= n:
