@@ -244,8 +244,9 @@ def test_graph_decode_in_the_engine_gives_the_forward_engines_tokens_through_adm
 
 
 def test_a_replaced_weight_recaptures_and_the_step_reads_the_new_one(model):
-    """Reassigning a weight changes what the captured step read: the next step recaptures (counted)
-    and its logits follow the new weight, as the forward's do."""
+    """Reassigning a weight, moving a weight's storage, or replacing a module changes what the
+    captured step read: the next step recaptures (counted) and its logits follow the new weight,
+    as the forward's do; a step where nothing moved keeps its graph."""
     m = kvfold.load_model("tiny-random")
     m.set_batch_invariant(False)
     pool = m.new_page_pool(16)
@@ -264,6 +265,25 @@ def test_a_replaced_weight_recaptures_and_the_step_reads_the_new_one(model):
     got = graphs.step([(6, a)])
     want = m.forward([6], b)
     assert graphs.recaptures == 1
+    assert (got - want).abs().max().item() <= fp32_paths_bound(want, m.config.num_hidden_layers)
+    graphs.step([(7, a)])
+    m.forward([7], b)
+    assert graphs.recaptures == 1  # nothing moved: the graph stays
+    # a weight's storage swapped under the same Parameter (no registration): still seen
+    m.model.layers[1].mlp.experts.down_proj.data = m.model.layers[1].mlp.experts.down_proj.data * 0.5
+    got = graphs.step([(8, a)])
+    want = m.forward([8], b)
+    assert graphs.recaptures == 2
+    assert (got - want).abs().max().item() <= fp32_paths_bound(want, m.config.num_hidden_layers)
+    # a whole module replaced (its parameters are in another table now): still seen
+    from kvfold.layers.basic import Linear
+    head = Linear(m.config.hidden_size, vocab, torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight * 2)
+    m.lm_head = head
+    got = graphs.step([(9, a)])
+    want = m.forward([9], b)
+    assert graphs.recaptures == 3
     assert (got - want).abs().max().item() <= fp32_paths_bound(want, m.config.num_hidden_layers)
 
 

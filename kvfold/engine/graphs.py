@@ -28,11 +28,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from ..errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_MIN = 256
+
+# Parameter, buffer and submodule registrations anywhere in the process (a weight reassigned, a
+# module replaced): where one happened, the slots a signature reads are listed again.
+_REGISTRATIONS = [0]
+
+
+def _registered(*_):
+    _REGISTRATIONS[0] += 1
+
+
+for _hook in (register_module_parameter_registration_hook, register_module_buffer_registration_hook,
+              register_module_module_registration_hook):
+    _hook(_registered)
 
 
 def buckets_for(max_batch: int) -> list[int]:
@@ -66,6 +82,7 @@ class DecodeGraphs:
         self.buckets = buckets_for(max_batch)
         self._buckets: dict[tuple[int, int], _Bucket] = {}  # (batch size, context bound)
         self._pool = None  # the graphs' shared CUDA memory pool
+        self._slots, self._slots_at = None, -1  # (parameter or buffer table, name) of every module
         self.captures = self.recaptures = self.replays = self.steps = 0  # replays: on CUDA, every step
         self.draft_rows = 0  # rows past each sequence's first: drafts verified in graph steps
         self.capture_errors: list[str] = []
@@ -99,10 +116,16 @@ class DecodeGraphs:
         return min(c, self.arena.capacity)
 
     def signature(self) -> tuple:
-        """What a captured graph depends on: every tensor address it reads, and the numerics."""
+        """What a captured graph depends on: every tensor address it reads (the arena's, and every
+        parameter and buffer slot of the model, read live: a reassigned weight or a `.data` moved
+        shows), and the numerics."""
         m = self.model
-        ptrs = [t.data_ptr() for t in self.arena.tensors()]
-        ptrs += [t.data_ptr() for t in m.parameters()] + [t.data_ptr() for t in m.buffers()]
+        if self._slots is None or self._slots_at != _REGISTRATIONS[0]:  # the model's modules may have changed
+            self._slots_at = _REGISTRATIONS[0]
+            self._slots = [(table, name) for mod in m.modules() for table in (mod._parameters, mod._buffers)
+                           for name in table]
+        ptrs = [t.data_ptr() for t in self.arena.tensors() + getattr(m, "graph_tensors", list)()]
+        ptrs += [None if table[name] is None else table[name].data_ptr() for table, name in self._slots]
         return m.numerics, getattr(m, "batch_invariant", False), tuple(ptrs)
 
     def check(self, pairs: list) -> None:

@@ -209,6 +209,10 @@ class Dsv4Model(CausalLM):
                          max_rewind=max_rewind, fingerprint=self.fingerprint)
 
     # ---- a decode step a CUDA graph captures (graph_step.py; engine/graphs.py replays it) -------
+    def graph_tensors(self) -> list[torch.Tensor]:
+        """Tensors the capturable step reads that are no parameter or buffer: the rope tables'."""
+        return [self.rope_main.inv_freq, self.rope_compress.inv_freq]
+
     def graph_unsupported(self) -> str | None:
         """Why `decode_graph_step` cannot run this model, or None."""
         from .graph_step import graph_unsupported
