@@ -200,12 +200,12 @@ def check_triton(device: torch.device) -> dict:
 
 
 def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
-    """Graph replay against eager on twin arenas, and against the forward (DeepSeek-V4 through a
-    rewind; GLM-5.3's graph decode runs at max_rewind 0)."""
+    """Graph replay against eager on twin arenas, and against the forward, through a rewind (GLM-5.3:
+    whose next step replays its KDA state from the base)."""
     from kvfold.engine.graphs import DecodeGraphs
     _, model = tiny_pair(family, dtype, device)
     model.set_batch_invariant(False)
-    rewind = 2 if family == "deepseek_v4" else 0
+    rewind = 2
     cap, lens = 512, (1, 30, 127, 200)
     pools = [model.new_page_pool(24) for _ in range(3)]
     arenas = [model.new_decode_arena(5, cap, pools[i], max_rewind=rewind) for i in range(2)]
@@ -220,7 +220,7 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
     same_logits = same_arena = True
     worst, scale = 0.0, 0.0
     for i in range(24):
-        if i == 8 and rewind:  # a rewind of two tokens, in all three
+        if i == 8:  # a rewind of two tokens, in all three
             for k in range(3):
                 states[k][1].rewind_to(states[k][1].pos - 2)
         if i == 12:  # an admission mid-run
@@ -234,11 +234,13 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
         got, got_streams = graphs.step(list(zip(toks, states[0])), hidden=True)
         twin = states[1]
         context = graphs.context_bucket(max(st.pos for st in twin) + 1)  # the same shapes as the replayed step
+        plans = [st.graph_inputs(1) for st in twin]  # GLM-5.3: each state's KDA plan
         eager, eager_streams = model.decode_graph_step(
             arenas[1], torch.tensor(toks, device=device), torch.tensor([st.pos for st in twin], device=device),
-            torch.tensor([st.slot for st in twin], device=device), context)
+            torch.tensor([st.slot for st in twin], device=device), context,
+            torch.tensor(plans, device=device) if plans[0] else None)
         for st in twin:
-            st.pos = st.written_until = st.pos + 1
+            st.after_graph_step(1)
         want = torch.cat(model.forward_batch([([t], st) for t, st in zip(toks, states[2])]))
         n = len(toks)
         same_logits &= torch.equal(got, eager[:n]) and torch.equal(got_streams, eager_streams[:n])

@@ -88,26 +88,34 @@ def test_a_glm_graph_step_is_as_accurate_as_the_forward_at_every_cursor(glm):
 
 def test_a_glm_graph_step_issues_the_same_ops_on_the_same_buffers_and_never_syncs(glm):
     """As DeepSeek-V4's (tests/test_graph_decode.py): the same ops, shapes, strides and persistent
-    buffers at other cursors and slots (with a padding row), no value read back to the host."""
+    buffers at other cursors and slots (with a padding row, and with rewound states that replay
+    from their base), no value read back to the host."""
     pool = glm.new_page_pool(20)
-    arena = glm.new_decode_arena(3, CAP, pool)
+    arena = glm.new_decode_arena(3, CAP, pool, max_rewind=2)
     vocab = glm.config.vocab_size
     states = []
     for n in (2, 7, 140):
-        st = glm.new_state(capacity=CAP, pages=pool, arena=arena)
+        st = glm.new_state(capacity=CAP, max_rewind=2, pages=pool, arena=arena)
         glm.forward(random_ids(n, vocab, seed=n), st)
         states.append(st)
     tokens, positions, slots = (torch.zeros(3, dtype=torch.long) for _ in range(3))
-    persistent = arena.tensors() + list(glm.parameters()) + list(glm.buffers()) + [tokens, positions, slots]
+    extras = torch.zeros(3, 4, dtype=torch.long)
+    persistent = arena.tensors() + list(glm.parameters()) + list(glm.buffers()) + [tokens, positions, slots, extras]
     traces = []
     with native.use_native(False), torch.inference_mode():
-        for rows in ([0, 1, 2], [2, 0, 1], [1, None, 0]):
+        for rows in ([0, 1, 2], [2, 0, 1], [1, None, 0], [0, 1, 2]):
+            if len(traces) == 3:  # rewound: the next step replays from the base
+                for st in states:
+                    st.rewind_to(st.pos - 2)
+            extras.zero_()
             for i, r in enumerate(rows):
                 tokens[i], positions[i] = 5 * i + 2, 0 if r is None else states[r].pos
                 slots[i] = arena.scratch if r is None else states[r].slot
+                if r is not None:
+                    extras[i] = torch.tensor(states[r].graph_inputs(1))
             trace = _Trace(persistent)
             with trace:
-                glm.decode_graph_step(arena, tokens, positions, slots, 256)
+                glm.decode_graph_step(arena, tokens, positions, slots, 256, extras)
             traces.append(trace)
             for r in rows:
                 if r is not None:
@@ -142,13 +150,72 @@ def test_glm_graph_decode_in_the_engine_gives_the_forward_engines_tokens(glm):
     assert m["graph_steps"] >= 20 and m["graph_recaptures"] == 0 and engine.arena.free_slots == 3
 
 
+def test_glm_graph_steps_of_several_rows_replay_from_the_base_as_the_forward_does(glm):
+    """max_rewind 3: steps of four rows a sequence (its token and three drafts), each followed by a
+    rewind of two or three of them, so every step starts above its KDA base and replays the
+    inputs held. Over the steps the graph's logits are as close to float64 as the forward's (within
+    twice the forward's worst error), and so is what the forward computes after them."""
+    g64 = Glm5Model(glm.config, dtype=torch.float64)
+    g64.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in glm.state_dict().items()})
+    g64.set_batch_invariant(False)
+    pool = glm.new_page_pool(30)
+    arena = glm.new_decode_arena(3, CAP, pool, max_rewind=3)
+    vocab = glm.config.vocab_size
+    runs = []
+    for n in (2, 61, 126):
+        ids = random_ids(n, vocab, seed=n)
+        run = (glm.new_state(capacity=CAP, max_rewind=3, pages=pool, arena=arena),
+               glm.new_state(capacity=CAP, max_rewind=3, pages=pool), g64.new_state(capacity=CAP, max_rewind=3))
+        for model, st in zip((glm, glm, g64), run):
+            model.forward(ids, st)
+        runs.append(run)
+    graphs = DecodeGraphs(glm, arena, 12)
+    g = torch.Generator().manual_seed(9)
+    worst_graph = worst_forward = 0.0
+    for step in range(8):
+        toks = torch.randint(0, vocab, (len(runs), 4), generator=g)
+        got = graphs.step([(t.tolist(), a) for t, (a, _, _) in zip(toks, runs)])
+        want = torch.cat(glm.forward_batch([(t, b) for t, (_, b, _) in zip(toks, runs)], last_only=False))
+        exact = torch.cat(g64.forward_batch([(t, c) for t, (_, _, c) in zip(toks, runs)], last_only=False))
+        worst_graph = max(worst_graph, (got.double() - exact).abs().max().item())
+        worst_forward = max(worst_forward, (want.double() - exact).abs().max().item())
+        for a, b, c in runs:  # keep one or two of the four, as a verify does
+            back = a.pos - 3 + step % 2
+            for st in (a, b, c):
+                st.rewind_to(back)
+    assert graphs.draft_rows == 8 * 3 * 3 and 0 < worst_graph <= 2 * worst_forward
+    later_graph = later_forward = 0.0
+    for a, b, c in runs:
+        assert a.pos == b.pos == c.pos and (a.kda_base, a.kda_cuts) == (b.kda_base, b.kda_cuts)
+        ids = random_ids(5, vocab, seed=a.pos)
+        exact = g64.forward(ids, c)
+        later_graph = max(later_graph, (glm.forward(ids, a).double() - exact).abs().max().item())
+        later_forward = max(later_forward, (glm.forward(ids, b).double() - exact).abs().max().item())
+    assert 0 < later_graph <= 2 * later_forward
+
+
+def test_glm_graph_decode_verifies_ngram_drafts_as_the_forward_engine_does(glm):
+    """speculative="ngram": verify steps run as graph steps and rewind what they reject; greedy
+    tokens are the forward engine's. The prompts repeat a phrase among random tokens, so the
+    drafter proposes its continuation. (A periodic prompt would not do: its identical k-pools tie
+    in the indexer's scores, and two fp32 evaluations may then rank them differently.)"""
+    vocab = glm.config.vocab_size
+    phrase = random_ids(6, vocab, seed=70).tolist()
+    prompts = [random_ids(n, vocab, seed=n).tolist() + phrase + random_ids(17, vocab, seed=n + 1).tolist() + phrase[:3]
+               for n in (40, 80)]
+    runs = {}
+    for graphs in (False, True):
+        engine = Engine(glm, max_seq_len=CAP, max_running=2, decode_graphs=graphs, batch_invariant=False,
+                        speculative="ngram", num_draft=3)
+        out = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        runs[graphs] = ([o.token_ids for o in out], engine.metrics())
+    (want, _), (got, m) = runs[False], runs[True]
+    assert got == want
+    assert m["graph_draft_rows"] > 0 and m["spec_accepted_tokens"] < m["spec_draft_tokens"]  # some rejected
+
+
 def test_glm_graph_decode_refuses_what_it_cannot_run(glm):
-    """Speculative decoding (KDA states held only at their position) and FP8 KV in the arena."""
-    glm.set_batch_invariant(True)
-    with pytest.raises(ConfigError, match="max_rewind 0"):
-        Engine(glm, max_seq_len=CAP, decode_graphs=True, speculative="ngram")
-    assert glm.batch_invariant  # a refused engine leaves the model's mode as it was
-    glm.set_batch_invariant(False)
+    """FP8 KV in the arena."""
     pool = glm.new_page_pool(4, kv_dtype="fp8")
     with pytest.raises(ConfigError, match="kv_dtype"):
         glm.new_state(capacity=CAP, pages=pool, kv_dtype="fp8", arena=glm.new_decode_arena(1, CAP, pool))

@@ -69,7 +69,7 @@ class Engine:
         as the model's capturable step, replayed from one CUDA graph per bucket on a CUDA model (graphs.py;
         on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
-        or GLM-5.3, numerics "hf", plain expert stacks; GLM-5.3 without `speculative`) outside
+        or GLM-5.3, numerics "hf", plain expert stacks) outside
         batch-invariant mode (batch_invariant=None leaves it off then): ConfigError otherwise,
         with the model's mode as it was. Its rows agree with the forward's to rounding, not bit
         for bit."""

@@ -62,6 +62,7 @@ class _Bucket:
     tokens: torch.Tensor  # [B] long
     positions: torch.Tensor  # [B] long
     slots: torch.Tensor  # [B] long
+    extras: torch.Tensor | None = None  # [B, E] long: each row's state's `graph_inputs`
     logits: torch.Tensor | None = None  # [B, vocab]: the graph's outputs (CUDA)
     streams: torch.Tensor | None = None  # [B, hc, hidden]
     graph: object = None  # torch.cuda.CUDAGraph
@@ -157,10 +158,11 @@ class DecodeGraphs:
         also the rows' final streams [rows, hc, hidden] (what an MTP drafter reads)."""
         pairs = [([ids] if isinstance(ids, int) else [int(i) for i in ids], st) for ids, st in pairs]
         self.check(pairs)
-        host = torch.tensor([[tok, st.pos + j, st.slot] for ids, st in pairs for j, tok in enumerate(ids)],
-                            dtype=torch.long)
+        plans = [st.graph_inputs(len(ids)) for ids, st in pairs]
+        host = torch.tensor([[tok, st.pos + j, st.slot, *plan] for (ids, st), plan in zip(pairs, plans)
+                             for j, tok in enumerate(ids)], dtype=torch.long)
         n = host.shape[0]
-        b = self._ready(self.bucket(n), self.context_bucket(int(host[:, 1].max()) + 1))
+        b = self._ready(self.bucket(n), self.context_bucket(int(host[:, 1].max()) + 1), host.shape[1] - 3)
         dev = self.arena.device
         b.tokens.zero_()
         b.positions.zero_()
@@ -168,6 +170,9 @@ class DecodeGraphs:
         b.tokens[:n].copy_(host[:, 0].to(dev, non_blocking=True))
         b.positions[:n].copy_(host[:, 1].to(dev, non_blocking=True))
         b.slots[:n].copy_(host[:, 2].to(dev, non_blocking=True))
+        if b.extras is not None:
+            b.extras.zero_()
+            b.extras[:n].copy_(host[:, 3:].to(dev, non_blocking=True))
         if b.graph is not None:
             b.graph.replay()
             self.replays += 1
@@ -182,9 +187,9 @@ class DecodeGraphs:
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         with torch.inference_mode():
-            return self.step_fn(self.arena, b.tokens, b.positions, b.slots, b.context)
+            return self.step_fn(self.arena, b.tokens, b.positions, b.slots, b.context, b.extras)
 
-    def _ready(self, size: int, context: int) -> _Bucket:
+    def _ready(self, size: int, context: int, n_extras: int) -> _Bucket:
         """The bucket's graph, captured now if it never was or if what it captured has changed."""
         sig = self.signature()
         b = self._buckets.get((size, context))
@@ -198,7 +203,8 @@ class DecodeGraphs:
         dev = self.arena.device
         b = _Bucket(context, torch.zeros(size, dtype=torch.long, device=dev),
                     torch.zeros(size, dtype=torch.long, device=dev),
-                    torch.full((size,), self.arena.scratch, dtype=torch.long, device=dev))
+                    torch.full((size,), self.arena.scratch, dtype=torch.long, device=dev),
+                    torch.zeros(size, n_extras, dtype=torch.long, device=dev) if n_extras else None)
         if self.capture:
             try:
                 self._capture(b)

@@ -58,6 +58,11 @@ class SequenceState:
             self.arena.release(self.slot)
         self.layers = None
 
+    def graph_inputs(self, k: int) -> tuple[int, ...]:
+        """What a graph step (engine/graphs.py) of this state's next k tokens needs to know beyond
+        their positions, as ints of every one of its rows (none here; a family's state may plan)."""
+        return ()
+
     def after_graph_step(self, k: int) -> None:
         """The cursors after k tokens whose rows a graph step (engine/graphs.py) wrote without
         host bookkeeping: the position, and the rows written."""

@@ -219,12 +219,13 @@ class Dsv4Model(CausalLM):
         return graph_unsupported(self)
 
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
-                          slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
+                          slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
         """One token per row, shapes fixed by the inputs' length and `context` (a bound on every
-        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). No checks and no
-        cursor moves: the caller (engine/graphs.py) does both."""
+        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]:
+        each row's state's `graph_inputs`. No checks and no cursor moves: the caller
+        (engine/graphs.py) does both."""
         from .graph_step import decode_step
-        return decode_step(self, arena, tokens, positions, slots, context)
+        return decode_step(self, arena, tokens, positions, slots, context)  # (V4's states plan nothing)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -204,7 +204,8 @@ class Glm5Model(CausalLM):
         table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=dt, device=dev,
                                  kv_fp8=fp8 is not None) if pages is not None else []
         slot = arena.take() if arena is not None else None
-        held = (lambda key, make: arena.buffer(key, slot)) if arena is not None else (lambda key, make: make())
+        held = (lambda key, make: arena.buffer(key, slot) if key in arena.rings else make()) if arena is not None \
+            else (lambda key, make: make())
         memo: dict = {}
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kp = max(cfg.index_kpool, 1)
@@ -219,11 +220,13 @@ class Glm5Model(CausalLM):
                                                                device=dev)),
                     rec=held((i, "rec"), lambda: torch.zeros(nh * dk, dk, dtype=torch.float32,
                                                              device=dev)).view(nh, dk, dk),
-                    k=torch.zeros(n_in, nh, dk, dtype=torch.float32, device=dev),
-                    g=torch.zeros(n_in, nh, dk, dtype=torch.float32, device=dev),
-                    v=torch.zeros(n_in, nh, dk, dtype=dt, device=dev),
-                    beta=torch.zeros(n_in, nh, dtype=dt, device=dev),
-                    mixed=torch.zeros(n_mix, c3, dtype=dt, device=dev)))
+                    k=held((i, "k"), lambda: torch.zeros(n_in, nh * dk, dtype=torch.float32, device=dev)).view(
+                        n_in, nh, dk),
+                    g=held((i, "g"), lambda: torch.zeros(n_in, nh * dk, dtype=torch.float32, device=dev)).view(
+                        n_in, nh, dk),
+                    v=held((i, "v"), lambda: torch.zeros(n_in, nh * dk, dtype=dt, device=dev)).view(n_in, nh, dk),
+                    beta=held((i, "beta"), lambda: torch.zeros(n_in, nh, dtype=dt, device=dev)),
+                    mixed=held((i, "mixed"), lambda: torch.zeros(n_mix, c3, dtype=dt, device=dev))))
             else:
                 dsa = None
                 if cfg.indexer_types[i] == "full" and arena is not None:
@@ -248,12 +251,9 @@ class Glm5Model(CausalLM):
         """Fixed-address KDA states and indexer rows for `slots` states of up to `capacity` tokens
         whose latent rows live in `pages`: what a captured decode graph reads (graph_step.py)."""
         from .graph_step import arena_specs
-        if max_rewind:
-            raise ConfigError("GLM-5.3's graph decode holds each KDA state at its position only (max_rewind 0); "
-                              "it does not run with speculative decoding")
         kp = max(self.config.index_kpool, 1)
-        return SlotArena(arena_specs(self.config, self.dtype, self.kda_heads, -(-capacity // kp) * kp), slots,
-                         pages, capacity=capacity, max_rewind=0, fingerprint=self.fingerprint)
+        return SlotArena(arena_specs(self.config, self.dtype, self.kda_heads, -(-capacity // kp) * kp, max_rewind),
+                         slots, pages, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint)
 
     def graph_unsupported(self) -> str | None:
         """Why `decode_graph_step` cannot run this model, or None."""
@@ -261,12 +261,13 @@ class Glm5Model(CausalLM):
         return graph_unsupported(self)
 
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
-                          slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
+                          slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
         """One token per row, shapes fixed by the inputs' length and `context` (a bound on every
-        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). No checks and no
-        cursor moves: the caller (engine/graphs.py) does both."""
+        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]:
+        each row's state's `graph_inputs`. No checks and no cursor moves: the caller
+        (engine/graphs.py) does both."""
         from .graph_step import decode_step
-        return decode_step(self, arena, tokens, positions, slots, context)
+        return decode_step(self, arena, tokens, positions, slots, context, extras)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -237,13 +237,18 @@ class Glm5State(SequenceState):
         for dsa in dsas:
             dsa.sync_to(seq_len, k)
 
+    def graph_inputs(self, k: int) -> tuple[int, ...]:
+        """The KDA plan of a graph step's k tokens at pos, as a forward's (`_kda_begin`): (start,
+        the base the step replays from, the new base whose state it keeps, the end)."""
+        self._kda_begin(self.pos, k)
+        return self.pos, self.kda_base, self._kda_plan[2], self.pos + k
+
     def after_graph_step(self, k: int) -> None:
         """SequenceState.after_graph_step; the indexer states' counters go where decode would have
-        left them (the seed's `sync_to`), and the KDA state held is the one at the new position (a
-        graph step runs at max_rewind 0: no inputs are kept to replay)."""
+        left them (the seed's `sync_to`), and the KDA cursors as the planned forward leaves them."""
         self._dsa_sync(self.pos, k)
         super().after_graph_step(k)
-        self.kda_base, self.kda_cuts, self.kda_mix_low = self.pos, [], self.pos
+        self._kda_commit()
 
     def start_at(self, n: int) -> None:
         """SequenceState.start_at; the indexer states advance over n rows that stay zero (valid 0:
