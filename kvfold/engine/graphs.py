@@ -73,12 +73,10 @@ class _Bucket:
 class DecodeGraphs:
     def __init__(self, model, arena, max_batch: int):
         """`max_batch`: the most rows a step runs (the largest bucket)."""
-        step = getattr(model, "decode_graph_step", None)
-        why = model.graph_unsupported() if step is not None else \
-            f"{type(model).__name__} has no capturable decode step"
+        why = model.graph_unsupported()
         if why is not None:
             raise ConfigError(why)
-        self.model, self.arena, self.step_fn = model, arena, step
+        self.model, self.arena, self.step_fn = model, arena, model.decode_graph_step
         self.capture = arena.device.type == "cuda"
         self.buckets = buckets_for(max_batch)
         self._buckets: dict[tuple[int, int], _Bucket] = {}  # (batch size, context bound)
@@ -95,8 +93,6 @@ class DecodeGraphs:
         if pages is None:
             raise ConfigError("decode_graphs reads the compressed pools through the shared page pool; "
                               "leave kv_page_bytes at None or > 0 (a model with the `pages` capability)")
-        if not hasattr(model, "new_decode_arena"):
-            raise ConfigError(f"{type(model).__name__} has no capturable decode step; use decode_graphs=False")
         why = model.graph_unsupported()
         if why is not None:
             raise ConfigError(why)

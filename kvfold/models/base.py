@@ -92,6 +92,24 @@ class CausalLM(nn.Module):
         """Bytes of `new_mtp_state(capacity, max_rewind)` (needs `supports_mtp`), known before allocating it."""
         return self.mtp.state_bytes(capacity, max_rewind)
 
+    # ---- graph decode (models/<family>/graph_step.py; engine/graphs.py replays it) --------------
+    def graph_unsupported(self) -> str | None:
+        """Why the family's capturable decode step (`decode_graph_step`) cannot run this model, or
+        None. The checks every family shares; a family adds its own."""
+        from ..layers.moe import Experts
+        if not hasattr(self, "decode_graph_step"):
+            return f"{type(self).__name__} has no capturable decode step; use decode_graphs=False"
+        if self.tp is not None:
+            return "graph decode runs one rank's whole model; tensor parallelism is not supported"
+        if self.batch_invariant:
+            return ("graph decode runs torch's kernels, which promise no batch invariance; "
+                    "set_batch_invariant(False) (Engine(batch_invariant=False))")
+        for mod in self.modules():
+            stacks = (mod.gate_up_proj, mod.down_proj) if isinstance(mod, Experts) else ()
+            if any(isinstance(w, QuantizedWeight) for w in stacks):
+                return "graph decode gathers each row's experts from plain stacks; load with weights='dequant'"
+        return None
+
     # ---- batch invariance --------------------------------------------------------------------
     @property
     def supports_batch_invariance(self) -> bool:

@@ -21,7 +21,7 @@ The attention core (`sink_attention`), the pooling (`pool_windows`), the project
 and the top-k rule are the forward's own functions. The per-row work differs only in sizes and in
 masked terms, whose softmax weight is exactly 0, so a row's values agree with the forward's to
 rounding. Replays of one captured graph give the same bits as this function run eagerly on the
-same inputs. `graph_unsupported` says which models cannot take the step.
+same inputs. `Dsv4Model.graph_unsupported` says which models cannot take the step.
 
 The engine's `DecodeGraphs` (engine/graphs.py) captures it per batch bucket and replays it.
 """
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from ...layers.basic import QuantizedWeight
 from ...layers.mhc import HyperConnection
 from ...numerics import apply_rope, pool_windows, topk_lower_index, triton_ops
 from ...state.arena import ArenaRows, RingSpec, SlotArena
@@ -51,22 +50,6 @@ def arena_specs(cfg: Dsv4Config, dtype: torch.dtype, max_rewind: int) -> list[Ri
             specs += [RingSpec((i, pool_kind, "kv"), rows, m * width, torch.float32, 0.0),
                       RingSpec((i, pool_kind, "score"), rows, m * width, torch.float32, float("-inf"))]
     return specs
-
-
-def graph_unsupported(model) -> str | None:
-    """Why `decode_step` cannot run this model (None: it can)."""
-    if model.tp is not None:
-        return "graph decode runs one rank's whole model; tensor parallelism is not supported"
-    if getattr(model, "batch_invariant", False):
-        return ("graph decode runs torch's kernels, which promise no batch invariance; "
-                "set_batch_invariant(False) (Engine(batch_invariant=False))")
-    if model.numerics != "hf":
-        return "graph decode runs numerics='hf'; the reference numerics' roundings run in the forward only"
-    for layer in model.model.layers:
-        ex = layer.mlp.experts
-        if isinstance(ex.gate_up_proj, QuantizedWeight) or isinstance(ex.down_proj, QuantizedWeight):
-            return "graph decode gathers each row's experts from plain stacks; load the model with weights='dequant'"
-    return None
 
 
 @torch.no_grad()

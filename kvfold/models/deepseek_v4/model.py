@@ -214,9 +214,10 @@ class Dsv4Model(CausalLM):
         return [self.rope_main.inv_freq, self.rope_compress.inv_freq]
 
     def graph_unsupported(self) -> str | None:
-        """Why `decode_graph_step` cannot run this model, or None."""
-        from .graph_step import graph_unsupported
-        return graph_unsupported(self)
+        """CausalLM.graph_unsupported; and the reference numerics run in the forward only."""
+        if self.numerics != "hf":
+            return "graph decode runs numerics='hf'; the reference numerics' roundings run in the forward only"
+        return super().graph_unsupported()
 
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from ...layers.basic import QuantizedWeight
 from ...layers.mhc import HyperConnection
 from ...layers.moe import SwiGluMLP
 from ...state.arena import ArenaRows, RingSpec, SlotArena
@@ -53,20 +52,6 @@ def arena_specs(cfg: Glm5Config, dtype: torch.dtype, kda_heads: int, dsa_rows: i
                       RingSpec((i, "dsa_gate"), dsa_rows, cfg.index_head_dim, dtype),
                       RingSpec((i, "dsa_valid"), dsa_rows, 1, torch.uint8)]
     return specs
-
-
-def graph_unsupported(model) -> str | None:
-    """Why `decode_step` cannot run this model (None: it can)."""
-    if model.tp is not None:
-        return "graph decode runs one rank's whole model; tensor parallelism is not supported"
-    if getattr(model, "batch_invariant", False):
-        return ("graph decode runs torch's kernels, which promise no batch invariance; "
-                "set_batch_invariant(False) (Engine(batch_invariant=False))")
-    for layer in model.model.layers:
-        ex = getattr(layer.mlp, "experts", None)
-        if ex is not None and any(isinstance(w, QuantizedWeight) for w in (ex.gate_up_proj, ex.down_proj)):
-            return "graph decode gathers each row's experts from plain stacks; load the model with weights='dequant'"
-    return None
 
 
 @torch.no_grad()

@@ -255,11 +255,6 @@ class Glm5Model(CausalLM):
         return SlotArena(arena_specs(self.config, self.dtype, self.kda_heads, -(-capacity // kp) * kp, max_rewind),
                          slots, pages, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint)
 
-    def graph_unsupported(self) -> str | None:
-        """Why `decode_graph_step` cannot run this model, or None."""
-        from .graph_step import graph_unsupported
-        return graph_unsupported(self)
-
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
         """One token per row, shapes fixed by the inputs' length and `context` (a bound on every
