@@ -288,8 +288,8 @@ def test_a_replaced_weight_recaptures_and_the_step_reads_the_new_one(model):
 
 
 def test_graph_decode_refuses_what_it_cannot_run():
-    """ConfigError, naming the fix, for private pools and for the batch-invariant mode (also when it
-    is switched on after a capture); the buckets."""
+    """ConfigError, naming the fix, for private pools, for the batch-invariant mode (also when it
+    is switched on after a capture) and for a quantized expert stack; the buckets."""
     v4 = kvfold.load_model("tiny-random")
     with pytest.raises(ConfigError, match="kv_page_bytes"):
         Engine(v4, max_seq_len=256, kv_page_bytes=0, decode_graphs=True, batch_invariant=False)
@@ -306,6 +306,13 @@ def test_graph_decode_refuses_what_it_cannot_run():
         engine.graphs.step([(4, st)])
     assert st.pos == 1 and all(torch.equal(a, b) for a, b in zip(before, engine.arena.tensors()))
     assert buckets_for(16) == [1, 2, 4, 8, 16] and buckets_for(12) == [1, 2, 4, 8, 12]
+    # an expert stack kept quantized (weights="quantized"): the step gathers plain stacks only
+    from kvfold.layers.basic import hold_quantized
+    quantized = kvfold.load_model("tiny-random")
+    assert hold_quantized(quantized, "model.layers.1.mlp.experts.down_proj", "fp4", (1, 32), ["float8_e8m0fnu"])
+    with pytest.raises(ConfigError, match="weights='dequant'"):
+        Engine(quantized, max_seq_len=256, decode_graphs=True)
+    assert quantized.batch_invariant  # refused: the model's mode as it was
     assert [engine.graphs.context_bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 256, 256]  # capacity 256
     v4.set_batch_invariant(False)
     wide = DecodeGraphs(v4, v4.new_decode_arena(1, 3000, v4.new_page_pool(30)), 1)
