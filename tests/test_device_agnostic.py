@@ -27,9 +27,9 @@ MOVED_AT_ONCE = {("models/base.py", "as_token_ids"), ("state/blob.py", "_section
                  ("state/pages.py", "__init__"), ("state/kv_rows.py", "kv_row_bytes")}
 # the engine chooses tokens on the host, from cpu_logits' copy (decoding/logits.py), by design
 ON_THE_HOST = {("decoding/logits.py", "__init__"), ("decoding/sampling.py", "draw")}
-# graph decode: a step's tokens, positions and slots, gathered on the host and copied into the
-# graph's device inputs at once
-GRAPH_INPUTS = {("engine/graphs.py", "step")}
+# graph decode: a step's tokens, positions, slots and plans, gathered on the host (with the rows
+# of padding) and copied into the graph's device inputs at once
+GRAPH_INPUTS = {("engine/graphs.py", "step"), ("engine/graphs.py", "_padding")}
 
 
 class DevicelessFactories(TorchFunctionMode):

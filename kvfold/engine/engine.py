@@ -23,13 +23,14 @@ import torch
 
 from ..decoding.grammar import CompiledGrammar, compile_grammar
 from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
+from .graphs import GRAPH_STATS, DecodeGraphs
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
 from .replicas import HEARTBEAT_S, EngineReplicas
+from .sizing import BLOCK, check_limits, page_pool
 from .speculation import EngineSpeculation
 
-BLOCK = 128  # snapshot and prefix boundaries: no HCA partial state there, and a multiple of the k-pool
 
 
 @dataclass
@@ -73,31 +74,16 @@ class Engine:
         batch-invariant mode (batch_invariant=None leaves it off then): ConfigError otherwise,
         with the model's mode as it was. Its rows agree with the forward's to rounding, not bit
         for bit."""
-        if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
-            raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
-        if max_batch_tokens < max_running:
-            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must cover one decode token per running "
-                             f"sequence (max_running={max_running})")
-        for name, v in (("max_seq_len", max_seq_len), ("max_running", max_running)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        if max_queue < 0 or prefix_cache_bytes < 0 or (kv_page_bytes is not None and kv_page_bytes < 0):
-            raise ValueError("max_queue, prefix_cache_bytes and kv_page_bytes must be >= 0")
-        limit = model.config.max_position_embeddings
-        if limit is not None and max_seq_len > limit:
-            raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
+        batch_invariant = check_limits(
+            model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
+            max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
+            kv_page_bytes=kv_page_bytes, batch_invariant=batch_invariant, decode_graphs=decode_graphs)
         self.spec = EngineSpeculation(model, speculative, num_draft) if speculative is not None else None
         # under tensor parallelism rank 0 schedules and the other ranks follow (replicas.py)
         self._replicas = EngineReplicas(self, model.tp) if getattr(model, "tp", None) is not None else None
         self.heartbeat_s = HEARTBEAT_S if self._replicas is not None else None
         self.max_rewind = self.spec.max_rewind if self.spec is not None else 0
         self.model = model
-        if batch_invariant is None:  # graph decode's kernels are torch's: it runs without the invariant mode
-            batch_invariant = model.supports_batch_invariance and not decode_graphs
-        if batch_invariant and decode_graphs:
-            from ..errors import ConfigError
-            raise ConfigError("decode_graphs runs torch's kernels, which promise no batch invariance; "
-                              "use batch_invariant=False or None with it")
         invariant_before = model.batch_invariant
         model.set_batch_invariant(batch_invariant)
         self.tokenizer = model.tokenizer
@@ -110,14 +96,12 @@ class Engine:
         self.scheduler = Scheduler(max_running=max_running, max_queue=max_queue,
                                    max_state_bytes=self.max_state_bytes, max_batch_tokens=max_batch_tokens,
                                    prefill_chunk=prefill_chunk)
-        self.pages = _page_pool(model, kv_page_bytes, max_running, max_seq_len, self.max_state_bytes, prefill_chunk,
-                                extra=1 if decode_graphs else 0)  # the arena's scratch page
-        self.arena = self.graphs = None
+        self.pages = page_pool(model, kv_page_bytes, max_running, max_seq_len, self.max_state_bytes, prefill_chunk,
+                               extra=1 if decode_graphs else 0)  # the arena's scratch page
+        self.graphs = None
         if decode_graphs:
-            from .graphs import DecodeGraphs
             try:
                 self.graphs = DecodeGraphs.for_engine(model, self.pages, max_running, max_seq_len, self.max_rewind)
-                self.arena = self.graphs.arena
             except Exception:  # refused: the model as it was
                 model.set_batch_invariant(invariant_before)
                 raise
@@ -130,6 +114,11 @@ class Engine:
             ["requests_added", "requests_rejected", "requests_cancelled", "finished_stop", "finished_length",
              "finished_error", "prompt_tokens", "prefill_tokens", "generation_tokens", "steps", "batch_seqs",
              "batch_tokens", "last_batch_seqs", "last_batch_tokens", "states_allocated", "states_freed"], 0)
+
+    @property
+    def arena(self):
+        """The `SlotArena` graph decode's states live in (None without decode_graphs)."""
+        return None if self.graphs is None else self.graphs.arena
 
     def _state_kw(self) -> dict:
         """What every new state of this engine is made with (new_state's keywords)."""
@@ -576,10 +565,7 @@ class Engine:
                                 "page_bytes_total", "page_bytes_used"), 0))
         if self.pages is not None:
             m.update(self.pages.stats())
-        m.update(dict.fromkeys(("graph_steps", "graph_draft_rows", "graph_captures", "graph_recaptures",
-                                "graph_replays", "graph_buckets", "graph_capture_errors"), 0))
-        if self.graphs is not None:
-            m.update(self.graphs.stats())
+        m.update(self.graphs.stats() if self.graphs is not None else dict.fromkeys(GRAPH_STATS, 0))
         pc = self.prefix_cache
         if pc is None:  # disabled: report an empty cache
             pc = PrefixCache(self.prefill_chunk, 0)
@@ -598,23 +584,3 @@ class Engine:
         )
         return m
 
-
-def _page_pool(model: Any, kv_page_bytes: int | None, max_running: int, max_seq_len: int, max_state_bytes: float,
-               prefill_chunk: int, extra: int = 0):
-    """The engine's shared page pool, or None (private pools: models without the `pages`
-    capability, kv_page_bytes=0, or a prefill chunk that is not a whole number of pages)."""
-    if not model.capabilities.pages or kv_page_bytes == 0:
-        return None
-    if prefill_chunk % model.page_tokens:
-        return None  # cache boundaries must fall on page boundaries to share pages
-    page_bytes = model.new_page_pool(0).page_bytes
-    if page_bytes == 0:  # no compressed pools (sliding layers only): nothing to page
-        return None
-    per_seq = -(-max_seq_len // model.page_tokens)
-    if kv_page_bytes is not None:
-        n = kv_page_bytes // page_bytes
-    else:
-        n = max_running * per_seq
-        if max_state_bytes != math.inf:
-            n = min(n, max(per_seq, int(max_state_bytes) // page_bytes))
-    return model.new_page_pool(n + extra)

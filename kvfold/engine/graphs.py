@@ -51,6 +51,11 @@ for _hook in (register_module_parameter_registration_hook, register_module_buffe
     _hook(_registered)
 
 
+# what `DecodeGraphs.stats` reports (an engine without graph decode reports them as 0)
+GRAPH_STATS = ("graph_steps", "graph_draft_rows", "graph_captures", "graph_recaptures", "graph_replays",
+               "graph_buckets", "graph_capture_errors")
+
+
 def buckets_for(max_batch: int) -> list[int]:
     """The row counts graphs are captured at: powers of two below `max_batch`, then max_batch."""
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -59,15 +64,19 @@ def buckets_for(max_batch: int) -> list[int]:
 @dataclass
 class _Bucket:
     context: int
-    tokens: torch.Tensor  # [B] long
-    positions: torch.Tensor  # [B] long
-    slots: torch.Tensor  # [B] long
-    extras: torch.Tensor | None = None  # [B, E] long: each row's state's `graph_inputs`
+    # [B, 3 + E] long, one host copy a step: each row's token, position, arena slot and its
+    # state's `graph_inputs` (E of them)
+    inputs: torch.Tensor
     logits: torch.Tensor | None = None  # [B, vocab]: the graph's outputs (CUDA)
     streams: torch.Tensor | None = None  # [B, hc, hidden]
     graph: object = None  # torch.cuda.CUDAGraph
     signature: tuple | None = None
     capture_error: str | None = None  # why this bucket runs eagerly on CUDA
+
+    def step_inputs(self) -> tuple:
+        """(tokens, positions, slots, extras or None): views of `inputs`, the step's arguments."""
+        i = self.inputs
+        return i[:, 0], i[:, 1], i[:, 2], (i[:, 3:] if i.shape[1] > 3 else None)
 
 
 class DecodeGraphs:
@@ -155,20 +164,13 @@ class DecodeGraphs:
         pairs = [([ids] if isinstance(ids, int) else [int(i) for i in ids], st) for ids, st in pairs]
         self.check(pairs)
         plans = [st.graph_inputs(len(ids)) for ids, st in pairs]
-        host = torch.tensor([[tok, st.pos + j, st.slot, *plan] for (ids, st), plan in zip(pairs, plans)
+        rows = torch.tensor([[tok, st.pos + j, st.slot, *plan] for (ids, st), plan in zip(pairs, plans)
                              for j, tok in enumerate(ids)], dtype=torch.long)
-        n = host.shape[0]
-        b = self._ready(self.bucket(n), self.context_bucket(int(host[:, 1].max()) + 1), host.shape[1] - 3)
-        dev = self.arena.device
-        b.tokens.zero_()
-        b.positions.zero_()
-        b.slots.fill_(self.arena.scratch)
-        b.tokens[:n].copy_(host[:, 0].to(dev, non_blocking=True))
-        b.positions[:n].copy_(host[:, 1].to(dev, non_blocking=True))
-        b.slots[:n].copy_(host[:, 2].to(dev, non_blocking=True))
-        if b.extras is not None:
-            b.extras.zero_()
-            b.extras[:n].copy_(host[:, 3:].to(dev, non_blocking=True))
+        n = rows.shape[0]
+        b = self._ready(self.bucket(n), self.context_bucket(int(rows[:, 1].max()) + 1), rows.shape[1] - 3)
+        host = self._padding(b.inputs.shape[0], rows.shape[1])
+        host[:n] = rows
+        b.inputs.copy_(host)
         if b.graph is not None:
             b.graph.replay()
             self.replays += 1
@@ -183,7 +185,8 @@ class DecodeGraphs:
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         with torch.inference_mode():
-            return self.step_fn(self.arena, b.tokens, b.positions, b.slots, b.context, b.extras)
+            tokens, positions, slots, extras = b.step_inputs()
+            return self.step_fn(self.arena, tokens, positions, slots, b.context, extras)
 
     def _ready(self, size: int, context: int, n_extras: int) -> _Bucket:
         """The bucket's graph, captured now if it never was or if what it captured has changed."""
@@ -196,11 +199,7 @@ class DecodeGraphs:
             raise ConfigError(why)
         if b is not None:
             self.recaptures += 1
-        dev = self.arena.device
-        b = _Bucket(context, torch.zeros(size, dtype=torch.long, device=dev),
-                    torch.zeros(size, dtype=torch.long, device=dev),
-                    torch.full((size,), self.arena.scratch, dtype=torch.long, device=dev),
-                    torch.zeros(size, n_extras, dtype=torch.long, device=dev) if n_extras else None)
+        b = _Bucket(context, self._padding(size, 3 + n_extras).to(self.arena.device))
         if self.capture:
             try:
                 self._capture(b)
@@ -212,6 +211,12 @@ class DecodeGraphs:
         self._buckets[(size, context)] = b
         self.captures += 1
         return b
+
+    def _padding(self, size: int, width: int) -> torch.Tensor:
+        """Host inputs of `size` padding rows: token 0 at position 0 in the scratch slot."""
+        pad = torch.zeros(size, width, dtype=torch.long)
+        pad[:, 2] = self.arena.scratch
+        return pad
 
     def _capture(self, b: _Bucket) -> None:
         """Warm up on a side stream, then capture; every row is padding then, so the runs write
@@ -230,6 +235,5 @@ class DecodeGraphs:
         b.graph = graph
 
     def stats(self) -> dict[str, int]:
-        return dict(graph_steps=self.steps, graph_draft_rows=self.draft_rows, graph_captures=self.captures,
-                    graph_recaptures=self.recaptures, graph_replays=self.replays, graph_buckets=len(self._buckets),
-                    graph_capture_errors=len(self.capture_errors))
+        return dict(zip(GRAPH_STATS, (self.steps, self.draft_rows, self.captures, self.recaptures, self.replays,
+                                      len(self._buckets), len(self.capture_errors))))

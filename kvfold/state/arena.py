@@ -118,14 +118,6 @@ class SlotArena:
                  for t in ((rows.data,) if rows.fp8_nope is None else (rows.nope, rows.rope))]
         return [*self.rings.values(), self.tables, *pools]
 
-    def close(self) -> None:
-        """Give the scratch page back (every state of the arena must be freed first)."""
-        if any(h is not None for h in self.holders):
-            raise ConfigError("close() with live states in the arena; free them first")
-        if self.scratch_page is not None:
-            self.pages.decref([self.scratch_page])
-            self.scratch_page = None
-
 
 @dataclass
 class ArenaRows:

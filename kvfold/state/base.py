@@ -119,13 +119,6 @@ class SequenceState:
                 return page
         return None
 
-    def _next_page_shared(self) -> int | None:
-        """The page the next forward writes first, if another holder references it."""
-        if self.pages is None or self.pos >= self.capacity:
-            return None
-        page = self._page_table[self.pos // self.pages.page_tokens]
-        return page if self.pages.refcount(page) > 1 else None
-
     def _check_alive(self) -> None:
         if self.layers is None:
             raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
@@ -140,7 +133,7 @@ class SequenceState:
             raise StateMismatchError(
                 f"state kv_id={self.kv_id} lives on {self.device}/{self.dtype} but the model runs on "
                 f"{device}/{dtype}; create the state with this model's new_state()")
-        page = self._next_page_shared()
+        page = self.shared_page_in(self.pos, self.pos + 1)  # the page the next forward writes first
         if page is not None:  # refused before the forward writes anything
             raise SharedPageWriteError(
                 f"state kv_id={self.kv_id} at pos {self.pos} would write page {page}, which other holders "

@@ -204,40 +204,31 @@ class Glm5Model(CausalLM):
         table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=dt, device=dev,
                                  kv_fp8=fp8 is not None) if pages is not None else []
         slot = arena.take() if arena is not None else None
-        held = (lambda key, make: arena.buffer(key, slot) if key in arena.rings else make()) if arena is not None \
-            else (lambda key, make: make())
+
+        def buffer(key: tuple, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            """The arena slot's buffer `key` as `shape`, or a zeroed one of this state's own."""
+            if arena is not None and key in arena.rings:
+                return arena.buffer(key, slot).view(shape)
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
         memo: dict = {}
-        n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kp = max(cfg.index_kpool, 1)
         dsa_cap = -(-capacity // kp) * kp  # whole pools, at least capacity rows
         layers = []
         for i, kind in enumerate(cfg.layer_types):
             if kind == KDA:
-                nh, dk = self.kda_heads, cfg.linear_head_dim
-                c3 = 3 * nh * dk
-                layers.append(KdaLayerState(
-                    conv=held((i, "conv"), lambda: torch.zeros(cfg.linear_conv_kernel_dim - 1, c3, dtype=dt,
-                                                               device=dev)),
-                    rec=held((i, "rec"), lambda: torch.zeros(nh * dk, dk, dtype=torch.float32,
-                                                             device=dev)).view(nh, dk, dk),
-                    k=held((i, "k"), lambda: torch.zeros(n_in, nh * dk, dtype=torch.float32, device=dev)).view(
-                        n_in, nh, dk),
-                    g=held((i, "g"), lambda: torch.zeros(n_in, nh * dk, dtype=torch.float32, device=dev)).view(
-                        n_in, nh, dk),
-                    v=held((i, "v"), lambda: torch.zeros(n_in, nh * dk, dtype=dt, device=dev)).view(n_in, nh, dk),
-                    beta=held((i, "beta"), lambda: torch.zeros(n_in, nh, dtype=dt, device=dev)),
-                    mixed=held((i, "mixed"), lambda: torch.zeros(n_mix, c3, dtype=dt, device=dev))))
-            else:
-                dsa = None
-                if cfg.indexer_types[i] == "full" and arena is not None:
-                    dsa = Glm5NextDsaState.over(dsa_cap, kp, *(arena.buffer((i, part), slot)
-                                                               for part in ("dsa_k", "dsa_gate")),
-                                                arena.buffer((i, "dsa_valid"), slot)[:, 0])
-                elif cfg.indexer_types[i] == "full":
-                    dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8)
-                latent = pages.view(i, LATENT, table, capacity, memo) if pages is not None else \
-                    torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev)
-                layers.append(MlaLayerState(latent=latent, dsa=dsa))
+                layers.append(self._kda_layer_state(i, max_rewind, buffer))
+                continue
+            dsa = None
+            if cfg.indexer_types[i] == "full" and arena is not None:
+                dsa = Glm5NextDsaState.over(dsa_cap, kp, *(arena.buffer((i, part), slot)
+                                                           for part in ("dsa_k", "dsa_gate")),
+                                            arena.buffer((i, "dsa_valid"), slot)[:, 0])
+            elif cfg.indexer_types[i] == "full":
+                dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8)
+            latent = pages.view(i, LATENT, table, capacity, memo) if pages is not None else \
+                torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev)
+            layers.append(MlaLayerState(latent=latent, dsa=dsa))
         state = Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
                           device=dev, dtype=dt, kv_fp8=fp8 is not None, tp=self.tp, pages=pages, page_table=table,
                           prefix_tokens=len(prefix_pages or []) * self.page_tokens if pages is not None else 0,
@@ -245,6 +236,18 @@ class Glm5Model(CausalLM):
         if arena is not None:
             arena.bind(slot, state)
         return state
+
+    def _kda_layer_state(self, i: int, max_rewind: int, buffer) -> KdaLayerState:
+        """Layer i's KDA state (state.py), each buffer from `buffer(key, shape, dtype)`."""
+        cfg, dt, f32 = self.config, self.dtype, torch.float32
+        nh, dk = self.kda_heads, cfg.linear_head_dim
+        n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
+        return KdaLayerState(
+            conv=buffer((i, "conv"), (cfg.linear_conv_kernel_dim - 1, 3 * nh * dk), dt),
+            rec=buffer((i, "rec"), (nh, dk, dk), f32),
+            k=buffer((i, "k"), (n_in, nh, dk), f32), g=buffer((i, "g"), (n_in, nh, dk), f32),
+            v=buffer((i, "v"), (n_in, nh, dk), dt), beta=buffer((i, "beta"), (n_in, nh), dt),
+            mixed=buffer((i, "mixed"), (n_mix, 3 * nh * dk), dt))
 
     # ---- a decode step a CUDA graph captures (graph_step.py; engine/graphs.py replays it) -------
     def new_decode_arena(self, slots: int, capacity: int, pages: PagePool, max_rewind: int = 0) -> SlotArena:
