@@ -9,7 +9,8 @@ every check, so a run cut short still says what it measured. The report (JSON, `
   device: logits on the device against the CPU's (max |diff| and greedy tokens), whole prefill
   against chunked on the device, snapshots taken on the device restored on the CPU and the other
   way round (each continued and compared), a CPU state refused by the device model and unchanged,
-  and batched against alone (`torch.equal`);
+  and batched against alone, prompts and then decode rows beside a chunk, with torch's kernels
+  and in batch-invariant mode (on CUDA the Triton row kernels; `torch.equal` must hold there);
 - `triton`: the tiny V4 with the Triton kernels on against off, on the device;
 - `graphs`: the tiny V4's decode steps replayed from captured CUDA graphs (engine/graphs.py)
   against the same step run eagerly on a twin arena (`torch.equal` of logits, final streams and
@@ -162,18 +163,30 @@ def refusal(cpu, dev, ids) -> dict:
 
 
 def batched_vs_alone(dev, ids) -> dict:
-    """Three sequences advanced in one forward_batch against each alone, with torch's kernels and,
-    where the model has it, in batch-invariant mode (which must give torch.equal)."""
+    """Three sequences advanced together against each alone: their prompts (7, 19 and 30 tokens) in
+    one forward_batch, then a step of two decode rows beside a 5-token chunk. With torch's kernels
+    and, where the model has it (on CUDA: the Triton row kernels of numerics/triton_rows.py), in
+    batch-invariant mode, which must give torch.equal for every row and equal snapshots."""
     out, was = {"batch_invariant_mode": dev.supports_batch_invariance}, dev.batch_invariant
+    lengths, feeds = (7, 19, 30), ([ids[30]], ids[31:36], [ids[37]])
     for mode in ("torch", "invariant") if dev.supports_batch_invariance else ("torch",):
         dev.set_batch_invariant(mode == "invariant")
-        alone, states = [], []
-        for n in (7, 19, 30):
-            alone.append(dev.forward(ids[:n], dev.new_state(capacity=64), last_only=True))
-            states.append(dev.new_state(capacity=64))
-        batched = dev.forward_batch([(ids[:n], st) for n, st in zip((7, 19, 30), states)])
-        out[f"batched_equals_alone_{mode}"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(alone, batched))
-        out[f"batched_vs_alone_max_diff_{mode}"] = max(max_diff(a, b) for a, b in zip(alone, batched))
+        alone, alone_states = [], []
+        for n, feed in zip(lengths, feeds):
+            st = dev.new_state(capacity=64)
+            alone.append((dev.forward(ids[:n], st, last_only=True), dev.forward(feed, st, last_only=False)))
+            alone_states.append(st)
+        states = [dev.new_state(capacity=64) for _ in lengths]
+        sync(dev.device)
+        t0 = time.perf_counter()
+        first = dev.forward_batch([(ids[:n], st) for n, st in zip(lengths, states)])
+        second = dev.forward_batch([(f, st) for f, st in zip(feeds, states)], last_only=False)
+        sync(dev.device)
+        out[f"batched_seconds_{mode}"] = time.perf_counter() - t0
+        pairs = [(a, b) for (a1, a2), b1, b2 in zip(alone, first, second) for a, b in ((a1, b1), (a2, b2))]
+        out[f"batched_equals_alone_{mode}"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in pairs) and all(
+            sa.snapshot() == sb.snapshot() for sa, sb in zip(alone_states, states))
+        out[f"batched_vs_alone_max_diff_{mode}"] = max(max_diff(a, b) for a, b in pairs)
     dev.set_batch_invariant(was)
     return out
 

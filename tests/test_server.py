@@ -289,6 +289,9 @@ def test_serve_cli_and_checkpoint_chat_template(tmp_path, tiny):
     app = build_app(args)
     assert app.state.engine.engine.pages is None  # private per-sequence pools
     assert not app.state.engine.engine.model.batch_invariant
+    args = parser.parse_args(["serve", "--model", "tiny-random", "--max-seq-len", "256", "--batch-invariant"])
+    assert args.batch_invariant is True  # asked for (CUDA's way to turn it on)
+    assert build_app(args).state.engine.engine.model.batch_invariant
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"content": "<s>"},

@@ -29,7 +29,7 @@ def check_limits(model: Any, *, max_seq_len: int, max_running: int, max_queue: i
     if limit is not None and max_seq_len > limit:
         raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
     if batch_invariant is None:
-        batch_invariant = model.supports_batch_invariance and not decode_graphs
+        batch_invariant = model.invariant_by_default and not decode_graphs
     if batch_invariant and decode_graphs:
         raise ConfigError("decode_graphs runs torch's kernels, which promise no batch invariance; "
                           "use batch_invariant=False or None with it")

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError
 from ..layers.basic import QuantizedWeight, _param
 from ..layers.rows import RowBatch
-from ..numerics.rows import fixed_order, invariance_unsupported, invariant_rows
+from ..numerics.rows import fixed_order, invariance_by_default, invariance_unsupported, invariant_rows
 from .chunks import run_batch_in_rounds, run_in_chunks
 
 
@@ -80,8 +80,8 @@ class CausalLM(nn.Module):
         self.mtp = None  # an MTP block, where the family has one and the checkpoint holds it
         self.tp = None  # a kvfold.parallel.TensorParallel when this rank holds a shard of the model
         self.fingerprint = config.fingerprint()
-        # on by default wherever it can hold: it costs little (bench/RESULTS.md)
-        self.batch_invariant = self.supports_batch_invariance
+        # on by default where native.c holds it: it costs little there (bench/RESULTS.md)
+        self.batch_invariant = invariance_by_default(self.dtype, self.device)
 
     @property
     def supports_mtp(self) -> bool:
@@ -113,15 +113,27 @@ class CausalLM(nn.Module):
     # ---- batch invariance --------------------------------------------------------------------
     @property
     def supports_batch_invariance(self) -> bool:
-        return invariance_unsupported(self.dtype, self.device) is None
+        return self._invariance_unsupported() is None
+
+    @property
+    def invariant_by_default(self) -> bool:
+        """Whether an engine runs this model batch-invariant when not told (`invariance_by_default`)."""
+        return invariance_by_default(self.dtype, self.device) and self.supports_batch_invariance
+
+    def _invariance_unsupported(self) -> str | None:
+        why = invariance_unsupported(self.dtype, self.device)
+        if why is None and self.numerics == "reference":
+            why = "batch-invariant mode runs numerics='hf' (the release's order of roundings is its own)"
+        return why
 
     def set_batch_invariant(self, on: bool = True) -> None:
         """On: every row's logits are bit-identical whatever other sequences share its
-        `forward_batch` call (token-parallel ops in native.c's fixed-order kernels, see
-        numerics/rows.py). The default wherever it can hold: fp32 CPU models with the native
-        kernels; turning it on elsewhere raises ConfigError. Off: torch's kernels, whose last
-        bits may change with the batch."""
-        why = invariance_unsupported(self.dtype, self.device) if on else None
+        `forward_batch` call (token-parallel ops in fixed-order kernels: native.c on the CPU,
+        Triton on CUDA; see numerics/rows.py). The default for fp32 CPU models with the native
+        kernels; on CUDA (fp32 and bf16, with triton installed) it is asked for; turning it on
+        elsewhere raises ConfigError. Off: torch's kernels, whose last bits may change with the
+        batch."""
+        why = self._invariance_unsupported() if on else None
         if why is not None:
             raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
         self.batch_invariant = bool(on)

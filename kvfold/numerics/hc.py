@@ -13,14 +13,15 @@ than fp32 throughout); the collapse sums in fp32 and rounds once, the expand run
 dtype.
 
 These torch functions are the reference; on fp32 CPU tensors the native kernels (native.c:
-kv_hc_collapse, kv_hc_head, kv_hc_expand) compute the same formulas, each row alone.
+kv_hc_collapse, kv_hc_head, kv_hc_expand) compute the same formulas, each row alone, and so do
+the Triton row kernels in batch-invariant mode off the CPU (rows.py's `fixed_kernels`).
 """
 from __future__ import annotations
 
 import torch
 
 from . import native
-from .rows import row_mm, rows_invariant
+from .rows import fixed_kernels, row_mm, rows_invariant
 
 # The native collapse computes the mixing matmul row by row on one thread. With several torch
 # threads, large calls (prefill chunks) keep the threaded GEMM, except in batch-invariant mode,
@@ -36,9 +37,17 @@ def native_collapse_serves(t: int, fn: torch.Tensor) -> bool:
 def _mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """(flat(streams) @ fn^T) / rms(flat(streams)) in float64, [T, fn rows]."""
     flat = streams.reshape(streams.shape[0], -1).float()
-    mix = row_mm(flat, fn.float()).double()
-    ms = flat.double().pow(2).mean(-1, keepdim=True)
-    return mix * torch.rsqrt(ms + norm_eps)
+    return normalised_mix(row_mm(flat, fn.float()), flat, norm_eps)
+
+
+def normalised_mix(mix: torch.Tensor, flat: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """mix [T, n] (the fp32 matmul) / rms(flat [T, K]), in float64."""
+    return mix.double() * torch.rsqrt(flat.double().pow(2).mean(-1, keepdim=True) + norm_eps)
+
+
+def _fixed_mix(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """flat(streams) @ fn^T [T, fn rows] fp32 by the fixed-order matmul (batch-invariant mode)."""
+    return row_mm(streams.reshape(streams.shape[0], -1).float(), fn.float())
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -53,13 +62,18 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, d] -> (pre [T, hc], post [T, hc], comb [T, hc, hc]), fp32 (module docstring)."""
-    t, hc, _ = streams.shape
-    mix, b, s = _mix(streams, fn, norm_eps), base.double(), scale.double()
+    pre, post, comb = weights_of_mix(_mix(streams, fn, norm_eps), streams.shape[1], base, scale, iters, hc_eps)
+    return pre.float(), post.float(), comb.float()
+
+
+def weights_of_mix(mix: torch.Tensor, hc: int, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                   hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb) in float64 from the normalised mix [T, hc * (2 + hc)] (module docstring)."""
+    b, s = base.double(), scale.double()
     pre = torch.sigmoid(mix[:, :hc] * s[0] + b[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
-    logits = mix[:, 2 * hc:].view(t, hc, hc) * s[2] + b[2 * hc:].view(hc, hc)
-    comb = sinkhorn(torch.softmax(logits, dim=-1) + hc_eps, iters, hc_eps)
-    return pre.float(), post.float(), comb.float()
+    logits = mix[:, 2 * hc:].reshape(-1, hc, hc) * s[2] + b[2 * hc:].view(hc, hc)
+    return pre, post, sinkhorn(torch.softmax(logits, dim=-1) + hc_eps, iters, hc_eps)
 
 
 def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -82,6 +96,9 @@ def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, d] -> (sum_k pre_k * stream_k [T, d], post [T, hc], comb [T, hc, hc])."""
     t, hc, d = streams.shape
+    kernels = fixed_kernels(streams)
+    if kernels is not None:
+        return kernels.hc_collapse(streams, _fixed_mix(streams, fn), base, scale, iters, hc_eps, norm_eps)
     lib = native.serving(streams, fn, base, scale)
     if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
@@ -98,6 +115,9 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     """The final collapse sum_k pre_k * stream_k [T, d], pre from `hc_head_weights`."""
     t, hc, d = streams.shape
+    kernels = fixed_kernels(streams)
+    if kernels is not None:
+        return kernels.hc_collapse(streams, _fixed_mix(streams, fn), base, scale, 0, hc_eps, norm_eps, head=True)
     lib = native.serving(streams, fn, base, scale)
     if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
@@ -109,6 +129,9 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 
 def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * out + sum_j comb[j, k] X_j, in the streams' dtype."""
+    kernels = fixed_kernels(streams)
+    if kernels is not None:
+        return kernels.hc_expand(streams, out, post, comb)
     lib = native.serving(streams, out, post, comb)
     if lib is not None:
         t, hc, d = streams.shape

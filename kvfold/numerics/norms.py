@@ -1,16 +1,21 @@
 """RMSNorm: x * rsqrt(mean(x^2) + eps), times a weight where there is one.
 
 The torch functions are the reference; fp32 CPU tensors take native.c's kv_rms_norm (the same
-formula, one row at a time, the mean of squares accumulated in float64).
+formula, one row at a time, the mean of squares accumulated in float64), and batch-invariant mode
+off the CPU the Triton row kernel (rows.py's `fixed_kernels`).
 """
 import torch
 import torch.nn.functional as F
 
 from . import native
+from .rows import fixed_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32, multiplied by the (fp32) weight, cast once to the input dtype."""
+    kernels = fixed_kernels(x)
+    if kernels is not None:
+        return kernels.norm(x, weight, eps)
     lib = native.serving(x, weight)
     if lib is not None:
         return _native_norm(lib, x, weight, eps)
@@ -23,6 +28,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-row RMS normalisation without a weight (V4's per-head q norm and mHC input norm)."""
+    kernels = fixed_kernels(x)
+    if kernels is not None:
+        return kernels.norm(x, None, eps)
     lib = native.serving(x)
     if lib is not None:
         return _native_norm(lib, x, None, eps)

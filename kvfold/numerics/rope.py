@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import native
+from .rows import fixed_kernels
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
@@ -50,6 +51,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """
     half = cos.shape[-1]
     rd = 2 * half
+    kernels = fixed_kernels(x)  # batch-invariant mode off the CPU: per row in Triton
+    if kernels is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
+        return kernels.rope(x, cos, sin, inverse)
     lib = native.serving(x, cos, sin)
     if lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
         out = torch.empty_like(x)

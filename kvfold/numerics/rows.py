@@ -22,8 +22,16 @@ is native or exact copies; a chunk of several rows, whose attention runs torch's
 its rows in a fresh buffer of the shape, strides and alignment it would have alone (`own_rows`:
 MKL may take other code paths for other alignments).
 
-The native kernels are fp32 CPU code: `invariance_unsupported` says why a model cannot use the
-mode (other dtypes, other devices, no C compiler).
+Off the CPU the same ops take the Triton fixed-order row kernels instead (triton_rows.py, fp32
+and bf16), chosen by `triton_ops.fixed_rows` at each op's one dispatch point here, in norms.py,
+rope.py and hc.py; the MoE routing composes them with exact selection (`route_rows`). Every
+sequence's rows then reach the per-sequence ops in a fresh buffer (`fresh_rows`), decode rows too:
+torch's kernels there run on the sequence's own shapes, but may pick other code for another
+alignment.
+
+`invariance_unsupported` says why a model cannot use the mode (other dtypes or devices, no C
+compiler on the CPU, no triton on CUDA); `invariance_by_default` where it is on from the start
+(fp32 CPU models with native.c: off the CPU it stays an explicit choice).
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import native
+from . import native, triton_ops
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
 _FIXED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_fixed_order", default=False)
@@ -80,11 +88,39 @@ def order_fixed() -> bool:
 
 def invariance_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why a model of this dtype and device cannot run batch-invariant, or None if it can."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return f"batch-invariant mode runs fp32 models on the CPU (this one is {dtype} on {device})"
-    if native.library() is None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"batch-invariant mode on CUDA runs fp32 and bf16 models (this one is {dtype})"
+        if triton_ops.fixed_rows(dev) is None:
+            return "batch-invariant mode on CUDA runs kvfold's Triton kernels: install triton (the gpu extra)"
+        return None
+    triton_rows = dev.type == "cpu" and triton_ops.fixed_rows(dev) is not None
+    if dev.type != "cpu" or dtype not in ((torch.float32, torch.bfloat16) if triton_rows else (torch.float32,)):
+        return f"batch-invariant mode runs fp32 models on the CPU, fp32 and bf16 on CUDA (this one is {dtype} on {dev})"
+    if native.library() is None and not triton_rows:
         return "batch-invariant mode needs kvfold's native CPU kernels (a C compiler, and KVFOLD_NATIVE not 0)"
     return None
+
+
+def invariance_by_default(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model starts (and an engine runs) batch-invariant unless told otherwise: fp32 on
+    the CPU with native.c. On CUDA the mode runs the Triton row kernels, slower than torch's
+    GEMMs, so it is asked for (`set_batch_invariant(True)`)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and native.library() is not None
+
+
+def fixed_kernels(t: torch.Tensor):
+    """The Triton row kernels where batch-invariant mode runs them for `t` (see the module
+    docstring), else None (native.c, or torch outside the mode)."""
+    return triton_ops.fixed_rows(t.device) if _ON.get() else None
+
+
+def fresh_rows(length: int, device: torch.device) -> bool:
+    """Whether, in batch-invariant mode, a sequence of `length` rows gets them in a fresh buffer
+    (`own_rows`): chunks always; decode rows where the Triton kernels serve the mode (native.c's
+    decode rows read their inputs wherever they lie)."""
+    return _ON.get() and (length > 1 or triton_ops.fixed_rows(device) is not None)
 
 
 def _lib():
@@ -123,9 +159,16 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T: `invariant_mm` inside `invariant_rows()` (and, for fp32 CPU
-    operands, `fixed_order()`), else torch's GEMM."""
-    if _ON.get() or (_FIXED.get() and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu):
+    """x [..., K] @ weight[N, K]^T: inside `invariant_rows()` the Triton fixed-order matmul off
+    the CPU (`fixed_kernels`), else `invariant_mm` (and that for fp32 CPU operands inside
+    `fixed_order()`); torch's GEMM otherwise."""
+    if _ON.get():
+        kernels = triton_ops.fixed_rows(x.device)
+        if kernels is not None:
+            out = kernels.mm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
+            return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+        return invariant_mm(x, weight)
+    if _FIXED.get() and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu:
         return invariant_mm(x, weight)
     return F.linear(x, weight)
 
@@ -137,6 +180,12 @@ def grouped_row_mm(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     per = weight.shape[0] // groups
     x = x if x.is_contiguous() else x.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
+    kernels = fixed_kernels(x)
+    if kernels is not None:  # each group's rows of w into its columns, reading x's group in place
+        out = torch.empty(t, g * per, dtype=torch.float32, device=x.device)
+        for i in range(groups):
+            kernels.mm(x[:, i], w[i * per:(i + 1) * per], out=out[:, i * per:(i + 1) * per])
+        return out.to(x.dtype)
     out = torch.empty(t, g * per, dtype=torch.float32)
     lib = _lib()
     for i in range(groups):
@@ -149,6 +198,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, L)) * clamp(up, -L, L); inside `invariant_rows()` per row in native.c."""
     if not _ON.get():
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    kernels = triton_ops.fixed_rows(gate.device)
+    if kernels is not None:
+        return kernels.swiglu(gate, up, limit)
     n = gate.shape[-1]
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     if g2.stride(-1) != 1 or u2.stride(-1) != 1 or g2.stride(0) != u2.stride(0) or g2.dtype != torch.float32:
@@ -167,8 +219,12 @@ def unary(name: str, x: torch.Tensor) -> torch.Tensor:
     """sigmoid / silu / softplus (linear past 20) of x, elementwise; inside `invariant_rows()` or
     `fixed_order()`, for fp32 CPU tensors, in native.c with scalar libm, so no element depends on
     its place in the call (ATen computes a vectorised loop's tail with scalar code, whose rounding
-    differs from the body's: a row's values would move with the call's length)."""
+    differs from the body's: a row's values would move with the call's length); in batch-invariant
+    mode off the CPU, per row in Triton (`fixed_kernels`)."""
     op, torch_fn = _UNARY[name]
+    kernels = fixed_kernels(x)
+    if kernels is not None:
+        return kernels.unary(name, x)
     if not order_fixed() or x.dtype != torch.float32 or not x.is_cpu:
         return torch_fn(x)
     x = x.contiguous()
@@ -181,6 +237,9 @@ def unary(name: str, x: torch.Tensor) -> torch.Tensor:
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim; where `unary` runs natively, each row in
     native.c with a fixed order of additions, whatever the row count (see `unary`)."""
+    kernels = fixed_kernels(x)
+    if kernels is not None:
+        return kernels.norm(x, None, eps, l2=True)
     if not order_fixed() or x.dtype != torch.float32 or not x.is_cpu:
         return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
     x = x.contiguous()
@@ -201,7 +260,11 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, sc
     """Each row's experts in native.c (batch-invariant): -> (weights [T, k] fp32, ids [T, k]
     ascending per row). Hash routing (tid2eid[token]) or biased top-k (ties to the lower id,
     within the topk_group best of n_group groups); weights scores[ids] / sum * scale (float64),
-    or scores[ids] * scale without `renorm`."""
+    or scores[ids] * scale without `renorm`. Off the CPU (`fixed_kernels`): `_route_fixed`."""
+    kernels = fixed_kernels(x)
+    if kernels is not None:
+        return _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_ids, n_group, topk_group,
+                            renorm)
     x2 = _rows_of(x).contiguous()
     t, h = x2.shape
     e = router_w.shape[0]
@@ -215,6 +278,44 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, sc
         raise ValueError(f"routing refused: k={k} of {e} experts, {n_group} groups (top {topk_group}), "
                          f"or an expert id out of range in tid2eid")
     return wts, ids
+
+
+def _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_ids, n_group, topk_group, renorm):
+    """`route_rows` from the Triton row kernels: the scores of the fixed-order matmul and per-row
+    kernels, then only exact steps (a bias add, one add of a group's best two, stable sorts, the
+    weights' sum in float64 left to right in ascending id), so no row depends on its batch."""
+    logits = kernels.mm(x.reshape(-1, x.shape[-1]).float().contiguous(), router_w.float().contiguous())
+    t, e = logits.shape
+    if not (1 <= k <= e and n_group >= 1 and e % n_group == 0 and 1 <= topk_group <= n_group):
+        raise ValueError(f"routing refused: k={k} of {e} experts, {n_group} groups (top {topk_group})")
+    if scoring == "softmax":
+        scores = kernels.softmax(logits)
+    elif scoring == "sigmoid":
+        scores = kernels.unary("sigmoid", logits)
+    else:
+        scores = kernels.unary("softplus", logits).sqrt()
+    if tid2eid is not None:
+        ids = tid2eid[token_ids.reshape(-1)].long()
+        if bool(((ids < 0) | (ids >= e)).any()):
+            raise ValueError(f"routing refused: an expert id out of range 0..{e - 1} in tid2eid")
+    else:
+        choice = scores + bias
+        if n_group > 1:
+            grouped = choice.view(t, n_group, e // n_group)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values
+            gscore = best[..., 0] + best[..., 1] if best.shape[-1] > 1 else best[..., 0]
+            keep = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+            gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~gmask[..., None].expand_as(grouped).reshape(t, e), float("-inf"))
+        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]  # ties -> lower id
+    ids = ids.sort(dim=-1).values
+    picked = scores.gather(1, ids).double()
+    if not renorm:
+        return (picked * scale).float(), ids
+    total = picked[:, 0]
+    for j in range(1, k):
+        total = total + picked[:, j]
+    return (picked / (total + 1e-20)[:, None] * scale).float(), ids
 
 
 def combine_experts(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, triton_ops, unweighted_rms_norm
 from ...numerics.reference import release_q_norm, release_sparse_attn
-from ...numerics.rows import grouped_row_mm, order_fixed, own_rows, rows_invariant
+from ...numerics.rows import fresh_rows, grouped_row_mm, order_fixed, own_rows, rows_invariant
 from ...numerics.weights_mm import native_mm
 from ...profiling import scope
 from .state import LayerState
@@ -141,7 +141,7 @@ class Attention(nn.Module):
             rows = self.project(x, batch.positions, first, cos, sin)
         out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
         for seg in batch.segments:
-            o = self._one_sequence(seg, self._taker(seg, t), rows, rope)
+            o = self._one_sequence(seg, self._taker(seg, t, x.device), rows, rope)
             if out is None:
                 out = o
             else:
@@ -183,9 +183,9 @@ class Attention(nn.Module):
         return rows
 
     @staticmethod
-    def _taker(seg, t: int):
+    def _taker(seg, t: int, device: torch.device):
         """How a sequence reads its rows of a batch tensor."""
-        if rows_invariant() and seg.length > 1:  # a chunk's rows in a fresh buffer, as when it runs alone
+        if fresh_rows(seg.length, device):  # in a fresh buffer, as when the sequence runs alone
             return lambda a: own_rows(a, seg.rows)
         if seg.length == t:  # the only segment: its rows are the whole tensors
             return lambda a: a

@@ -102,6 +102,9 @@ class Dsv4Model(CausalLM):
             raise ConfigError(
                 f"numerics='reference' reproduces the release's bf16 activations (its default dtype); this model "
                 f"is {self.dtype}: load it with dtype=torch.bfloat16 (CLI: --dtype bfloat16), or use numerics='hf'")
+        if ref and self.batch_invariant:
+            raise ConfigError("numerics='reference' keeps the release's order of roundings, which batch-invariant "
+                              "mode does not; set_batch_invariant(False) first")
         for name, mod in self.named_modules():
             if isinstance(mod, Attention):
                 mod.simulate_kv = ref

@@ -19,7 +19,7 @@ from ...layers.mhc import HyperConnection
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
-from ...numerics.rows import own_rows, route_rows, row_mm, rows_invariant
+from ...numerics.rows import fresh_rows, own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
 from ...state.arena import SlotArena
@@ -279,9 +279,8 @@ class Glm5Model(CausalLM):
             x, post, comb = block.attn_hc.collapse(streams)
             x = block.input_layernorm(x)
             y = x.new_zeros(x.shape) if len(batch.segments) > 1 else None
-            invariant = rows_invariant()
             for s, seg in enumerate(batch.segments):
-                xs = own_rows(x, seg.rows) if invariant and seg.length > 1 else x[seg.rows]
+                xs = own_rows(x, seg.rows) if fresh_rows(seg.length, x.device) else x[seg.rows]
                 ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s)
                 if y is None:
                     y = ys
