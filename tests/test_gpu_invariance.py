@@ -298,3 +298,36 @@ def test_the_mode_is_asked_for_off_the_cpu_and_refused_where_it_cannot_hold():
         with pytest.raises(ConfigError, match="numerics='hf'"):
             model.set_batch_invariant(True)
         assert not model.batch_invariant
+
+
+def run_engine(engine, requests):
+    """Step `engine` through (prompt, params) requests to the end: the first one's tokens and logprobs."""
+    rids = [engine.add_request(ids, params) for ids, params in requests]
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rids[0]:
+                tokens += o.new_token_ids
+                logprobs += o.logprobs or []
+    return tokens, logprobs
+
+
+def test_an_engine_requests_tokens_and_logprobs_do_not_depend_on_the_load_on_the_cuda_path():
+    """Engine(batch_invariant=True) as on CUDA: a sampled request alone, then beside two others
+    (a longer prefill and decodes in the same steps), gets the same tokens and float32 logprobs."""
+    import kvfold
+    from kvfold import Engine, SamplingParams
+    model = v4_model(torch.float32)
+    model.tokenizer = kvfold.load_model("tiny-random").tokenizer
+    v = model.config.vocab_size - 2
+    target = ([(5 * j + 2) % v for j in range(13)],
+              SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True, logprobs=3))
+    others = [([(3 * j + i) % v for j in range(n)], SamplingParams(max_tokens=3, temperature=1.0, seed=i,
+                                                                  ignore_eos=True)) for i, n in enumerate((21, 2))]
+    with cuda_path():
+        alone = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), [target])
+        assert model.batch_invariant
+        loaded = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0),
+                            [target] + others)
+    assert len(alone[0]) == 4 and len(alone[1]) == 4
+    assert loaded == alone  # the tokens, and the float32 logprobs each with its top 3

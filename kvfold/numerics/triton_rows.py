@@ -31,8 +31,8 @@ def _block(d: int) -> int:
 
 @triton.jit
 def _mm_kernel(x, w, out, m, n, k, sxm, swn, som, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)  # 64-bit offsets: a vocab-sized weight
+    rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, k, BK):
