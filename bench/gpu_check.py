@@ -15,6 +15,8 @@ every check, so a run cut short still says what it measured. The report (JSON, `
 - `graphs`: the tiny V4's decode steps replayed from captured CUDA graphs (engine/graphs.py)
   against the same step run eagerly on a twin arena (`torch.equal` of logits, final streams and
   every arena tensor), and against the forward (max |diff|), through a rewind and an admission;
+- `invariant_graphs`: the tiny V4's graph decode with the Triton kernels and batch invariance on,
+  a sequence's replayed logits and streams alone against beside others (`torch.equal`);
 - `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
   shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
   contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
@@ -209,7 +211,53 @@ def check_triton(device: torch.device) -> dict:
     want = run()
     with triton_ops.use_triton():
         got = run()
-    return {"triton_vs_torch_max_diff": max_diff(got, want), "logit_scale": want.abs().max().item()}
+    # a query's index scores over its first entries: the same bits whatever the call's entry count
+    from kvfold.numerics import triton_kernels
+    g = torch.Generator().manual_seed(0)
+    q, w = torch.randn(3, 4, 32, generator=g).to(device), torch.randn(3, 4, generator=g).to(device)
+    keys, visible = torch.randn(300, 32, generator=g).to(device), torch.tensor([20, 7, 15], device=device)
+    ref = triton_kernels.index_scores(q, w, keys[:20], visible)
+    bound_invariant = all(torch.equal(triton_kernels.index_scores(q, w, keys[:n], visible)[:, :20], ref)
+                          for n in (100, 300))
+    return {"triton_vs_torch_max_diff": max_diff(got, want), "logit_scale": want.abs().max().item(),
+            "index_scores_same_bits_at_any_entry_count": bound_invariant}
+
+
+def check_invariant_graphs(dtype: torch.dtype, device: torch.device, lengths=(5, 300, 41)) -> dict:
+    """DeepSeek-V4's graph decode with the Triton kernels on and batch invariance: a sequence's
+    logits and final streams, replayed in buckets 1, 2 and 4 (with padding rows) and at context
+    bounds 256 and 512 (prompts of `lengths`), must be the same bits alone and beside others
+    (`torch.equal`). The prompts are prefilled by the default path, the same bits every time."""
+    from kvfold.engine.graphs import DecodeGraphs
+    from kvfold.numerics import triton_ops
+    if not triton_ops.available(device):
+        return {"skipped": f"triton cannot run on {device}"}
+    _, model = tiny_pair("deepseek_v4", dtype, device)
+    with triton_ops.use_triton():
+        model.set_batch_invariant(True)
+        if model.graph_unsupported() is not None:
+            return {"skipped": model.graph_unsupported()}
+        seen, equal, captured = {}, True, 0
+        for members in ((0,), (1,), (0, 1), (1, 2, 0)):
+            pool = model.new_page_pool(16)
+            arena = model.new_decode_arena(3, 512, pool)
+            states = {m: model.new_state(capacity=512, pages=pool, arena=arena) for m in members}
+            model.set_batch_invariant(False)
+            with triton_ops.use_triton(False):
+                for m in members:
+                    model.forward(prompt(model, lengths[m], seed=m), states[m])
+            model.set_batch_invariant(True)
+            graphs = DecodeGraphs(model, arena, 4)
+            for step in range(3):
+                logits, streams = graphs.step([((step * 11 + m) % 50 + 2, states[m]) for m in members], hidden=True)
+                for i, m in enumerate(members):
+                    got = (logits[i].cpu(), streams[i].cpu())
+                    if (m, step) in seen:
+                        equal &= torch.equal(got[0], seen[m, step][0]) and torch.equal(got[1], seen[m, step][1])
+                    seen[m, step] = got
+            captured += graphs.captures - len(graphs.capture_errors)
+    model.set_batch_invariant(False)
+    return {"alone_equals_batched": equal, "graphs_captured": captured, "capture_errors": graphs.capture_errors}
 
 
 def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
@@ -513,6 +561,10 @@ def main(argv=None) -> int:
             report["graphs"] = {f"{family}-{str(dt)[6:]}": run_check(lambda: check_graphs(family, dt, device))
                                 for family in ("deepseek_v4", "glm5_next") for dt in (torch.float32, torch.bfloat16)}
             save()
+            if not args.no_triton:
+                report["invariant_graphs"] = {str(dt)[6:]: run_check(lambda: check_invariant_graphs(dt, device))
+                                              for dt in (torch.float32, torch.bfloat16)}
+                save()
         if not args.no_speed:
             speed(args, device, report, save)
     save()

@@ -103,6 +103,9 @@ def test_the_elementwise_kernels_are_their_formulas_and_per_row():
     swi = g * torch.sigmoid(g) * u64.clamp(-5.0, 5.0)
     assert ((R.swiglu(x, up, 5.0).double() - swi).abs() <= tol(g, swi)).all()
     assert_rows_alone(lambda a, b: R.swiglu(a, b, 5.0), x, up)
+    for name, y in (("cos", torch.cos(x64)), ("sin", torch.sin(x64))):  # |y| <= 1: two ulps of 1
+        assert ((R.unary(name, x).double() - y).abs() <= 2 * EPS).all(), name
+        assert_rows_alone(lambda a, n=name: R.unary(n, a), x)
     sm = torch.softmax(x64, -1)
     assert ((R.softmax(x).double() - sm).abs() <= (12 + 300) * EPS * sm).all()
     assert_rows_alone(R.softmax, x)
@@ -331,3 +334,56 @@ def test_an_engine_requests_tokens_and_logprobs_do_not_depend_on_the_load_on_the
                             [target] + others)
     assert len(alone[0]) == 4 and len(alone[1]) == 4
     assert loaded == alone  # the tokens, and the float32 logprobs each with its top 3
+
+
+def test_a_graph_decode_step_gives_a_row_the_same_bits_in_any_batch_and_bucket_on_the_cuda_path():
+    """DeepSeek-V4's capturable step with the Triton kernels on and batch invariance (as a CUDA
+    graph replays it; on the CPU it runs eagerly): a sequence's logits and final streams are the
+    same bits alone (bucket 1, context bound 256) and beside others (buckets 2 and 4, with padding
+    rows; bound 512, which lengthens the indexer's and HCA's entry lists), step after step."""
+    from kvfold.engine.graphs import DecodeGraphs
+    model = v4_model(torch.float32)
+    v = model.config.vocab_size - 2
+    prompts = {"a": [(3 * j + 1) % v for j in range(5)], "b": [(7 * j + 2) % v for j in range(300)],
+               "c": [(5 * j) % v for j in range(41)]}
+    seen: dict = {}
+    for members in (["a"], ["b"], ["a", "b"], ["b", "c", "a"]):
+        model.set_batch_invariant(False)  # prefills: the default path, the same bits for every copy
+        pool = model.new_page_pool(16)
+        arena = model.new_decode_arena(3, 512, pool)
+        states = {}
+        for name in members:
+            states[name] = model.new_state(capacity=512, pages=pool, arena=arena)
+            model.forward(prompts[name], states[name])
+        with cuda_path(), triton_ops.use_triton():
+            model.set_batch_invariant(True)
+            graphs = DecodeGraphs(model, arena, 4)
+            for step in range(2):
+                pairs = [((step * 11 + len(name)) % v, states[name]) for name in members]
+                logits, streams = graphs.step(pairs, hidden=True)
+                for i, name in enumerate(members):
+                    key = (name, step)
+                    if key in seen:
+                        assert torch.equal(logits[i], seen[key][0]), (key, members)
+                        assert torch.equal(streams[i], seen[key][1]), (key, members)
+                    else:
+                        seen[key] = (logits[i], streams[i])
+        model.set_batch_invariant(False)
+    assert len(seen) == 6
+
+
+def test_graph_decode_keeps_batch_invariance_only_where_its_kernels_are_per_row():
+    from kvfold import Engine
+    model = v4_model(torch.float32)
+    model.set_batch_invariant(False)
+    with cuda_path():
+        with pytest.raises(ConfigError, match="batch invariance only with the Triton kernels"):
+            Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
+        assert not model.batch_invariant  # refused: the mode as it was
+        with triton_ops.use_triton():
+            engine = Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
+            assert engine.graphs is not None and model.batch_invariant
+        glm = glm_model(torch.float32)
+        with triton_ops.use_triton():
+            glm.set_batch_invariant(True)
+            assert "promise no batch invariance" in glm.graph_unsupported()

@@ -351,9 +351,10 @@ def _case_swiglu(g):
 def _case_unary(g):
     from kvfold.numerics.rows import invariant_rows, unary
     x = torch.randn(7, 45, generator=g) * 12  # past softplus's linear threshold of 20 too
+    ops = ("sigmoid", "silu", "softplus", "cos", "sin")
     with invariant_rows():
-        got = torch.stack([unary(op, x) for op in ("sigmoid", "silu", "softplus")])
-    return got, torch.stack([unary(op, x) for op in ("sigmoid", "silu", "softplus")])
+        got = torch.stack([unary(op, x) for op in ops])
+    return got, torch.stack([unary(op, x) for op in ops])
 
 
 def _case_l2norm(g):
@@ -365,17 +366,34 @@ def _case_l2norm(g):
 
 
 def test_invariant_elementwise_rows_do_not_move_with_the_call_length():
-    """A row's sigmoid / silu / softplus / L2 norm is the same bits whether 1 or 40 rows share the
-    call, at any offset: native.c computes each element on its own (where a vectorised loop's
-    tail, which moves with the call's length, would take other code)."""
+    """A row's sigmoid / silu / softplus / cos / sin / L2 norm is the same bits whether 1 or 40
+    rows share the call, at any offset: native.c computes each element on its own (where a
+    vectorised loop's tail, which moves with the call's length, would take other code)."""
     from kvfold.numerics.rows import invariant_rows, l2norm, unary
     x = torch.randn(40, 48, generator=torch.Generator().manual_seed(3)) * 6
-    fns = [lambda a, op=op: unary(op, a) for op in ("sigmoid", "silu", "softplus")] + [l2norm]
+    fns = [lambda a, op=op: unary(op, a) for op in ("sigmoid", "silu", "softplus", "cos", "sin")] + [l2norm]
     with invariant_rows():
         for fn in fns:
             alone = torch.cat([fn(x[i:i + 1]) for i in range(40)])
             for t in (3, 7, 40):
                 assert torch.equal(torch.cat([fn(x[a:a + t]) for a in range(0, 40, t)]), alone)
+
+
+def test_a_rope_tables_rows_do_not_move_with_the_other_positions_of_the_call():
+    """In batch-invariant mode the cos / sin of a position are the same bits whatever other
+    positions share the call (a batch's rows are one call), and within an ulp of float64's."""
+    from kvfold.numerics import RopeTable
+    from kvfold.numerics.rows import invariant_rows
+    table = RopeTable(64, 10000.0)
+    positions = torch.cat([torch.arange(0, 300), torch.arange(4000, 4017), torch.tensor([65000])])
+    with invariant_rows():
+        cos, sin = table.cos_sin(positions)
+        for lo, hi in ((0, 1), (5, 12), (299, 318), (317, 318)):
+            c, s = table.cos_sin(positions[lo:hi])
+            assert torch.equal(c, cos[lo:hi]) and torch.equal(s, sin[lo:hi])
+    angle = torch.outer(positions.float(), table.inv_freq).double()  # the fp32 angles, exactly
+    eps = torch.finfo(torch.float32).eps
+    assert ((cos.double() - angle.cos()).abs() <= eps).all() and ((sin.double() - angle.sin()).abs() <= eps).all()
 
 
 def _case_matmul(g):

@@ -104,6 +104,22 @@ def test_index_scores_are_the_weighted_relu_dots():
     assert ((got.double() - want).abs()[~hidden] <= ((d + h + 2) * EPS * scale)[~hidden]).all()
 
 
+def test_a_querys_index_scores_do_not_depend_on_how_many_entries_the_call_holds():
+    """A graph step scores every entry below its context bound, which follows the batch: the
+    scores of a query's first entries must be the same bits over 20, 100 or 300 entries (the
+    program's entry block is a constant, INDEX_BLOCK), in place through rows or not."""
+    t, h, d = 3, 4, 32
+    q = torch.randn(t, h, d, generator=gen(31))
+    w = torch.randn(t, h, generator=gen(32))
+    keys = torch.randn(300, d, generator=gen(33))
+    visible = torch.tensor([20, 7, 15])
+    ref = T.index_scores(q, w, keys[:20], visible)
+    for n in (100, 300):
+        assert torch.equal(T.index_scores(q, w, keys[:n], visible)[:, :20], ref)
+        rows = torch.arange(n).expand(t, n)
+        assert torch.equal(T.index_scores(q, w, keys, visible, rows=rows)[:, :20], ref)
+
+
 def test_topk_keeps_the_tie_rule_and_skips_minus_infinity():
     g = gen(3)
     s = torch.randint(-3, 4, (6, 200), generator=g).float()  # many exact ties

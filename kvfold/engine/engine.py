@@ -70,10 +70,10 @@ class Engine:
         as the model's capturable step, replayed from one CUDA graph per bucket on a CUDA model (graphs.py;
         on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
-        or GLM-5.3, numerics "hf", plain expert stacks) outside
-        batch-invariant mode (batch_invariant=None leaves it off then): ConfigError otherwise,
-        with the model's mode as it was. Its rows agree with the forward's to rounding, not bit
-        for bit."""
+        or GLM-5.3, numerics "hf", plain expert stacks), outside batch-invariant mode
+        (batch_invariant=None leaves it off then) except for DeepSeek-V4 with the Triton kernels
+        on (`graph_invariance_unsupported`): ConfigError otherwise, with the model's mode as it
+        was. Its rows agree with the forward's to rounding, not bit for bit."""
         batch_invariant = check_limits(
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,

@@ -14,9 +14,11 @@ change only what the inputs and the page tables hold, and the captured graphs st
 
 What could make a graph stale is a tensor it captured being replaced: a weight reassigned or
 loaded anew, the page pool's storage, the arena's rings. Before every replay `signature()` is
-compared with the one taken at capture: the address of every tensor the step reads, and the
-model's numerics. A difference recaptures that bucket and counts it in `recaptures`; a graph is
-never replayed on what it was not captured on.
+compared with the one taken at capture: the address of every tensor the step reads, the
+model's numerics and batch-invariant mode, and whether the Triton kernels are on. A difference
+recaptures that bucket and counts it in `recaptures`; a graph is never replayed on what it was
+not captured on. The step runs in the model's batch-invariant mode (`invariant_rows`), which
+only DeepSeek-V4 with the Triton kernels keeps here (`graph_invariance_unsupported`).
 
 On the CPU nothing is captured: each step runs the same function eagerly on the same static
 tensors, through the same checks, so the engine's bookkeeping is the same on both devices. A
@@ -33,6 +35,8 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from ..errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
+from ..numerics import triton_ops
+from ..numerics.rows import invariant_rows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_MIN = 256
@@ -132,7 +136,7 @@ class DecodeGraphs:
                            for name in table]
         ptrs = [t.data_ptr() for t in self.arena.tensors() + getattr(m, "graph_tensors", list)()]
         ptrs += [None if table[name] is None else table[name].data_ptr() for table, name in self._slots]
-        return m.numerics, getattr(m, "batch_invariant", False), tuple(ptrs)
+        return m.numerics, getattr(m, "batch_invariant", False), triton_ops.switched_on(), tuple(ptrs)
 
     def check(self, pairs: list) -> None:
         """Every refusal of a step, before anything is written: each state must be live, in this
@@ -184,7 +188,7 @@ class DecodeGraphs:
         return (logits[:n].clone(), streams[:n].clone()) if hidden else logits[:n].clone()
 
     def _run(self, b: _Bucket) -> torch.Tensor:
-        with torch.inference_mode():
+        with torch.inference_mode(), invariant_rows(getattr(self.model, "batch_invariant", False)):
             tokens, positions, slots, extras = b.step_inputs()
             return self.step_fn(self.arena, tokens, positions, slots, b.context, extras)
 

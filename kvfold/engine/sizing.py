@@ -4,17 +4,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import ConfigError
-
 BLOCK = 128  # snapshot and prefix boundaries: no HCA partial state there, and a multiple of the k-pool
 
 
 def check_limits(model: Any, *, max_seq_len: int, max_running: int, max_queue: int, max_batch_tokens: int,
                  prefill_chunk: int, prefix_cache_bytes: int, kv_page_bytes: int | None,
                  batch_invariant: bool | None, decode_graphs: bool) -> bool:
-    """ValueError (ConfigError for the numerics) for limits an engine cannot run with; returns the
-    batch-invariant mode to set: `batch_invariant`, or for None the model's support, except
-    with graph decode, whose kernels are torch's."""
+    """ValueError for limits an engine cannot run with; returns the batch-invariant mode to set:
+    `batch_invariant`, or for None the model's default (`invariant_by_default`), except with
+    graph decode, which keeps the mode only where the model says so (`graph_unsupported`, asked
+    by DecodeGraphs.for_engine)."""
     if prefill_chunk < BLOCK or prefill_chunk % BLOCK:
         raise ValueError(f"prefill_chunk must be a positive multiple of {BLOCK}, got {prefill_chunk}")
     if max_batch_tokens < max_running:
@@ -30,9 +29,6 @@ def check_limits(model: Any, *, max_seq_len: int, max_running: int, max_queue: i
         raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings {limit}")
     if batch_invariant is None:
         batch_invariant = model.invariant_by_default and not decode_graphs
-    if batch_invariant and decode_graphs:
-        raise ConfigError("decode_graphs runs torch's kernels, which promise no batch invariance; "
-                          "use batch_invariant=False or None with it")
     return batch_invariant
 
 

@@ -102,13 +102,19 @@ class CausalLM(nn.Module):
         if self.tp is not None:
             return "graph decode runs one rank's whole model; tensor parallelism is not supported"
         if self.batch_invariant:
-            return ("graph decode runs torch's kernels, which promise no batch invariance; "
-                    "set_batch_invariant(False) (Engine(batch_invariant=False))")
+            why = self.graph_invariance_unsupported()
+            if why is not None:
+                return why + "; set_batch_invariant(False) (Engine(batch_invariant=False))"
         for mod in self.modules():
             stacks = (mod.gate_up_proj, mod.down_proj) if isinstance(mod, Experts) else ()
             if any(isinstance(w, QuantizedWeight) for w in stacks):
                 return "graph decode gathers each row's experts from plain stacks; load with weights='dequant'"
         return None
+
+    def graph_invariance_unsupported(self) -> str | None:
+        """Why the capturable decode step cannot keep batch invariance, or None: a family whose
+        step runs only per-row kernels says so."""
+        return "graph decode runs torch's kernels, which promise no batch invariance"
 
     # ---- batch invariance --------------------------------------------------------------------
     @property

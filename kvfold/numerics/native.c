@@ -288,12 +288,14 @@ void kv_swiglu(const float *gate, const float *up, int64_t ld, float *out, int64
 /* out[i] = f(x[i]) for the elementwise functions of batch-invariant rows (numerics/rows.py):
  * each element on its own with scalar libm, so a value does not depend on its place in the call
  * (a vectorised loop computes its tail with other code than its body). */
-enum { KV_SIGMOID = 0, KV_SILU = 1, KV_SOFTPLUS = 2 };
+enum { KV_SIGMOID = 0, KV_SILU = 1, KV_SOFTPLUS = 2, KV_COS = 3, KV_SIN = 4 };
 void kv_unary(const float *x, float *out, int64_t n, int64_t op) {
     for (int64_t i = 0; i < n; i++) {
         float z = x[i];
         out[i] = op == KV_SIGMOID ? 1.0f / (1.0f + expf(-z))
                : op == KV_SILU    ? silu_f(z)
+               : op == KV_COS     ? cosf(z)
+               : op == KV_SIN     ? sinf(z)
                : z > 20.0f        ? z : log1pf(expf(z)); /* softplus, linear past 20 as torch's */
     }
 }

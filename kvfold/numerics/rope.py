@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import native
-from .rows import fixed_kernels
+from .rows import fixed_kernels, unary
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
@@ -38,8 +38,11 @@ class RopeTable:
         self.inv_freq = rope_inv_freq(rope_dim, theta, yarn).to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin of p * f for every position: `unary`'s, so that in batch-invariant mode a
+        row's values do not depend on the other positions of the call (a vectorised loop
+        computes its tail with other code than its body)."""
         freqs = torch.outer(positions.to(self.inv_freq.device, torch.float32), self.inv_freq)
-        return freqs.cos(), freqs.sin()
+        return unary("cos", freqs), unary("sin", freqs)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -105,8 +105,9 @@ def invariance_unsupported(dtype: torch.dtype, device: torch.device) -> str | No
 
 def invariance_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model starts (and an engine runs) batch-invariant unless told otherwise: fp32 on
-    the CPU with native.c. On CUDA the mode runs the Triton row kernels, slower than torch's
-    GEMMs, so it is asked for (`set_batch_invariant(True)`)."""
+    the CPU with native.c. On CUDA the mode runs the Triton row kernels, whose matmul uses no
+    tensor cores, and it has not been timed there yet, so it is asked for
+    (`set_batch_invariant(True)`)."""
     return torch.device(device).type == "cpu" and dtype == torch.float32 and native.library() is not None
 
 
@@ -212,15 +213,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 _UNARY = {"sigmoid": (0, torch.sigmoid), "silu": (1, F.silu),
-          "softplus": (2, lambda x: torch.where(x > 20.0, x, torch.log1p(torch.exp(x))))}
+          "softplus": (2, lambda x: torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))),
+          "cos": (3, torch.cos), "sin": (4, torch.sin)}
 
 
 def unary(name: str, x: torch.Tensor) -> torch.Tensor:
-    """sigmoid / silu / softplus (linear past 20) of x, elementwise; inside `invariant_rows()` or
-    `fixed_order()`, for fp32 CPU tensors, in native.c with scalar libm, so no element depends on
-    its place in the call (ATen computes a vectorised loop's tail with scalar code, whose rounding
-    differs from the body's: a row's values would move with the call's length); in batch-invariant
-    mode off the CPU, per row in Triton (`fixed_kernels`)."""
+    """sigmoid / silu / softplus (linear past 20) / cos / sin of x, elementwise; inside
+    `invariant_rows()` or `fixed_order()`, for fp32 CPU tensors, in native.c with scalar libm,
+    so no element depends on its place in the call (ATen computes a vectorised loop's tail with
+    scalar code, whose rounding differs from the body's: a row's values would move with the
+    call's length); in batch-invariant mode off the CPU, per row in Triton (`fixed_kernels`)."""
     op, torch_fn = _UNARY[name]
     kernels = fixed_kernels(x)
     if kernels is not None:
@@ -296,7 +298,8 @@ def _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_i
         scores = kernels.unary("softplus", logits).sqrt()
     if tid2eid is not None:
         ids = tid2eid[token_ids.reshape(-1)].long()
-        if bool(((ids < 0) | (ids >= e)).any()):
+        # checked where the host may read the device (not while a CUDA graph captures the step)
+        if not _capturing() and bool(((ids < 0) | (ids >= e)).any()):
             raise ValueError(f"routing refused: an expert id out of range 0..{e - 1} in tid2eid")
     else:
         choice = scores + bias
@@ -316,6 +319,10 @@ def _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_i
     for j in range(1, k):
         total = total + picked[:, j]
     return (picked / (total + 1e-20)[:, None] * scale).float(), ids
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def combine_experts(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@ import triton
 import triton.language as tl
 
 
+INDEX_BLOCK = 64  # entries per index-scores program
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -230,7 +233,9 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: 
     n = keys.shape[0] if rows is None else rows.shape[1]
     scores = torch.empty(t, n, dtype=torch.float32, device=q.device)
     if t and n:
-        block_n = min(64, max(16, _pow2(n)))
+        # a constant, not a function of n: a graph step's n follows the batch's context bound, and
+        # the heads' sum per entry must not change with it (batch-invariant graph decode)
+        block_n = INDEX_BLOCK
         _index_scores_kernel[(t, triton.cdiv(n, block_n))](
             q.float().contiguous(), w.float().contiguous(), keys.contiguous(),
             scores if rows is None else rows.to(torch.int64).contiguous(), visible.to(torch.int32).contiguous(),

@@ -30,6 +30,11 @@ def use_triton(on: bool = True):
         _ON.reset(token)
 
 
+def switched_on() -> bool:
+    """Whether `use_triton` (or KVFOLD_TRITON=1) has the kernels on here."""
+    return _ON.get()
+
+
 def available(device: torch.device | str) -> bool:
     """Whether the kernels can run on `device`: triton installed, and CUDA or the interpreter."""
     if importlib.util.find_spec("triton") is None:

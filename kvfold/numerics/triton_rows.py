@@ -97,8 +97,12 @@ def _unary_kernel(x, out, d, OP: tl.constexpr, BLOCK: tl.constexpr):
             y = _sigmoid(v)
         elif OP == 1:
             y = v * _sigmoid(v)
-        else:
+        elif OP == 2:
             y = _softplus(v)
+        elif OP == 3:
+            y = tl.cos(v)
+        else:
+            y = tl.sin(v)
         tl.store(out + row * d + c, y.to(out.dtype.element_ty), mask=c < d)
 
 
@@ -242,7 +246,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, l2: bool = Fa
     return out.view(x.shape)
 
 
-UNARY = {"sigmoid": 0, "silu": 1, "softplus": 2}
+UNARY = {"sigmoid": 0, "silu": 1, "softplus": 2, "cos": 3, "sin": 4}
 
 
 def unary(name: str, x: torch.Tensor) -> torch.Tensor:

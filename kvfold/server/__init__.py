@@ -51,7 +51,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "it, fp32 on the CPU; see README)")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
                    help="batch-invariant mode where it is not the default: on CUDA (fp32, bf16) the token-parallel "
-                        "ops run in kvfold's fixed-order Triton kernels, slower than torch's (see README)")
+                        "ops run in kvfold's fixed-order Triton kernels, expected slower than torch's (see README)")
     p.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
                    help="speculative decoding: every sequence drafts with n-gram prompt lookup or the checkpoint's "
                         "MTP layer and verifies in the batched step (default: none)")

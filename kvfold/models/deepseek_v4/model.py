@@ -18,7 +18,7 @@ from ...layers.mhc import HyperConnection, HyperHead
 from .moe import MoE
 from .native_block import block_row, model_row
 from ...layers.rows import RowBatch
-from ...numerics import RopeTable
+from ...numerics import RopeTable, triton_ops
 from .state import Dsv4State, LayerState, compressor_ring_rows, compressor_state
 from ...state.arena import SlotArena
 from ...state.kv_rows import kv_row_bytes
@@ -221,6 +221,15 @@ class Dsv4Model(CausalLM):
         if self.numerics != "hf":
             return "graph decode runs numerics='hf'; the reference numerics' roundings run in the forward only"
         return super().graph_unsupported()
+
+    def graph_invariance_unsupported(self) -> str | None:
+        """With the Triton kernels on (`use_triton`), the graph step keeps batch invariance: its
+        token-parallel ops take the fixed-order row kernels, and its attention, index scores and
+        top-k, pooling and experts are Triton kernels of one program per row (graph_step.py)."""
+        if triton_ops.serving(self.device) is None or triton_ops.fixed_rows(self.device) is None:
+            return ("graph decode keeps batch invariance only with the Triton kernels, one program per row: turn "
+                    "them on (kvfold.numerics.triton_ops.use_triton, KVFOLD_TRITON=1; CUDA with triton installed)")
+        return None
 
     def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
