@@ -387,3 +387,40 @@ def test_graph_decode_keeps_batch_invariance_only_where_its_kernels_are_per_row(
         with triton_ops.use_triton():
             glm.set_batch_invariant(True)
             assert "promise no batch invariance" in glm.graph_unsupported()
+
+
+def test_a_graph_engine_requests_bits_do_not_depend_on_the_load_on_the_cuda_path():
+    """Engine(decode_graphs=True, batch_invariant=True) with the Triton kernels, as on CUDA: decode
+    rows always take the graph step (prefill chunks the forward, in a second call of the same
+    step), so a sampled request gets the same tokens and float32 logprobs alone and beside others
+    whose prompts arrive while it decodes."""
+    import kvfold
+    from kvfold import Engine, SamplingParams
+    model = v4_model(torch.float32)
+    model.tokenizer = kvfold.load_model("tiny-random").tokenizer
+    v = model.config.vocab_size - 2
+    target = ([(5 * j + 2) % v for j in range(13)],
+              SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True, logprobs=3))
+    late = [([(3 * j + i) % v for j in range(n)], SamplingParams(max_tokens=2, temperature=1.0, seed=i,
+                                                                ignore_eos=True)) for i, n in enumerate((9, 4))]
+
+    def run(with_others: bool):
+        engine = Engine(model, max_seq_len=64, max_running=3, decode_graphs=True, batch_invariant=True,
+                        prefix_cache_bytes=0)
+        rid = engine.add_request(*target)
+        tokens, logprobs, pending = [], [], list(late) if with_others else []
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid:
+                    tokens += o.new_token_ids
+                    logprobs += o.logprobs or []
+            if tokens and pending:  # a prompt arrives while the target decodes: a mixed step next
+                engine.add_request(*pending.pop(0))
+        return tokens, logprobs, engine.metrics()
+
+    with cuda_path(), triton_ops.use_triton():
+        *alone, m_alone = run(False)
+        *loaded, m_loaded = run(True)
+    model.set_batch_invariant(False)
+    assert len(alone[0]) == 4 and loaded == alone
+    assert m_alone["graph_steps"] == 3 and m_loaded["graph_steps"] >= 3  # the target's decode rows

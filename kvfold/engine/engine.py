@@ -66,9 +66,10 @@ class Engine:
         `speculative`: None, "ngram" or "mtp" (the checkpoint's MTP layer; MtpUnavailableError
         without one): every decoding sequence drafts up to `num_draft` tokens a step, verified in
         the step's forward (speculation.py); greedy output is unchanged, sampling keeps each
-        request's distribution. `decode_graphs`: run steps of decode and verify rows (no prefill)
-        as the model's capturable step, replayed from one CUDA graph per bucket on a CUDA model (graphs.py;
-        on the CPU the same step runs eagerly); states live in a `SlotArena` of max_running slots.
+        request's distribution. `decode_graphs`: run every step's decode and verify rows as the
+        model's capturable step, replayed from one CUDA graph per bucket on a CUDA model
+        (graphs.py; on the CPU the same step runs eagerly), and its prefill chunks, if any, as
+        one forward call beside it; states live in a `SlotArena` of max_running slots.
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
         or GLM-5.3, numerics "hf", plain expert stacks), outside batch-invariant mode
         (batch_invariant=None leaves it off then) except for DeepSeek-V4 with the Triton kernels
@@ -308,6 +309,32 @@ class Engine:
         if self._replicas is not None:
             self._replicas.stop()
 
+    def _run_batch(self, batch: list, wants_prompt: list[bool], hidden: bool):
+        """Each pair's logits (with `hidden`: and its final streams), in batch order. With graph
+        decode, decode and verify rows take the graph step and prefill chunks the forward, each
+        in one call: a sequence's decode rows run one path whatever shares their step, so in
+        batch-invariant mode their bits do not depend on the load."""
+        last_only = [not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)]
+        kw = {"return_hidden": True} if hidden else {}
+        if self.graphs is None:
+            return self.model.forward_batch([(ids, seq.state) for seq, ids in batch], last_only=last_only, **kw)
+        logits, streams = [None] * len(batch), [None] * len(batch)
+        decode = [i for i, (seq, _) in enumerate(batch) if seq.output]
+        prefill = [i for i, (seq, _) in enumerate(batch) if not seq.output]
+        if decode:  # every row's logits, each sequence's in order
+            rows = self.graphs.step([(list(batch[i][1]), batch[i][0].state) for i in decode], hidden=hidden)
+            parts = [r.split([len(batch[i][1]) for i in decode]) for r in (rows if hidden else (rows,))]
+            for j, i in enumerate(decode):
+                logits[i] = parts[0][j]
+                streams[i] = parts[1][j] if hidden else None
+        if prefill:
+            got = self.model.forward_batch([(batch[i][1], batch[i][0].state) for i in prefill],
+                                           last_only=[last_only[i] for i in prefill], **kw)
+            for j, i in enumerate(prefill):
+                logits[i] = got[0][j] if hidden else got[j]
+                streams[i] = got[1][j] if hidden else None
+        return (logits, streams) if hidden else logits
+
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for seq in self.scheduler.admit(self._group_bytes, self._pages_fit):
@@ -318,16 +345,7 @@ class Engine:
         wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
         hidden = self.spec is not None and self.spec.needs_hidden
         try:
-            if self.graphs is not None and all(seq.output for seq, _ in batch):
-                # decode and verify rows only (no prefill): every row's logits, each sequence's in order
-                sizes = [len(ids) for _, ids in batch]
-                rows = self.graphs.step([(list(ids), seq.state) for seq, ids in batch], hidden=hidden)
-                out = tuple(list(r.split(sizes)) for r in rows) if hidden else list(rows.split(sizes))
-            else:
-                out = self.model.forward_batch(
-                    [(ids, seq.state) for seq, ids in batch],
-                    last_only=[not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)],
-                    **({"return_hidden": True} if hidden else {}))
+            out = self._run_batch(batch, wants_prompt, hidden)
         except Exception as exc:  # the whole batch is suspect: end its requests, keep serving the rest
             for seq, _ in batch:
                 self._fail(seq, f"model forward failed: {exc!r}", outputs)

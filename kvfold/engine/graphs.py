@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs: one graph per bucket, captured once.
 
-A step without prefill rows runs the model's capturable decode step (graph_step.py of
-models/deepseek_v4 and models/glm5) in a bucket:
+A step's decode and verify rows run the model's capturable decode step (graph_step.py of
+models/deepseek_v4 and models/glm5; the engine runs the step's prefill chunks, if any, through the
+forward beside it) in a bucket:
   * the smallest row count that holds its rows; a sequence brings one row, or several at
     consecutive positions (its last token and its drafts: a verify step);
   * the smallest context bound (a power of two from CONTEXT_MIN, at most the arena's capacity)

@@ -58,9 +58,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft", type=_int_at_least(1), default=4,
                    help="most draft tokens per sequence and step with --speculative (default 4)")
     p.add_argument("--decode-graphs", action="store_true",
-                   help="run steps without prefill rows as one captured CUDA graph per bucket (DeepSeek-V4, "
+                   help="run each step's decode rows as one captured CUDA graph per bucket (DeepSeek-V4, "
                         "GLM-5.3; for --device cuda: on the CPU the same step runs eagerly, slower than the "
-                        "default); implies --no-batch-invariant")
+                        "default); batch invariance off unless --batch-invariant, which only DeepSeek-V4 with "
+                        "KVFOLD_TRITON=1 keeps")
     p.add_argument("--tp", type=_int_at_least(1), default=1,
                    help="shard the model over N ranks (DeepSeek-V4): torchrun --nproc-per-node N -m kvfold serve "
                         "... --tp N; rank 0 serves HTTP and schedules, the others follow")
