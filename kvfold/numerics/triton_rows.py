@@ -99,10 +99,10 @@ def _unary_kernel(x, out, d, OP: tl.constexpr, BLOCK: tl.constexpr):
             y = v * _sigmoid(v)
         elif OP == 2:
             y = _softplus(v)
-        elif OP == 3:
-            y = tl.cos(v)
+        elif OP == 3:  # in float64 (libdevice on CUDA, no fast approximation), rounded once:
+            y = tl.cos(v.to(tl.float64))  # rope angles reach 1e5 radians
         else:
-            y = tl.sin(v)
+            y = tl.sin(v.to(tl.float64))
         tl.store(out + row * d + c, y.to(out.dtype.element_ty), mask=c < d)
 
 
@@ -170,7 +170,7 @@ def _hc_kernel(streams, mix, base, scale, out, post_out, comb_out, d, iters, hc_
     for d0 in range(0, HC * d, BLOCK):
         v = tl.load(x + d0 + cols, mask=d0 + cols < HC * d, other=0.0).to(tl.float64)
         acc += v * v
-    r = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / (HC * d) + norm_eps)  # float64: IEEE sqrt
+    r = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / (HC * d) + norm_eps)  # (float64)
     k = tl.arange(0, HC)
     mrow = mix + row * n_mix
     pre_l = tl.load(mrow + k).to(tl.float64) * r * tl.load(scale).to(tl.float64) + tl.load(base + k).to(tl.float64)
