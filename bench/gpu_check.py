@@ -20,8 +20,9 @@ every check, so a run cut short still says what it measured. The report (JSON, `
 - `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
   shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
   contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
-  reach, each also as replayed graphs (`graph_*`, and `graph_triton_*` with the Triton kernels
-  reading keys and experts in place); and transformers' decode of the same model on
+  reach, each also as replayed graphs (`graph_*`, `graph_triton_*` with the Triton kernels
+  reading keys and experts in place, `graph_invariant_*` with them in batch-invariant mode);
+  and transformers' decode of the same model on
   the same device where it imports.
 
 On the GPU machine (torch and triton are there; transformers 5.23 is not):
@@ -465,7 +466,7 @@ def time_model(args, model, entry: dict, save) -> None:
             cell = run_check(lambda: decode_cell(model, batch, context, args.steps))
             if not args.no_graphs and time.perf_counter() < deadline:
                 cell.update(graph_cells(args, model, batch, context))
-            for prefix in ("", "graph_", "graph_triton_"):
+            for prefix in ("", "graph_", "graph_triton_", "graph_invariant_"):
                 if prefix + "step_ms" in cell and "bytes_per_step" in cell and args.bandwidth:
                     cell[prefix + "bandwidth_fraction"] = \
                         cell["bytes_per_step"] / (cell[prefix + "step_ms"] / 1e3) / args.bandwidth
@@ -480,14 +481,16 @@ def time_model(args, model, entry: dict, save) -> None:
 def graph_cells(args, model, batch: int, context: int) -> dict:
     """The cell's step as graph decode (`graph_*`), and on CUDA with the Triton kernels reading
     keys and experts in place (`graph_triton_*`; the interpreter's times would mean nothing),
-    outside the invariant mode."""
+    outside the invariant mode, and with it (`graph_invariant_*`: the fixed-order row kernels)."""
     from kvfold.numerics import triton_ops
     out, invariant = {}, model.batch_invariant  # (on for fp32 CPU models: graph decode runs without it)
-    model.set_batch_invariant(False)
     try:
         on_gpu = model.device.type == "cuda" and triton_ops.available(model.device)
-        variants = [("graph_", False)] + ([("graph_triton_", True)] if on_gpu else [])
-        for prefix, kernels in variants:
+        variants = [("graph_", False, False)]
+        if on_gpu:
+            variants += [("graph_triton_", True, False), ("graph_invariant_", True, True)]
+        for prefix, kernels, inv in variants:
+            model.set_batch_invariant(inv)
             with triton_ops.use_triton(kernels):
                 got = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
             out.update({prefix + k: v for k, v in got.items() if k in ("step_ms", "tok_s", "error")})
