@@ -4,7 +4,10 @@ token-parallel op takes them and every per-sequence op takes torch's kernels, as
 
 Each kernel is checked against float64 within the rounding of the sums it computes, and for
 giving a row the same bits in any batch; then both model families, fp32 and bf16, batched
-against alone with torch.equal, as tests/test_batching.py does for native.c.
+against alone with torch.equal, as tests/test_batching.py does for native.c; an engine's
+request alone and under load; and DeepSeek-V4's graph decode with the Triton kernels on, a
+sequence's bits in any bucket, and an engine's request under load with prompts arriving
+while it decodes.
 """
 import contextlib
 import inspect
@@ -192,7 +195,9 @@ def test_fixed_routing_picks_native_routings_experts_with_their_weights(case):
         with cuda_path():
             got_w, got_ids = route_rows(x, w, scoring, k, 2.5, **kw)
             if case != "hash":  # (the hash case's rows are its table's: nothing to batch)
-                assert_rows_alone(lambda a: torch.cat([r.double() for r in route_rows(a, w, scoring, k, 2.5, **kw)], 1), x)
+                def routed(a):
+                    return torch.cat([r.double() for r in route_rows(a, w, scoring, k, 2.5, **kw)], 1)
+                assert_rows_alone(routed, x)
     assert torch.equal(got_ids, want_ids)  # random scores: no two within the rounding of each other
     # two fp32 evaluations of the scores (their H-term dots, one exp) then float64 weights
     assert ((got_w - want_w).abs() <= 4 * (h + 8) * EPS * want_w.abs()).all()
