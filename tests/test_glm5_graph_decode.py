@@ -5,7 +5,7 @@ what it cannot run is refused."""
 import pytest
 import torch
 
-from kvfold import Engine, SamplingParams
+from kvfold import SamplingParams
 from kvfold.engine.graphs import DecodeGraphs
 from kvfold.errors import ConfigError
 from kvfold.models.glm5.config import glm5_config_from_dict
@@ -14,7 +14,7 @@ from kvfold.numerics import native
 
 from helpers import random_ids
 from test_gpu_check import _script
-from test_graph_decode import _Trace
+from test_graph_decode import _Trace, forward_and_graph_runs
 
 CAP = 300
 
@@ -30,6 +30,18 @@ def glm():
     model.set_batch_invariant(False)
     model.tokenizer = kvfold.load_model("tiny-random").tokenizer
     return model
+
+
+def later_errors(glm, g64, runs, n):
+    """The forward continued by n tokens from each (graph-stepped, forward-stepped, float64) triple
+    of states: the worst |logit - float64| from the graph's states and from the forward's."""
+    later_graph = later_forward = 0.0
+    for a, b, c in runs:
+        ids = random_ids(n, glm.config.vocab_size, seed=a.pos)
+        exact = g64.forward(ids, c)
+        later_graph = max(later_graph, (glm.forward(ids, a).double() - exact).abs().max().item())
+        later_forward = max(later_forward, (glm.forward(ids, b).double() - exact).abs().max().item())
+    return later_graph, later_forward
 
 
 def test_a_glm_graph_step_is_as_accurate_as_the_forward_at_every_cursor(glm):
@@ -76,13 +88,9 @@ def test_a_glm_graph_step_is_as_accurate_as_the_forward_at_every_cursor(glm):
         worst_graph = max(worst_graph, (got.double() - exact).abs().max().item())
         worst_forward = max(worst_forward, (want.double() - exact).abs().max().item())
     assert 0 < worst_graph <= 2 * worst_forward
-    later_graph = later_forward = 0.0
     for a, b, c in runs:
         assert a.pos == b.pos == c.pos and a.kda_base == a.pos and all(d.len == a.pos for d in a._dsa_states())
-        ids = random_ids(6, vocab, seed=a.pos)
-        exact = g64.forward(ids, c)
-        later_graph = max(later_graph, (glm.forward(ids, a).double() - exact).abs().max().item())
-        later_forward = max(later_forward, (glm.forward(ids, b).double() - exact).abs().max().item())
+    later_graph, later_forward = later_errors(glm, g64, runs, 6)
     assert 0 < later_graph <= 2 * later_forward
 
 
@@ -132,19 +140,9 @@ def test_glm_graph_decode_in_the_engine_gives_the_forward_engines_tokens(glm):
     shared = random_ids(128, vocab, seed=1).tolist()
     prompts = [random_ids(5, vocab, seed=2).tolist(), shared + [3, 4, 5], random_ids(60, vocab, seed=3).tolist(),
                shared + [7, 8], random_ids(140, vocab, seed=4).tolist()]
-    runs = {}
-    for graphs in (False, True):
-        engine = Engine(glm, max_seq_len=CAP, max_running=3, decode_graphs=graphs, batch_invariant=False)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)) for p in prompts]
-        out, steps = {}, 0
-        while engine.has_unfinished():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-            steps += 1
-            if steps == 6:
-                engine.cancel(ids[2])
-        runs[graphs] = ([out.get(i, []) for i in ids], engine.metrics(), engine)
-    (want, m_want, _), (got, m, engine) = runs[False], runs[True]
+    (want, m_want, _), (got, m, engine) = forward_and_graph_runs(
+        glm, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), cancel=(6, 2),
+        max_seq_len=CAP, max_running=3)
     assert got == want and len(got[2]) < 20
     assert m["prefix_cache_hits"] == m_want["prefix_cache_hits"] >= 1
     assert m["graph_steps"] >= 20 and m["graph_recaptures"] == 0 and engine.arena.free_slots == 3
@@ -184,13 +182,9 @@ def test_glm_graph_steps_of_several_rows_replay_from_the_base_as_the_forward_doe
             for st in (a, b, c):
                 st.rewind_to(back)
     assert graphs.draft_rows == 8 * 3 * 3 and 0 < worst_graph <= 2 * worst_forward
-    later_graph = later_forward = 0.0
     for a, b, c in runs:
         assert a.pos == b.pos == c.pos and (a.kda_base, a.kda_cuts) == (b.kda_base, b.kda_cuts)
-        ids = random_ids(5, vocab, seed=a.pos)
-        exact = g64.forward(ids, c)
-        later_graph = max(later_graph, (glm.forward(ids, a).double() - exact).abs().max().item())
-        later_forward = max(later_forward, (glm.forward(ids, b).double() - exact).abs().max().item())
+    later_graph, later_forward = later_errors(glm, g64, runs, 5)
     assert 0 < later_graph <= 2 * later_forward
 
 
@@ -203,13 +197,9 @@ def test_glm_graph_decode_verifies_ngram_drafts_as_the_forward_engine_does(glm):
     phrase = random_ids(6, vocab, seed=70).tolist()
     prompts = [random_ids(n, vocab, seed=n).tolist() + phrase + random_ids(17, vocab, seed=n + 1).tolist() + phrase[:3]
                for n in (40, 80)]
-    runs = {}
-    for graphs in (False, True):
-        engine = Engine(glm, max_seq_len=CAP, max_running=2, decode_graphs=graphs, batch_invariant=False,
-                        speculative="ngram", num_draft=3)
-        out = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-        runs[graphs] = ([o.token_ids for o in out], engine.metrics())
-    (want, _), (got, m) = runs[False], runs[True]
+    (want, _, _), (got, m, _) = forward_and_graph_runs(
+        glm, prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), max_seq_len=CAP,
+        max_running=2, speculative="ngram", num_draft=3)
     assert got == want
     assert m["graph_draft_rows"] > 0 and m["spec_accepted_tokens"] < m["spec_draft_tokens"]  # some rejected
 

@@ -309,35 +309,50 @@ def test_the_mode_is_asked_for_off_the_cpu_and_refused_where_it_cannot_hold():
         assert not model.batch_invariant
 
 
-def run_engine(engine, requests):
-    """Step `engine` through (prompt, params) requests to the end: the first one's tokens and logprobs."""
-    rids = [engine.add_request(ids, params) for ids, params in requests]
-    tokens, logprobs = [], []
+def engine_case(lengths, max_tokens):
+    """The test's tiny V4 with a tokenizer, a sampled target request asking for logprobs, and
+    others of these prompt lengths (sampled too)."""
+    import kvfold
+    from kvfold import SamplingParams
+    model = v4_model(torch.float32)
+    model.tokenizer = kvfold.load_model("tiny-random").tokenizer
+    v = model.config.vocab_size - 2
+    target = ([(5 * j + 2) % v for j in range(13)],
+              SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True, logprobs=3))
+    others = [([(3 * j + i) % v for j in range(n)],
+               SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True))
+              for i, n in enumerate(lengths)]
+    return model, target, others
+
+
+def run_engine(engine, first, now=(), late=()):
+    """Step `engine` to the end with the (prompt, params) requests `first` and `now` added at once,
+    and each of `late` after a step in which `first` got tokens (so it prefills beside first's
+    decode rows): first's tokens and logprobs."""
+    rid = engine.add_request(*first)
+    for req in now:
+        engine.add_request(*req)
+    tokens, logprobs, pending = [], [], list(late)
     while engine.has_unfinished():
         for o in engine.step():
-            if o.request_id == rids[0]:
+            if o.request_id == rid:
                 tokens += o.new_token_ids
                 logprobs += o.logprobs or []
+        if tokens and pending:
+            engine.add_request(*pending.pop(0))
     return tokens, logprobs
 
 
 def test_an_engine_requests_tokens_and_logprobs_do_not_depend_on_the_load_on_the_cuda_path():
     """Engine(batch_invariant=True) as on CUDA: a sampled request alone, then beside two others
     (a longer prefill and decodes in the same steps), gets the same tokens and float32 logprobs."""
-    import kvfold
-    from kvfold import Engine, SamplingParams
-    model = v4_model(torch.float32)
-    model.tokenizer = kvfold.load_model("tiny-random").tokenizer
-    v = model.config.vocab_size - 2
-    target = ([(5 * j + 2) % v for j in range(13)],
-              SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True, logprobs=3))
-    others = [([(3 * j + i) % v for j in range(n)], SamplingParams(max_tokens=3, temperature=1.0, seed=i,
-                                                                  ignore_eos=True)) for i, n in enumerate((21, 2))]
+    from kvfold import Engine
+    model, target, others = engine_case((21, 2), max_tokens=3)
     with cuda_path():
-        alone = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), [target])
+        alone = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), target)
         assert model.batch_invariant
-        loaded = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0),
-                            [target] + others)
+        loaded = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), target,
+                            now=others)
     assert len(alone[0]) == 4 and len(alone[1]) == 4
     assert loaded == alone  # the tokens, and the float32 logprobs each with its top 3
 
@@ -400,33 +415,15 @@ def test_a_graph_engine_requests_bits_do_not_depend_on_the_load_on_the_cuda_path
     rows always take the graph step (prefill chunks the forward, in a second call of the same
     step), so a sampled request gets the same tokens and float32 logprobs alone and beside others
     whose prompts arrive while it decodes."""
-    import kvfold
-    from kvfold import Engine, SamplingParams
-    model = v4_model(torch.float32)
-    model.tokenizer = kvfold.load_model("tiny-random").tokenizer
-    v = model.config.vocab_size - 2
-    target = ([(5 * j + 2) % v for j in range(13)],
-              SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True, logprobs=3))
-    late = [([(3 * j + i) % v for j in range(n)], SamplingParams(max_tokens=2, temperature=1.0, seed=i,
-                                                                ignore_eos=True)) for i, n in enumerate((9, 4))]
-
-    def run(with_others: bool):
-        engine = Engine(model, max_seq_len=64, max_running=3, decode_graphs=True, batch_invariant=True,
-                        prefix_cache_bytes=0)
-        rid = engine.add_request(*target)
-        tokens, logprobs, pending = [], [], list(late) if with_others else []
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.request_id == rid:
-                    tokens += o.new_token_ids
-                    logprobs += o.logprobs or []
-            if tokens and pending:  # a prompt arrives while the target decodes: a mixed step next
-                engine.add_request(*pending.pop(0))
-        return tokens, logprobs, engine.metrics()
-
+    from kvfold import Engine
+    model, target, late = engine_case((9, 4), max_tokens=2)
+    runs = []
     with cuda_path(), triton_ops.use_triton():
-        *alone, m_alone = run(False)
-        *loaded, m_loaded = run(True)
+        for arrivals in ((), late):
+            engine = Engine(model, max_seq_len=64, max_running=3, decode_graphs=True, batch_invariant=True,
+                            prefix_cache_bytes=0)
+            runs.append((run_engine(engine, target, late=arrivals), engine.metrics()))
     model.set_batch_invariant(False)
+    (alone, m_alone), (loaded, m_loaded) = runs
     assert len(alone[0]) == 4 and loaded == alone
     assert m_alone["graph_steps"] == 3 and m_loaded["graph_steps"] >= 3  # the target's decode rows

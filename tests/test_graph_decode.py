@@ -82,6 +82,24 @@ def test_a_graph_step_agrees_with_the_forward_on_every_layer_kind_and_cursor(mod
         assert (later_a - later_b).abs().max().item() <= fp32_paths_bound(later_b, model.config.num_hidden_layers)
 
 
+def forward_and_graph_runs(model, prompts, params, cancel=None, **engine_kw):
+    """The same requests through the forward engine and the graph engine: for each, (tokens per
+    request, metrics, engine). `cancel` (step, i): request i is cancelled after that step."""
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(model, decode_graphs=graphs, batch_invariant=False, **engine_kw)
+        ids = [engine.add_request(p, params) for p in prompts]
+        out, steps = {}, 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps += 1
+            if cancel is not None and steps == cancel[0]:
+                engine.cancel(ids[cancel[1]])
+        runs.append(([out.get(i, []) for i in ids], engine.metrics(), engine))
+    return runs
+
+
 class _Trace(TorchDispatchMode):
     """Every op's name, its tensors' shapes, dtypes and strides, and for tensors of persistent
     storage (weights, arena, the step's inputs) which one: a graph replays exactly this."""
@@ -222,19 +240,9 @@ def test_graph_decode_in_the_engine_gives_the_forward_engines_tokens_through_adm
     tails = [shared + long_ids(model, n, f"tail {n}")[1:] for n in (9, 40, 3)]
     prompts = [long_ids(model, 5, "own"), tails[0], long_ids(model, 70, "own"), tails[1], long_ids(model, 140, "own"),
                tails[2]]
-    runs = {}
-    for graphs in (False, True):
-        engine = Engine(model, max_seq_len=384, max_running=3, decode_graphs=graphs, batch_invariant=False)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)) for p in prompts]
-        out, steps = {}, 0
-        while engine.has_unfinished():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-            steps += 1
-            if steps == 8:
-                engine.cancel(ids[2])
-        runs[graphs] = ([out.get(i, []) for i in ids], engine.metrics(), engine)
-    (want, m_want, _), (got, m, engine) = runs[False], runs[True]
+    (want, m_want, _), (got, m, engine) = forward_and_graph_runs(
+        model, prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), cancel=(8, 2),
+        max_seq_len=384, max_running=3)
     assert got == want
     assert len(got[2]) < 24 and all(len(t) == 24 for i, t in enumerate(got) if i != 2)
     assert m["prefix_cache_hits"] == m_want["prefix_cache_hits"] >= 2
@@ -326,13 +334,9 @@ def test_graph_decode_verifies_drafts_and_continues_where_the_rejected_ones_were
     model = kvfold.load_model("tiny")
     text = long_ids(model, 400, "repeat")  # repeated lines: the n-gram drafter finds matches
     prompts = [text[:n] for n in (90, 150, 60)]
-    runs = {}
-    for graphs in (False, True):
-        engine = Engine(model, max_seq_len=320, max_running=3, decode_graphs=graphs, batch_invariant=False,
-                        speculative="ngram", num_draft=3)
-        out = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-        runs[graphs] = ([o.token_ids for o in out], engine.metrics())
-    (want, _), (got, m) = runs[False], runs[True]
+    (want, _, _), (got, m, _) = forward_and_graph_runs(
+        model, prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), max_seq_len=320,
+        max_running=3, speculative="ngram", num_draft=3)
     assert got == want
     assert 0 < m["graph_steps"] < m["steps"] and m["graph_recaptures"] == 0  # prefills ran the forward
     assert m["graph_draft_rows"] > 0
@@ -447,13 +451,9 @@ def test_graph_decode_feeds_the_mtp_drafter_the_streams_the_forward_would():
     engine's, through accepted and rejected drafts."""
     model = kvfold.load_model("tiny")  # ships its MTP layer
     prompts = [long_ids(model, n, f"mtp {n}") for n in (40, 90)]
-    runs = {}
-    for graphs in (False, True):
-        engine = Engine(model, max_seq_len=256, max_running=2, decode_graphs=graphs, batch_invariant=False,
-                        speculative="mtp", num_draft=2)
-        out = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-        runs[graphs] = ([o.token_ids for o in out], engine.metrics())
-    (want, _), (got, m) = runs[False], runs[True]
+    (want, _, _), (got, m, _) = forward_and_graph_runs(
+        model, prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), max_seq_len=256,
+        max_running=2, speculative="mtp", num_draft=2)
     assert got == want
     assert m["graph_steps"] > 0 and m["graph_draft_rows"] > 0 and 0 < m["spec_accepted_tokens"]
     # the streams themselves, against the forward's

@@ -310,30 +310,13 @@ class Engine:
             self._replicas.stop()
 
     def _run_batch(self, batch: list, wants_prompt: list[bool], hidden: bool):
-        """Each pair's logits (with `hidden`: and its final streams), in batch order. With graph
-        decode, decode and verify rows take the graph step and prefill chunks the forward, each
-        in one call: a sequence's decode rows run one path whatever shares their step, so in
-        batch-invariant mode their bits do not depend on the load."""
+        """Each pair's logits (with `hidden`: and its final streams), in batch order: one forward,
+        or with graph decode the decode rows as a graph step beside the prefill chunks' forward."""
+        pairs = [(ids, seq.state) for seq, ids in batch]
         last_only = [not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)]
-        kw = {"return_hidden": True} if hidden else {}
-        if self.graphs is None:
-            return self.model.forward_batch([(ids, seq.state) for seq, ids in batch], last_only=last_only, **kw)
-        logits, streams = [None] * len(batch), [None] * len(batch)
-        decode = [i for i, (seq, _) in enumerate(batch) if seq.output]
-        prefill = [i for i, (seq, _) in enumerate(batch) if not seq.output]
-        if decode:  # every row's logits, each sequence's in order
-            rows = self.graphs.step([(list(batch[i][1]), batch[i][0].state) for i in decode], hidden=hidden)
-            parts = [r.split([len(batch[i][1]) for i in decode]) for r in (rows if hidden else (rows,))]
-            for j, i in enumerate(decode):
-                logits[i] = parts[0][j]
-                streams[i] = parts[1][j] if hidden else None
-        if prefill:
-            got = self.model.forward_batch([(batch[i][1], batch[i][0].state) for i in prefill],
-                                           last_only=[last_only[i] for i in prefill], **kw)
-            for j, i in enumerate(prefill):
-                logits[i] = got[0][j] if hidden else got[j]
-                streams[i] = got[1][j] if hidden else None
-        return (logits, streams) if hidden else logits
+        if self.graphs is not None:
+            return self.graphs.step_beside_forward(pairs, [seq.output for seq, _ in batch], last_only, hidden)
+        return self.model.forward_batch(pairs, last_only=last_only, **({"return_hidden": True} if hidden else {}))
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs: one graph per bucket, captured once.
 
 A step's decode and verify rows run the model's capturable decode step (graph_step.py of
-models/deepseek_v4 and models/glm5; the engine runs the step's prefill chunks, if any, through the
-forward beside it) in a bucket:
+models/deepseek_v4 and models/glm5; an engine step's prefill chunks, if any, run the forward
+beside it: `step_beside_forward`) in a bucket:
   * the smallest row count that holds its rows; a sequence brings one row, or several at
     consecutive positions (its last token and its drafts: a verify step);
   * the smallest context bound (a power of two from CONTEXT_MIN, at most the arena's capacity)
@@ -187,6 +187,28 @@ class DecodeGraphs:
         self.steps += 1
         self.draft_rows += n - len(pairs)
         return (logits[:n].clone(), streams[:n].clone()) if hidden else logits[:n].clone()
+
+    def step_beside_forward(self, pairs: list, decoding: list[bool], last_only: list[bool], hidden: bool):
+        """An engine step: the `decoding` pairs (decode and verify rows) as one graph step, every
+        row's logits; the others (prefill chunks) as one forward, with their `last_only` flags.
+        So a sequence's decode rows take one path whatever shares their step (in batch-invariant
+        mode their bits do not depend on the load). -> logits per pair in order (with `hidden`:
+        (logits, final streams) per pair)."""
+        out = [[None] * len(pairs), [None] * len(pairs)]
+        decode = [i for i, d in enumerate(decoding) if d]
+        prefill = [i for i, d in enumerate(decoding) if not d]
+        if decode:
+            rows = self.step([(list(pairs[i][0]), pairs[i][1]) for i in decode], hidden=hidden)
+            for part, got in zip(out, rows if hidden else (rows,)):
+                for i, r in zip(decode, got.split([len(pairs[i][0]) for i in decode])):
+                    part[i] = r
+        if prefill:
+            got = self.model.forward_batch([pairs[i] for i in prefill], last_only=[last_only[i] for i in prefill],
+                                           return_hidden=hidden)
+            for part, per_pair in zip(out, got if hidden else (got,)):
+                for i, r in zip(prefill, per_pair):
+                    part[i] = r
+        return tuple(out) if hidden else out[0]
 
     def _run(self, b: _Bucket) -> torch.Tensor:
         with torch.inference_mode(), invariant_rows(getattr(self.model, "batch_invariant", False)):

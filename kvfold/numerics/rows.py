@@ -302,15 +302,7 @@ def _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_i
         if not _capturing() and bool(((ids < 0) | (ids >= e)).any()):
             raise ValueError(f"routing refused: an expert id out of range 0..{e - 1} in tid2eid")
     else:
-        choice = scores + bias
-        if n_group > 1:
-            grouped = choice.view(t, n_group, e // n_group)
-            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values
-            gscore = best[..., 0] + best[..., 1] if best.shape[-1] > 1 else best[..., 0]
-            keep = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
-            gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask[..., None].expand_as(grouped).reshape(t, e), float("-inf"))
-        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]  # ties -> lower id
+        ids = biased_topk(scores + bias, k, n_group, topk_group)
     ids = ids.sort(dim=-1).values
     picked = scores.gather(1, ids).double()
     if not renorm:
@@ -319,6 +311,21 @@ def _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_i
     for j in range(1, k):
         total = total + picked[:, j]
     return (picked / (total + 1e-20)[:, None] * scale).float(), ids
+
+
+def biased_topk(choice: torch.Tensor, k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """The k experts of highest `choice` [T, E] per row (ties to the lower id), among the
+    topk_group of n_group groups whose best two sum highest: exact selection (sorts, and one add
+    per group score), so a row's pick never depends on its batch."""
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values
+        gscore = best[..., 0] + best[..., 1] if best.shape[-1] > 1 else best[..., 0]
+        keep = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~gmask[..., None].expand_as(grouped).reshape(t, e), float("-inf"))
+    return torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 def _capturing() -> bool:

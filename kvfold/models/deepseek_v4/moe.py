@@ -15,7 +15,7 @@ from ...layers.native_cache import NativeCache
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
 from ...numerics.reference import release_swiglu
-from ...numerics.rows import SCORING, route_rows, row_mm, rows_invariant, unary
+from ...numerics.rows import SCORING, biased_topk, route_rows, row_mm, rows_invariant, unary
 from .config import Dsv4Config
 
 
@@ -50,8 +50,7 @@ class Router(nn.Module):
             ids = self.tid2eid[token_ids].long()
         else:
             # the bias shifts which experts are chosen, never their weights; ties -> lower id
-            biased = scores + self.e_score_correction_bias
-            ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : self.k]
+            ids = biased_topk(scores + self.e_score_correction_bias, self.k)
         w = scores.gather(1, ids)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.scale, ids

@@ -19,7 +19,7 @@ from ...layers.mhc import HyperConnection
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
-from ...numerics.rows import fresh_rows, own_rows, route_rows, row_mm, rows_invariant
+from ...numerics.rows import biased_topk, fresh_rows, own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState
 from ...state.arena import SlotArena
@@ -64,15 +64,7 @@ class Glm5Router(nn.Module):
             return route_rows(x, self.weight, "sigmoid", self.k, self.scale, bias=self.e_score_correction_bias,
                               n_group=self.n_group, topk_group=self.topk_group, renorm=self.norm)
         scores = torch.sigmoid(row_mm(x.float(), self.weight.float()))
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            t, e = choice.shape
-            grouped = choice.view(t, self.n_group, e // self.n_group)
-            gscore = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-            keep = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :self.topk_group]
-            gmask = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask[..., None].expand_as(grouped).reshape(t, e), float("-inf"))
-        ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :self.k]  # ties -> lower id
+        ids = biased_topk(scores + self.e_score_correction_bias.float(), self.k, self.n_group, self.topk_group)
         w = scores.gather(1, ids)
         if self.norm:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
