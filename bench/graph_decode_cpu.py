@@ -5,7 +5,7 @@ decode rows). Alternating the two, 20 warm-up steps each, then 200 timed.
 
     .venv/bin/python bench/graph_decode_cpu.py
 
-What it shows: on the CPU the capturable step is for tests, not for speed (README, "Graph decode").
+What it shows: on the CPU the capturable step is for tests, not for speed (docs/backends.md, "Graph decode").
 """
 import statistics
 import time

@@ -48,10 +48,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false", default=None,
                    help="torch's kernels: a request's last logit bits (and, at near-ties, its tokens) may then "
                         "depend on what else is running (default: batch-invariant wherever the model supports "
-                        "it, fp32 on the CPU; see README)")
+                        "it, fp32 on the CPU; see docs/backends.md)")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
                    help="batch-invariant mode where it is not the default: on CUDA (fp32, bf16) the token-parallel "
-                        "ops run in kvfold's fixed-order Triton kernels, expected slower than torch's (see README)")
+                        "ops run in kvfold's fixed-order Triton kernels, expected slower than torch's (see docs/backends.md)")
     p.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
                    help="speculative decoding: every sequence drafts with n-gram prompt lookup or the checkpoint's "
                         "MTP layer and verifies in the batched step (default: none)")
