@@ -17,7 +17,8 @@ import kvfold
 from kvfold.models.glm5 import state as g5s
 from kvfold.models.glm5.config import KDA, glm5_config_from_dict
 from kvfold.models.glm5.kda import kda_chunked
-from kvfold.models.glm5.model import Glm5Model, kda_ring_sizes
+from kvfold.models.glm5.model import Glm5Model
+from kvfold.models.glm5.state import kda_ring_sizes
 from helpers import random_ids
 from test_glm5_next import TEXT, VISION, _randomize, seq  # noqa: F401  (the tiny config and its sequence)
 

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .deps import INSTALL_HINT
+from .protocol import OOM, SKIP_TIME
 
 ENGINE = "llama.cpp"
 ENV_VAR = "KVFOLD_LLAMA_CPP"
@@ -470,7 +471,6 @@ def llama_bench_command(llama: LlamaCpp, gguf: Path, *, prompt: int, gen: int, d
 
 
 def _failure(run: dict[str, Any], what: str) -> str:
-    from .report import OOM, SKIP_TIME
     if run.get("start_error"):
         return f"error: cannot start llama-bench: {run['start_error']}"
     if run["timed_out"]:
@@ -531,7 +531,6 @@ def run_cell(llama: LlamaCpp, gguf: Path, context: int, *, decode_tokens: int, t
              pressure: Callable[[], int | None] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
     """One llama.cpp cell as a record of the bench's JSON (the keys kvfold's cells have where
     llama-bench measures the same thing). Never raises."""
-    from .report import SKIP_TIME
     env = dict(os.environ if env is None else env)
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     psi0 = pressure() if pressure else None

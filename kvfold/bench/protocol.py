@@ -1,3 +1,6 @@
-"""What a bench cell process prints to report a finished phase: one line, MARK + JSON."""
+"""What a bench cell reports: a cell process prints one line, MARK + JSON, per finished phase,
+and a cell that hit a limit ends in one of the statuses below (kvfold's and llama.cpp's alike)."""
 
 MARK = "@@kvfold-bench "
+SKIP_TIME = "skipped: > time limit"
+OOM = "out of memory"

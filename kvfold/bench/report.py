@@ -4,11 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 from .llamacpp import LLAMA_REPETITIONS
+from .protocol import OOM, SKIP_TIME
 
-ENGINES = ("kvfold", "transformers", "llama.cpp")
 LLAMA = "llama.cpp"
-SKIP_TIME = "skipped: > time limit"
-OOM = "out of memory"
 _MIB = 1024 * 1024
 _GIB = 1024 * _MIB
 

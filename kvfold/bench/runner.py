@@ -24,7 +24,8 @@ from typing import Any, Callable
 from . import configs as C
 from . import llamacpp as LL
 from .deps import require
-from .report import OOM, SKIP_TIME, _GIB, format_report, summarize
+from .protocol import OOM, SKIP_TIME
+from .report import _GIB, format_report, summarize
 from .spawn import _cell_message, _cell_record, child_env, _cpu_pressure_us, _mem_available, run_subprocess_cell
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
 from ..errors import KvfoldError

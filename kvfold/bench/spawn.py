@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .protocol import MARK
-from .report import OOM, SKIP_TIME
+from .protocol import MARK, OOM, SKIP_TIME
 
 def _mem_available() -> int | None:
     try:

@@ -12,7 +12,7 @@ from ..numerics import rms_norm
 from ..numerics.rows import order_fixed, row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
 from ..numerics.weights_mm import describe, native_mm, row_groups
-from ..models.deepseek_v4.quant_formats import BF16, FP4, FP8
+from ..numerics.quant_formats import BF16, FP4, FP8
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:

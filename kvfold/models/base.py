@@ -8,6 +8,8 @@ what it supports in `capabilities`; the engine and the server read those, never 
 """
 from __future__ import annotations
 
+import functools
+
 from array import array
 from dataclasses import dataclass
 
@@ -93,15 +95,16 @@ class CausalLM(nn.Module):
         return self.mtp.state_bytes(capacity, max_rewind)
 
     # ---- graph decode (models/<family>/graph_step.py; engine/graphs.py replays it) --------------
-    def graph_unsupported(self) -> str | None:
-        """Why the family's capturable decode step (`decode_graph_step`) cannot run this model, or
-        None. The checks every family shares; a family adds its own."""
+    def graph_unsupported(self, batch_invariant: bool | None = None) -> str | None:
+        """Why the family's capturable decode step (`decode_graph_step`) cannot run this model in
+        that batch-invariant mode (None: the model's own), or None. The checks every family
+        shares; a family adds its own."""
         from ..layers.moe import Experts
         if not hasattr(self, "decode_graph_step"):
             return f"{type(self).__name__} has no capturable decode step; use decode_graphs=False"
         if self.tp is not None:
             return "graph decode runs one rank's whole model; tensor parallelism is not supported"
-        if self.batch_invariant:
+        if self.batch_invariant if batch_invariant is None else batch_invariant:
             why = self.graph_invariance_unsupported()
             if why is not None:
                 return why + "; set_batch_invariant(False) (Engine(batch_invariant=False))"
@@ -132,16 +135,21 @@ class CausalLM(nn.Module):
             why = "batch-invariant mode runs numerics='hf' (the release's order of roundings is its own)"
         return why
 
+    def invariance_refusal(self, on: bool) -> None:
+        """ConfigError where batch-invariant mode `on` cannot hold for this model; else nothing."""
+        why = self._invariance_unsupported() if on else None
+        if why is not None:
+            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
+
     def set_batch_invariant(self, on: bool = True) -> None:
         """On: every row's logits are bit-identical whatever other sequences share its
         `forward_batch` call (token-parallel ops in fixed-order kernels: native.c on the CPU,
         Triton on CUDA; see numerics/rows.py). The default for fp32 CPU models with the native
         kernels; on CUDA (fp32 and bf16, with triton installed) it is asked for; turning it on
         elsewhere raises ConfigError. Off: torch's kernels, whose last bits may change with the
-        batch."""
-        why = self._invariance_unsupported() if on else None
-        if why is not None:
-            raise ConfigError(why + "; use set_batch_invariant(False) (Engine(batch_invariant=False))")
+        batch. This is the model's own mode, what `forward` and a `forward_batch` without
+        `batch_invariant` run; an engine keeps its own and never changes this one."""
+        self.invariance_refusal(on)
         self.batch_invariant = bool(on)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -168,27 +176,35 @@ class CausalLM(nn.Module):
         ids = self._checked(token_ids, state)
         return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
 
-    def forward_batch(self, batch: list, last_only: bool | list[bool] = True, return_hidden: bool = False):
+    def forward_batch(self, batch: list, last_only: bool | list[bool] = True, return_hidden: bool = False,
+                      batch_invariant: bool | None = None):
         """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
         would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
         ([1, vocab] with `last_only`, else [T_i, vocab]; one flag for all pairs, or one per pair:
         a request that wants its prompt's logprobs or verifies drafts), and with `return_hidden`
         also each pair's final streams [T_i, hc_mult, hidden] (what an MTP drafter reads); in
-        batch-invariant mode they are bit-identical to what the pair would get alone. Every pair
-        is validated before any state is touched."""
+        batch-invariant mode they are bit-identical to what the pair would get alone.
+        `batch_invariant`: this call's mode (an engine passes its own); None: the model's
+        (`set_batch_invariant`). Every pair is validated before any state is touched."""
+        invariant = self.batch_invariant if batch_invariant is None else bool(batch_invariant)
+        self.invariance_refusal(invariant)
         checked = [(self._checked(ids, st), st) for ids, st in batch]
         if len({id(st) for _, st in checked}) != len(checked):
             raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        return run_batch_in_rounds(self._forward_rows, checked, self.max_chunk, last_only, return_hidden)
+        rows = functools.partial(self._forward_rows, invariant=invariant)
+        return run_batch_in_rounds(rows, checked, self.max_chunk, last_only, return_hidden)
 
     def _forward_chunk(self, ids: torch.Tensor, state, last_only: bool = False):
         logits, streams = self._forward_rows([(ids, state)], last_only)
         return logits[0], streams[:ids.numel()]
 
-    def _forward_rows(self, pieces: list, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _forward_rows(self, pieces: list, last_only: bool | list[bool], invariant: bool | None = None
+                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece; advances each
-        state. Returns (logits per piece, all rows' final streams)."""
-        with invariant_rows(self.batch_invariant), fixed_order(self.numerics == "reference"):
+        state. Returns (logits per piece, all rows' final streams). `invariant`: the call's
+        batch-invariant mode (None: the model's)."""
+        invariant = self.batch_invariant if invariant is None else invariant
+        with invariant_rows(invariant), fixed_order(self.numerics == "reference"):
             return self._run_rows(RowBatch.build(pieces, self.device), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

@@ -127,6 +127,17 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     return weighted_streams(hc_head_weights(streams, fn, base, scale, hc_eps, norm_eps), streams)
 
 
+def stream_mean(streams: torch.Tensor) -> torch.Tensor:
+    """GLM-5.3's final collapse (no learned head weights): the mean of [T, hc, d] over its hc
+    streams, summed left to right: elementwise IEEE adds, so a row's bits never depend on its batch
+    (a reduction kernel may split the sum by tensor size). Summed in fp32 and rounded once, as
+    torch's mean over bf16 streams (transformers' head) does."""
+    acc = streams[:, 0].float()  # (a no-op on fp32 streams)
+    for k in range(1, streams.shape[1]):
+        acc = acc + streams[:, k]
+    return (acc / streams.shape[1]).to(streams.dtype)
+
+
 def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * out + sum_j comb[j, k] X_j, in the streams' dtype."""
     kernels = fixed_kernels(streams)

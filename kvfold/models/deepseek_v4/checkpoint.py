@@ -34,8 +34,8 @@ from .sharding import tp_slice
 from ...parallel import local_expert, skips_shared_expert
 from ...errors import CheckpointError
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
-from .quant_formats import (BF16, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
-                        read_config_dict, scale_keys, stored_format)
+from ...numerics.quant_formats import (BF16, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
+                                       scale_keys, stored_format)
 
 _PREFIX = "model."
 WEIGHT_RESIDENCIES = ("dequant", "quantized")
@@ -203,6 +203,18 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
                 if rows is not None and (rows.start % block[0] or (rows.stop - rows.start) % block[0]):
                     block = (1, block[1])
         hold_quantized(model, name, fmt, block, [sd for _, _, sd in found])
+
+
+def read_config_dict(directory: str | Path) -> dict:
+    """The raw config.json of a checkpoint directory (or its `inference/config.json`); {} if none."""
+    d = Path(directory)
+    for f in (d / "config.json", d / "inference" / "config.json"):
+        if f.exists():
+            try:
+                return json.loads(f.read_text())
+            except json.JSONDecodeError:
+                return {}
+    return {}
 
 
 def read_quant_settings(directory: Path) -> QuantSettings:

@@ -73,10 +73,6 @@ class Dsv4Config:
 
     # ---- derived ---------------------------------------------------------------------------
     @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
-    @property
     def eos_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()

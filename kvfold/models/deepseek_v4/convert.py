@@ -32,12 +32,12 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint import CheckpointReader, _Progress, _resolve, read_quant_settings
-from .names import Target, hf_key_for_official, to_official_names
+from .names import Target, hf_key_for_official, official_quant_kind, to_official_names
 from .config import CSA, HCA, SLIDING, Dsv4Config, load_config
 from ...errors import CheckpointError, ConfigError
 from ...numerics.quant import (E8M0_BIAS, FP4_BLOCK, FP8_BLOCK, dequant_fp4_blocks, dequant_fp8_blocks,
                              quantize_fp4_blocks, quantize_fp8_blocks)
-from .quant_formats import FP4, FP8, QuantSettings, official_quant_kind, stored_format
+from ...numerics.quant_formats import FP4, FP8, QuantSettings, stored_format
 
 LAYOUTS = ("hf", "official")
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",

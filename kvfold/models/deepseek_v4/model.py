@@ -13,9 +13,13 @@ from torch import nn
 from .config import CSA, SLIDING, Dsv4Config
 from ...errors import CapacityError, ConfigError
 from .attention import Attention
+from .compressor import Compressor
+from .indexer import Indexer
 from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperConnection, HyperHead
+from ...layers.moe import Experts
 from .moe import MoE
+from .names import official_quant_kind
 from .native_block import block_row, model_row
 from ...layers.rows import RowBatch
 from ...numerics import RopeTable, triton_ops
@@ -90,11 +94,6 @@ class Dsv4Model(CausalLM):
         (blocks of 32), bf16 index scores, FP8 per-token activations into the release's FP8/FP4
         GEMMs, and the MoE, attention core and indexer orders of `numerics/reference.py`
         (docs/checkpoints.md cites the release function each follows)."""
-        from .attention import Attention
-        from .compressor import Compressor
-        from .indexer import Indexer
-        from ...layers.moe import Experts
-        from .quant_formats import official_quant_kind
         if mode not in ("hf", "reference"):
             raise ConfigError(f"numerics must be 'hf' or 'reference', got {mode!r}")
         ref = mode == "reference"
@@ -216,11 +215,11 @@ class Dsv4Model(CausalLM):
         """Tensors the capturable step reads that are no parameter or buffer: the rope tables'."""
         return [self.rope_main.inv_freq, self.rope_compress.inv_freq]
 
-    def graph_unsupported(self) -> str | None:
+    def graph_unsupported(self, batch_invariant: bool | None = None) -> str | None:
         """CausalLM.graph_unsupported; and the reference numerics run in the forward only."""
         if self.numerics != "hf":
             return "graph decode runs numerics='hf'; the reference numerics' roundings run in the forward only"
-        return super().graph_unsupported()
+        return super().graph_unsupported(batch_invariant)
 
     def graph_invariance_unsupported(self) -> str | None:
         """With the Triton kernels on (`use_triton`), the graph step keeps batch invariance: its

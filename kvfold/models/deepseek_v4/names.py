@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ...numerics.quant_formats import FP4, FP8
+
 _RULES = [(re.compile(p), r) for p, r in [
     (r"^embed\.weight$", "embed_tokens.weight"),
     (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
@@ -171,3 +173,24 @@ def hf_key_for_official(official_key: str) -> str:
     inverse = {"embed.weight": "embed_tokens.weight", "hc_head_fn": "hc_head.hc_fn",
                "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
     return "model." + inverse.get(official_key, official_key)
+
+
+# ---- what the official release quantizes -------------------------------------------------------
+
+_FP8_LEAVES = re.compile(
+    r"(^|\.)(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight"
+    r"|self_attn\.compressor\.indexer\.q_b_proj\.weight"
+    r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
+_MTP_FP8 = {"mtp.e_proj.weight", "mtp.h_proj.weight"}
+_FP4_LEAVES = re.compile(r"(^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def official_quant_kind(name: str) -> str | None:
+    """For a kvfold parameter name: FP8 (attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts,
+    MTP e_proj/h_proj), FP4 (routed experts), or None (kept in bf16/fp32: embed, head, norms, compressor
+    projections and ape, indexer weights_proj, router, hc parameters, sinks)."""
+    if name in _MTP_FP8 or _FP8_LEAVES.search(name):
+        return FP8
+    if _FP4_LEAVES.search(name):
+        return FP4
+    return None

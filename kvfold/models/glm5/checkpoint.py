@@ -26,7 +26,7 @@ import torch
 from ...errors import CheckpointError, ConfigError
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
 from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader
-from ..deepseek_v4.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
+from ...numerics.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
 from .mtp import Glm5Mtp
@@ -184,17 +184,6 @@ def _sliced(read, read_scale, whole: tuple, cut: tuple[int, int, int], settings,
             full.copy_(read())
         return full.narrow(cut[0], cut[1], cut[2] - cut[1])
     return one
-
-
-def load_glm5_weights(model: Glm5Model, directory: Path) -> None:
-    """Fill `model` from a checkpoint directory (its FP8 weights decoded into the model's float slots,
-    or copied into the `QuantizedWeight`s that replaced them)."""
-    directory = Path(directory)
-    reader = CheckpointReader(directory)
-    block = fp8_weight_block(read_config_json(directory))
-    check_quantized_tensors(reader, model.config.num_hidden_layers, block)
-    _add_mtp_if_stored(model, reader)
-    _load_weights(model, reader, block)
 
 
 def _add_mtp_if_stored(model: Glm5Model, reader: CheckpointReader) -> None:

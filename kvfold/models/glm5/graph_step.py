@@ -21,12 +21,14 @@ import torch
 
 from ...layers.mhc import HyperConnection
 from ...layers.moe import SwiGluMLP
+from ...numerics.hc import stream_mean
 from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import LATENT
 from .config import KDA, Glm5Config
 from .dsa_select import dsa_select_last
 from .kda import kda_chunked
 from .mla import _selected_rows
+from .state import kda_ring_sizes
 
 
 def arena_specs(cfg: Glm5Config, dtype: torch.dtype, kda_heads: int, dsa_rows: int, max_rewind: int
@@ -35,7 +37,6 @@ def arena_specs(cfg: Glm5Config, dtype: torch.dtype, kda_heads: int, dsa_rows: i
     fills them: per KDA layer the conv and recurrent states at the base and, with max_rewind, the
     rings of the recurrence's inputs and the pre-conv rows (state.py); per full DSA layer the
     indexer rows (`dsa_rows` of them: the capacity in whole k-pools)."""
-    from .model import kda_ring_sizes
     specs = []
     c, dk = kda_heads * cfg.linear_head_dim, cfg.linear_head_dim
     n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
@@ -63,7 +64,6 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
     `context`: a bound on every position + 1 (default the arena's capacity). `extras` [N, 4]: each
     row's sequence's KDA plan (`Glm5State.graph_inputs`: start, base, new base, end); None: one
     row a sequence, at max_rewind 0."""
-    from .model import stream_mean
     cfg = model.config
     rows = ArenaRows(arena, positions, slots, arena.capacity if context is None else context)
     streams = model.model.embed_tokens(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()

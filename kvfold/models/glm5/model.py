@@ -16,36 +16,19 @@ from .config import KDA, Glm5Config
 from ...layers.basic import Linear, _param
 from .kda import KdaAttention
 from ...layers.mhc import HyperConnection
+from ...numerics.hc import stream_mean
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
 from ...numerics.rows import biased_topk, fresh_rows, own_rows, route_rows, row_mm, rows_invariant
 from .indexer_state import KV_FP8, Glm5NextDsaState
-from .state import Glm5State, KdaLayerState, MlaLayerState
+from .state import Glm5State, KdaLayerState, MlaLayerState, kda_ring_sizes
 from ...state.arena import SlotArena
 from ...state.pages import LATENT, PagePool, PoolSpec
 from ..base import Capabilities, CausalLM, Embedding
 from ...parallel import check_divides
 from .sharding import tp_counts
-
-
-def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
-    """(n_in, n_mix): slots of the per-token recurrence inputs and of the pre-conv rows a KDA layer
-    holds for rewinding up to max_rewind tokens (state.py: every position a rewind may return to
-    is a chunk start, so the base sits max_rewind tokens below the last one written)."""
-    if max_rewind == 0:
-        return 0, 0
-    return max_rewind, max_rewind + conv_kernel - 1
-
-
-def stream_mean(streams: torch.Tensor) -> torch.Tensor:
-    """The mean of [T, hc, d] over its hc streams, summed left to right: elementwise IEEE adds, so a
-    row's bits never depend on its batch (a reduction kernel may split the sum by tensor size).
-    Summed in fp32 and rounded once, as torch's mean over bf16 streams (transformers' head) does."""
-    acc = streams[:, 0].float()  # (a no-op on fp32 streams)
-    for k in range(1, streams.shape[1]):
-        acc = acc + streams[:, k]
-    return (acc / streams.shape[1]).to(streams.dtype)
+from .graph_step import arena_specs, decode_step
 
 
 class Glm5Router(nn.Module):
@@ -245,7 +228,6 @@ class Glm5Model(CausalLM):
     def new_decode_arena(self, slots: int, capacity: int, pages: PagePool, max_rewind: int = 0) -> SlotArena:
         """Fixed-address KDA states and indexer rows for `slots` states of up to `capacity` tokens
         whose latent rows live in `pages`: what a captured decode graph reads (graph_step.py)."""
-        from .graph_step import arena_specs
         kp = max(self.config.index_kpool, 1)
         return SlotArena(arena_specs(self.config, self.dtype, self.kda_heads, -(-capacity // kp) * kp, max_rewind),
                          slots, pages, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint)
@@ -256,7 +238,6 @@ class Glm5Model(CausalLM):
         position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]:
         each row's state's `graph_inputs`. No checks and no cursor moves: the caller
         (engine/graphs.py) does both."""
-        from .graph_step import decode_step
         return decode_step(self, arena, tokens, positions, slots, context, extras)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----

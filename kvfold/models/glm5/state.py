@@ -76,6 +76,15 @@ from .indexer_state import Glm5NextDsaState, dsa_blob_bytes
 from .kda import kda_chunk_starts, kda_chunked
 
 
+def kda_ring_sizes(max_rewind: int, conv_kernel: int) -> tuple[int, int]:
+    """(n_in, n_mix): slots of the per-token recurrence inputs and of the pre-conv rows a KDA layer
+    holds for rewinding up to max_rewind tokens (this module's docstring: every position a rewind may return to
+    is a chunk start, so the base sits max_rewind tokens below the last one written)."""
+    if max_rewind == 0:
+        return 0, 0
+    return max_rewind, max_rewind + conv_kernel - 1
+
+
 @dataclass
 class KdaLayerState:
     conv: torch.Tensor  # [K-1, 3C], model dtype: the conv state at the base

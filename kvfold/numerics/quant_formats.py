@@ -1,6 +1,6 @@
 """Quantized checkpoint tensors: which stored tensor is a weight's block scale, what a quantized
-tensor's logical shape is, how it is decoded into a parameter, and which DeepSeek-V4 weights the
-official release stores in FP8 / FP4.
+tensor's logical shape is, and how it is decoded into a parameter. (Which weights a release stores
+quantized is its model family's business: models/deepseek_v4/names.py.)
 
 Stored formats recognised (by the weight's dtype, once a scale companion exists):
 * FP8: `float8_e4m3fn` weight [.., R, C] + scale [.., ceil(R/br), ceil(C/bc)] (block br x bc, default
@@ -11,15 +11,12 @@ Scale companions: `X.scale` (official), `X.weight_scale_inv` (transformers) for 
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ...numerics.quant import FP4_BLOCK, FP8_BLOCK, dequant_fp4_into, dequant_fp8_into
+from .quant import FP4_BLOCK, FP8_BLOCK, dequant_fp4_into, dequant_fp8_into
 
 FP8, FP4 = "fp8", "fp4"
 BF16 = "bf16"  # a float tensor held as the release stores it (`QuantizedWeight`), not quantized
@@ -47,18 +44,6 @@ class QuantSettings:
             raise ValueError(f"scale_fmt {scale_fmt!r} is not supported (ue8m0, or float scales)")
         expert = q.get("expert_dtype", d.get("expert_dtype"))
         return cls((int(block[0]), int(block[1])), FP4_BLOCK, expert)
-
-
-def read_config_dict(directory: str | Path) -> dict:
-    """The raw config.json of a checkpoint directory (or its `inference/config.json`); {} if none."""
-    d = Path(directory)
-    for f in (d / "config.json", d / "inference" / "config.json"):
-        if f.exists():
-            try:
-                return json.loads(f.read_text())
-            except json.JSONDecodeError:
-                return {}
-    return {}
 
 
 def scale_key_of(key: str, keys) -> str | None:
@@ -124,24 +109,3 @@ def dequant_into(dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     else:
         # a float weight with a scale (e.g. an upcast copy): multiply per block like FP8
         dequant_fp8_into(dest, weight, scale, settings.fp8_block)
-
-
-# ---- what the official release quantizes -------------------------------------------------------
-
-_FP8_LEAVES = re.compile(
-    r"(^|\.)(self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight"
-    r"|self_attn\.compressor\.indexer\.q_b_proj\.weight"
-    r"|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
-_MTP_FP8 = {"mtp.e_proj.weight", "mtp.h_proj.weight"}
-_FP4_LEAVES = re.compile(r"(^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
-
-
-def official_quant_kind(name: str) -> str | None:
-    """For a kvfold parameter name: FP8 (attention wq_a/wq_b/wkv/wo_a/wo_b, indexer wq_b, shared experts,
-    MTP e_proj/h_proj), FP4 (routed experts), or None (kept in bf16/fp32: embed, head, norms, compressor
-    projections and ape, indexer weights_proj, router, hc parameters, sinks)."""
-    if name in _MTP_FP8 or _FP8_LEAVES.search(name):
-        return FP8
-    if _FP4_LEAVES.search(name):
-        return FP4
-    return None
