@@ -61,9 +61,9 @@ def test_one_forward_batch_per_step_and_aligned_chunks(tiny, monkeypatch):
     calls = []
     real = tiny.forward_batch
 
-    def spy(batch, last_only=True):
+    def spy(batch, last_only=True, **mode):
         calls.append([(st.pos, len(ids)) for ids, st in batch])
-        return real(batch, last_only=last_only)
+        return real(batch, last_only=last_only, **mode)
 
     monkeypatch.setattr(tiny, "forward_batch", spy)
     engine = Engine(tiny, max_seq_len=1024, max_batch_tokens=200, prefix_cache_bytes=0)
@@ -240,7 +240,7 @@ def test_prefix_cache_lru_and_chained_keys():
 def test_a_failed_forward_ends_its_batch_and_frees_states(tiny, monkeypatch):
     engine = Engine(tiny, max_seq_len=64)
     rids = [engine.add_request(text_ids(tiny, t), SamplingParams(max_tokens=4)) for t in ("a", "b")]
-    monkeypatch.setattr(tiny, "forward_batch", lambda batch, last_only=True: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(tiny, "forward_batch", lambda batch, last_only=True, **mode: (_ for _ in ()).throw(RuntimeError("boom")))
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [(r, "error") for r in rids]
     assert "boom" in outs[0].error and not engine.has_unfinished()
@@ -280,10 +280,10 @@ def record_logits(monkeypatch, model, engine):
     seen: dict[str, list] = {}
     real = model.forward_batch
 
-    def spy(batch, last_only=True):
+    def spy(batch, last_only=True, **mode):
         owners = {id(s.state): s.request_id for s in engine.scheduler.running if s.state is not None}
         before = [(owners[id(st)], st.pos + len(ids)) for ids, st in batch]
-        out = real(batch, last_only=last_only)
+        out = real(batch, last_only=last_only, **mode)
         for (rid, pos), lg in zip(before, out):
             seen.setdefault(rid, []).append((pos, lg.clone()))
         return out
@@ -299,7 +299,7 @@ def test_a_requests_logits_do_not_depend_on_the_servers_load(tiny, monkeypatch):
     target = long_ids(tiny, 300, "T")
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     solo = Engine(tiny, max_seq_len=1024, prefix_cache_bytes=0)
-    assert tiny.batch_invariant  # the engine's default on an fp32 CPU model
+    assert solo.batch_invariant  # the engine's default on an fp32 CPU model
     alone = record_logits(monkeypatch, tiny, solo)
     (want,) = solo.generate([target], sp)
     monkeypatch.undo()

@@ -30,9 +30,9 @@ def record_logits(monkeypatch, model):
     seen = []
     real = model.forward_batch
 
-    def spy(batch, last_only=True):
+    def spy(batch, last_only=True, **mode):
         starts = [st.pos for _, st in batch]
-        out = real(batch, last_only=last_only)
+        out = real(batch, last_only=last_only, **mode)
         seen.extend(zip(starts, (lg.clone() for lg in out)))
         return out
 

@@ -349,8 +349,9 @@ def test_an_engine_requests_tokens_and_logprobs_do_not_depend_on_the_load_on_the
     from kvfold import Engine
     model, target, others = engine_case((21, 2), max_tokens=3)
     with cuda_path():
-        alone = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), target)
-        assert model.batch_invariant
+        solo = Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0)
+        assert solo.batch_invariant
+        alone = run_engine(solo, target)
         loaded = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), target,
                             now=others)
     assert len(alone[0]) == 4 and len(alone[1]) == 4
@@ -403,7 +404,8 @@ def test_graph_decode_keeps_batch_invariance_only_where_its_kernels_are_per_row(
         assert not model.batch_invariant  # refused: the mode as it was
         with triton_ops.use_triton():
             engine = Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
-            assert engine.graphs is not None and model.batch_invariant
+            assert engine.graphs is not None and engine.graphs.batch_invariant
+            assert not model.batch_invariant  # the engine's mode is its own
         glm = glm_model(torch.float32)
         with triton_ops.use_triton():
             glm.set_batch_invariant(True)

@@ -296,34 +296,36 @@ def test_a_replaced_weight_recaptures_and_the_step_reads_the_new_one(model):
 
 
 def test_graph_decode_refuses_what_it_cannot_run():
-    """ConfigError, naming the fix, for private pools, for the batch-invariant mode (also when it
-    is switched on after a capture) and for a quantized expert stack; the buckets."""
+    """ConfigError, naming the fix, for private pools, for the batch-invariant mode and for a
+    quantized expert stack (also when one is loaded after a capture); the buckets."""
     v4 = kvfold.load_model("tiny-random")
     with pytest.raises(ConfigError, match="kv_page_bytes"):
         Engine(v4, max_seq_len=256, kv_page_bytes=0, decode_graphs=True, batch_invariant=False)
     with pytest.raises(ConfigError, match="batch invariance"):
         Engine(v4, max_seq_len=256, decode_graphs=True, batch_invariant=True)
     engine = Engine(v4, max_seq_len=256, decode_graphs=True)  # None: graph decode without the invariant mode
-    assert not v4.batch_invariant and engine.graphs is not None
-    # switching the mode after a capture is refused at the next step, before anything is written
+    assert engine.graphs is not None and not engine.graphs.batch_invariant
+    assert v4.batch_invariant  # the engine's mode is its own: the model's stays as it was
+    assert buckets_for(16) == [1, 2, 4, 8, 16] and buckets_for(12) == [1, 2, 4, 8, 12]
+    assert [engine.graphs.context_bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 256, 256]  # capacity 256
+    # an expert stack kept quantized (weights="quantized"): the step gathers plain stacks only;
+    # one loaded after a capture is refused at the next step, before anything is written
+    from kvfold.layers.basic import hold_quantized
     st = v4.new_state(capacity=256, pages=engine.pages, arena=engine.arena)
     engine.graphs.step([(3, st)])
-    v4.set_batch_invariant(True)
+    assert hold_quantized(v4, "model.layers.1.mlp.experts.down_proj", "fp4", (1, 32), ["float8_e8m0fnu"])
     before = [t.clone() for t in engine.arena.tensors()]
-    with pytest.raises(ConfigError, match="batch invariance"):
+    with pytest.raises(ConfigError, match="weights='dequant'"):
         engine.graphs.step([(4, st)])
     assert st.pos == 1 and all(torch.equal(a, b) for a, b in zip(before, engine.arena.tensors()))
-    assert buckets_for(16) == [1, 2, 4, 8, 16] and buckets_for(12) == [1, 2, 4, 8, 12]
-    # an expert stack kept quantized (weights="quantized"): the step gathers plain stacks only
-    from kvfold.layers.basic import hold_quantized
     quantized = kvfold.load_model("tiny-random")
     assert hold_quantized(quantized, "model.layers.1.mlp.experts.down_proj", "fp4", (1, 32), ["float8_e8m0fnu"])
     with pytest.raises(ConfigError, match="weights='dequant'"):
         Engine(quantized, max_seq_len=256, decode_graphs=True)
     assert quantized.batch_invariant  # refused: the model's mode as it was
-    assert [engine.graphs.context_bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 256, 256]  # capacity 256
-    v4.set_batch_invariant(False)
-    wide = DecodeGraphs(v4, v4.new_decode_arena(1, 3000, v4.new_page_pool(30)), 1)
+    plain = kvfold.load_model("tiny-random")
+    plain.set_batch_invariant(False)
+    wide = DecodeGraphs(plain, plain.new_decode_arena(1, 3000, plain.new_page_pool(30)), 1)
     assert [wide.context_bucket(n) for n in (1, 256, 257, 1025, 2999)] == [256, 256, 512, 2048, 3000]
 
 
@@ -456,7 +458,8 @@ def test_graph_decode_feeds_the_mtp_drafter_the_streams_the_forward_would():
         max_running=2, speculative="mtp", num_draft=2)
     assert got == want
     assert m["graph_steps"] > 0 and m["graph_draft_rows"] > 0 and 0 < m["spec_accepted_tokens"]
-    # the streams themselves, against the forward's
+    # the streams themselves, against the forward's, both outside batch-invariant mode (graph decode's)
+    model.set_batch_invariant(False)
     pool = model.new_page_pool(8)
     arena = model.new_decode_arena(1, 256, pool, max_rewind=2)
     a = model.new_state(capacity=256, max_rewind=2, pages=pool, arena=arena)

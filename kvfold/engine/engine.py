@@ -58,11 +58,12 @@ class Engine:
         only it still holds (0 disables it). `kv_page_bytes`: size of the shared page pool of
         compressed KV (models with the `pages` capability); None: room for max_running sequences of
         max_seq_len tokens (at most max_state_bytes, at least one such sequence); 0: private
-        per-sequence pools, no page sharing. `batch_invariant`: switch the model (for every user
-        of this model object) to batch-invariant numerics, so a request's tokens never depend on
-        what else is running; None (default) does so where the model supports it (fp32 on the
-        CPU with the native kernels), True insists (ConfigError where it cannot hold), False
-        switches it off: torch's kernels, whose last bits may change with the batch.
+        per-sequence pools, no page sharing. `batch_invariant`: this engine's mode, passed to every
+        model call it makes (the model object's own mode, `set_batch_invariant`, is left as it
+        is, so engines and other holders of one model never change each other's numerics): on,
+        a request's tokens never depend on what else is running; None (default) where the model
+        supports it (fp32 on the CPU with the native kernels), True insists (ConfigError where
+        it cannot hold), False: torch's kernels, whose last bits may change with the batch.
         `speculative`: None, "ngram" or "mtp" (the checkpoint's MTP layer; MtpUnavailableError
         without one): every decoding sequence drafts up to `num_draft` tokens a step, verified in
         the step's forward (speculation.py); greedy output is unchanged, sampling keeps each
@@ -73,8 +74,7 @@ class Engine:
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
         or GLM-5.3, numerics "hf", plain expert stacks), outside batch-invariant mode
         (batch_invariant=None leaves it off then) except for DeepSeek-V4 with the Triton kernels
-        on (`graph_invariance_unsupported`): ConfigError otherwise, with the model's mode as it
-        was. Its rows agree with the forward's to rounding, not bit for bit."""
+        on (`graph_invariance_unsupported`): ConfigError otherwise. Its rows agree with the forward's to rounding, not bit for bit."""
         batch_invariant = check_limits(
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
@@ -85,8 +85,8 @@ class Engine:
         self.heartbeat_s = HEARTBEAT_S if self._replicas is not None else None
         self.max_rewind = self.spec.max_rewind if self.spec is not None else 0
         self.model = model
-        invariant_before = model.batch_invariant
-        model.set_batch_invariant(batch_invariant)
+        model.invariance_refusal(batch_invariant)
+        self.batch_invariant = batch_invariant  # this engine's own: the model's mode stays as it is
         self.tokenizer = model.tokenizer
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -101,11 +101,8 @@ class Engine:
                                extra=1 if decode_graphs else 0)  # the arena's scratch page
         self.graphs = None
         if decode_graphs:
-            try:
-                self.graphs = DecodeGraphs.for_engine(model, self.pages, max_running, max_seq_len, self.max_rewind)
-            except Exception:  # refused: the model as it was
-                model.set_batch_invariant(invariant_before)
-                raise
+            self.graphs = DecodeGraphs.for_engine(model, self.pages, max_running, max_seq_len, self.max_rewind,
+                                                  batch_invariant)
         root = f"{model.fingerprint}/{model.dtype}".encode()
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root, self.pages) \
             if prefix_cache_bytes else None
@@ -316,7 +313,8 @@ class Engine:
         last_only = [not (w or seq.drafts) for w, (seq, _) in zip(wants_prompt, batch)]
         if self.graphs is not None:
             return self.graphs.step_beside_forward(pairs, [seq.output for seq, _ in batch], last_only, hidden)
-        return self.model.forward_batch(pairs, last_only=last_only, **({"return_hidden": True} if hidden else {}))
+        return self.model.forward_batch(pairs, last_only=last_only, batch_invariant=self.batch_invariant,
+                                        **({"return_hidden": True} if hidden else {}))
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

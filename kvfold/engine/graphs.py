@@ -85,9 +85,11 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    def __init__(self, model, arena, max_batch: int):
-        """`max_batch`: the most rows a step runs (the largest bucket)."""
-        why = model.graph_unsupported()
+    def __init__(self, model, arena, max_batch: int, batch_invariant: bool | None = None):
+        """`max_batch`: the most rows a step runs (the largest bucket). `batch_invariant`: the
+        steps' mode (an engine's own); None: the model's as it is now."""
+        self.batch_invariant = model.batch_invariant if batch_invariant is None else bool(batch_invariant)
+        why = model.graph_unsupported(self.batch_invariant)
         if why is not None:
             raise ConfigError(why)
         self.model, self.arena, self.step_fn = model, arena, model.decode_graph_step
@@ -101,17 +103,19 @@ class DecodeGraphs:
         self.capture_errors: list[str] = []
 
     @classmethod
-    def for_engine(cls, model, pages, max_running: int, max_seq_len: int, max_rewind: int) -> "DecodeGraphs":
+    def for_engine(cls, model, pages, max_running: int, max_seq_len: int, max_rewind: int,
+                   batch_invariant: bool) -> "DecodeGraphs":
         """An engine's graphs: an arena of max_running slots of max_seq_len in its page pool, buckets
-        up to every running sequence's verify rows. ConfigError where graph decode cannot run."""
+        up to every running sequence's verify rows, in the engine's batch-invariant mode.
+        ConfigError where graph decode cannot run."""
         if pages is None:
             raise ConfigError("decode_graphs reads the compressed pools through the shared page pool; "
                               "leave kv_page_bytes at None or > 0 (a model with the `pages` capability)")
-        why = model.graph_unsupported()
+        why = model.graph_unsupported(batch_invariant)
         if why is not None:
             raise ConfigError(why)
         arena = model.new_decode_arena(max_running, max_seq_len, pages, max_rewind)
-        return cls(model, arena, max_running * (max_rewind + 1))
+        return cls(model, arena, max_running * (max_rewind + 1), batch_invariant)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -137,7 +141,7 @@ class DecodeGraphs:
                            for name in table]
         ptrs = [t.data_ptr() for t in self.arena.tensors() + getattr(m, "graph_tensors", list)()]
         ptrs += [None if table[name] is None else table[name].data_ptr() for table, name in self._slots]
-        return m.numerics, getattr(m, "batch_invariant", False), triton_ops.switched_on(), tuple(ptrs)
+        return m.numerics, self.batch_invariant, triton_ops.switched_on(), tuple(ptrs)
 
     def check(self, pairs: list) -> None:
         """Every refusal of a step, before anything is written: each state must be live, in this
@@ -204,14 +208,14 @@ class DecodeGraphs:
                     part[i] = r
         if prefill:
             got = self.model.forward_batch([pairs[i] for i in prefill], last_only=[last_only[i] for i in prefill],
-                                           return_hidden=hidden)
+                                           return_hidden=hidden, batch_invariant=self.batch_invariant)
             for part, per_pair in zip(out, got if hidden else (got,)):
                 for i, r in zip(prefill, per_pair):
                     part[i] = r
         return tuple(out) if hidden else out[0]
 
     def _run(self, b: _Bucket) -> torch.Tensor:
-        with torch.inference_mode(), invariant_rows(getattr(self.model, "batch_invariant", False)):
+        with torch.inference_mode(), invariant_rows(self.batch_invariant):
             tokens, positions, slots, extras = b.step_inputs()
             return self.step_fn(self.arena, tokens, positions, slots, b.context, extras)
 
@@ -221,7 +225,7 @@ class DecodeGraphs:
         b = self._buckets.get((size, context))
         if b is not None and b.signature == sig:
             return b
-        why = self.model.graph_unsupported()  # what changed may be the model's mode
+        why = self.model.graph_unsupported(self.batch_invariant)  # what changed may be the numerics
         if why is not None:
             raise ConfigError(why)
         if b is not None:
