@@ -280,7 +280,7 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
             states[k].append(st)
     graphs = DecodeGraphs(model, arenas[0], 5)
     same_logits = same_arena = True
-    worst, scale = 0.0, 0.0
+    worst, scale, kda_max = 0.0, 0.0, 0.0
     for i in range(24):
         if i == 8:  # a rewind of two tokens, in all three
             for k in range(3):
@@ -307,10 +307,12 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
         n = len(toks)
         same_logits &= torch.equal(got, eager[:n]) and torch.equal(got_streams, eager_streams[:n])
         worst, scale = max(worst, max_diff(got, want)), max(scale, want.abs().max().item())
+        kda_max = max([kda_max] + [ls.rec.abs().max().item() for st in states[2] for ls in getattr(st, "layers", ())
+                                   if hasattr(ls, "rec") and ls.rec.numel()])
     for a, b in zip(arenas[0].rings.values(), arenas[1].rings.values()):
         same_arena &= torch.equal(a, b)
     return {"replay_equals_eager": same_logits, "arenas_equal": same_arena, "vs_forward_max_diff": worst,
-            "logit_scale": scale, "captured": graphs.capture, **graphs.stats()}
+            "logit_scale": scale, "kda_state_absmax": kda_max, "captured": graphs.capture, **graphs.stats()}
 
 
 @torch.no_grad()

@@ -6,10 +6,12 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from kvfold.bench import configs as C
 from kvfold.bench import report
 from kvfold.bench import runner as R
+from helpers import fp32_paths_bound
 
 
 
@@ -66,7 +68,10 @@ def test_end_to_end_sanity_and_report(e2e):
     san = res["sanity"]
     assert san["status"] == "ok" and san["passed"]
     assert (san["missing"], san["unexpected"], san["mismatched"]) == (0, 0, 0)
-    assert san["max_abs_diff_prefill"] < 1e-3 and san["max_abs_diff_decode"] < 1e-3
+    # kvfold and transformers in fp32: two evaluations of the same logits (the sanity prompt keeps the
+    # indexer's top-k margins far above fp32 noise, configs.SANITY_TOKENS)
+    bound = fp32_paths_bound(torch.tensor(san["logits_scale"]), C.build_config("tiny-bench").num_hidden_layers)
+    assert san["max_abs_diff_prefill"] < bound and san["max_abs_diff_decode"] < bound
     rep = res["report"]
     assert "kvfold prefill tok/s" in rep and "hf decode tok/s" in rep and "decode flatness kvfold" in rep
     assert res["machine"]["cpu_count"] >= 1 and res["machine"]["torch"]

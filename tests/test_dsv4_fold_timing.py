@@ -4,7 +4,7 @@ import torch
 
 from kvfold.models.deepseek_v4.config import CSA
 from kvfold.numerics import apply_rope, pool_windows
-from helpers import random_ids
+from helpers import fp32_paths_bound, random_ids
 
 
 def test_entries_appear_in_the_step_that_completes_their_window(tiny):
@@ -55,5 +55,7 @@ def test_logits_at_position_t_do_not_depend_on_later_tokens(tiny):
     b[40:] = random_ids(30, tiny.config.vocab_size, seed=2)
     la = tiny.forward(a, tiny.new_state(capacity=70))
     lb = tiny.forward(b, tiny.new_state(capacity=70))
-    assert (la[:40] - lb[:40]).abs().max().item() < 1e-5  # same math, other matmul shapes
+    # same math, other matmul shapes: two fp32 paths to the same logits; a later token leaking into
+    # an earlier position moves it by orders of magnitude more
+    assert (la[:40] - lb[:40]).abs().max().item() < fp32_paths_bound(la[:40], tiny.config.num_hidden_layers)
     assert not torch.allclose(la[40:], lb[40:])

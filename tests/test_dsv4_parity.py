@@ -1,11 +1,17 @@
 """Parity with the transformers oracle (DeepseekV4ForCausalLM, fp32, eager) on tiny random
 checkpoints that have every layer type, both MoE kinds, YaRN and index_topk < entries, read
-through kvfold's own loader from the files transformers writes."""
+through kvfold's own loader from the files transformers writes.
+
+kvfold and transformers are two fp32 evaluations of the same logits, so they agree within
+helpers.fp32_paths_bound (16 L eps max|logit|: 2.7e-5 to 4.8e-5 here, L = 5). The oracle seeds
+have no near-tied top-k pick (hf_oracle.ORACLE_SEEDS), so no discrete choice can flip between the
+two. A wrong row, mask or rope position moves the logits by orders of magnitude more."""
 import pytest
 import torch
 
 import hf_oracle as O
 import kvfold
+from helpers import fp32_paths_bound
 
 LENGTHS = (1, 3, 4, 5, 127, 128, 129, 255, 256, 257)
 
@@ -34,7 +40,7 @@ def test_full_sequence_logits_match_transformers(pair, oracle, length):
     seed, _, model = pair
     ids = O.random_input_ids(length, seed)
     out = model.forward(ids, model.new_state(capacity=length))
-    assert (out - oracle[length]).abs().max().item() < 1e-4
+    assert (out - oracle[length]).abs().max().item() < fp32_paths_bound(oracle[length], model.config.num_hidden_layers)
 
 
 def test_chunked_and_token_by_token_match_transformers(pair, oracle):
@@ -44,7 +50,7 @@ def test_chunked_and_token_by_token_match_transformers(pair, oracle):
     st = model.new_state(capacity=257)
     chunks = [model.forward(ids[a:b], st) for a, b in [(0, 3), (3, 5), (5, 128), (128, 129), (129, 200)]]
     chunks += [model.forward(ids[p:p + 1], st) for p in range(200, 257)]
-    assert (torch.cat(chunks) - ref).abs().max().item() < 1e-4
+    assert (torch.cat(chunks) - ref).abs().max().item() < fp32_paths_bound(ref, model.config.num_hidden_layers)
 
 
 def test_all_checkpoint_key_layouts_load_to_the_same_model(pair, tmp_path):

@@ -6,7 +6,7 @@ import kvfold
 from kvfold.errors import InvalidInputError
 from kvfold.models.deepseek_v4.model import Dsv4Model
 from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
-from helpers import random_ids
+from helpers import fp32_paths_bound, random_ids
 
 
 def snapshot_buffers(state):
@@ -116,7 +116,8 @@ def test_last_only_returns_the_last_row_of_the_full_logits(tiny, monkeypatch):
     monkeypatch.setattr(type(tiny), "max_chunk", 16)  # across internal chunks too
     last = tiny.forward(ids, tiny.new_state(capacity=50), last_only=True)
     assert last.shape == (1, tiny.config.vocab_size)
-    assert (last[0] - full[-1]).abs().max().item() < 1e-5
+    # other chunk shapes, the same logits: two fp32 paths (another row is off by O(max|logit|))
+    assert (last[0] - full[-1]).abs().max().item() < fp32_paths_bound(full[-1], tiny.config.num_hidden_layers)
 
 
 def test_returned_logits_are_ordinary_tensors_callers_may_edit(tiny):

@@ -5,8 +5,9 @@ import torch
 
 import kvfold
 from kvfold import errors
+from kvfold.state import kv_rows
 from kvfold.state.kv_rows import KvRows, fp8_roundtrip
-from helpers import random_ids
+from helpers import fp32_paths_bound, random_ids
 
 
 def run(model, ids, splits, **kw):
@@ -45,7 +46,7 @@ def test_fp8_chunked_and_token_by_token_match_full_prefill(tiny):
     # A row differs by ~1e-7 between chunkings before it is stored; where that straddles an FP8
     # rounding midpoint one element moves by a grid step, and later positions see it. So: the
     # chunkings agree to fp32 noise until such a flip, and stay far closer than FP8 itself moves
-    # the logits away from plain KV.
+    # the logits away from plain KV. (fp32 noise: helpers.fp32_paths_bound, two fp32 paths.)
     ids = random_ids(140, tiny.config.vocab_size, seed=31)
     full, _ = run(tiny, ids, [], kv_dtype="fp8")
     plain, _ = run(tiny, ids, [])
@@ -53,17 +54,40 @@ def test_fp8_chunked_and_token_by_token_match_full_prefill(tiny):
     for splits in (range(1, 140), [3, 33, 64, 65, 100]):
         other, _ = run(tiny, ids, splits, kv_dtype="fp8")
         per_pos = (other - full).abs().amax(dim=-1)
-        assert per_pos[:40].max().item() < 1e-5
+        assert per_pos[:40].max().item() < fp32_paths_bound(full[:40], tiny.config.num_hidden_layers)
         assert per_pos.max().item() < 0.05 * fp8_drift
 
 
-def test_fp8_drift_against_plain_kv_is_small(tiny):
+def test_fp8_drift_against_plain_kv_is_small(tiny, monkeypatch):
+    """FP8 storage moves the logits (relative RMS, argmax agreement with plain KV) less than
+    losing what the stored values hold: the yardstick is the same model and prompt with every
+    FP8-stored value written as zero (the rope dims kept). The quantity is statistical, not a
+    rounding bound: the tiny random model's indexer top-k and MoE routing make near-tied discrete
+    choices, which any perturbation of the rows flips, each flip moving its position's logits by
+    O(their scale). What bounds it is the size of the perturbation at each stored value: e4m3
+    rounds to nearest with 3 mantissa bits, so it moves a value by at most 2^-4 of it in the
+    normal range (RMS at most 2^-4 / sqrt(3) relative: the error is uniform over half a step),
+    and never by more than the value itself
+    (0 is on the grid, so the nearest point is no farther; saturation at 448 only moves a value
+    toward 0), while the zero rows move every value by all of it: FP8's perturbation of the same
+    sites is smaller element by element, 16 times or more over the normal range, and cannot be
+    expected to move the logits as far. And FP8 must move them (it really rounds). A model that
+    reads other rows' values or misreads the bytes moves each value by about as much as the zero
+    rows or more, and fails; the encoding itself (e4m3 at unit scale, rope dims exact) is pinned bit
+    for bit by test_rows_store_fp8_nope_and_exact_rope."""
     ids = random_ids(140, tiny.config.vocab_size, seed=32)
     plain, _ = run(tiny, ids, [])
     fp8, _ = run(tiny, ids, [], kv_dtype="fp8")
-    rel_rms = ((fp8 - plain).pow(2).mean() / plain.pow(2).mean()).sqrt().item()
-    agree = (fp8.argmax(-1) == plain.argmax(-1)).float().mean().item()
-    assert 0 < rel_rms < 0.15 and agree > 0.9  # measured on this model: 7% and 96%
+    encode = kv_rows.e4m3_saturate  # what KvRows and fp8_roundtrip store
+    monkeypatch.setattr(kv_rows, "e4m3_saturate", lambda x: encode(torch.zeros_like(x)))
+    lost, _ = run(tiny, ids, [], kv_dtype="fp8")
+
+    def rel_rms(x):
+        return ((x - plain).pow(2).mean() / plain.pow(2).mean()).sqrt().item()
+
+    def agree(x):
+        return (x.argmax(-1) == plain.argmax(-1)).float().mean().item()
+    assert 0 < rel_rms(fp8) < rel_rms(lost) and agree(fp8) > agree(lost)
 
 
 @pytest.mark.parametrize("pos", [5, 33, 64, 97])

@@ -18,7 +18,7 @@ from kvfold.models.deepseek_v4.checkpoint import save_checkpoint
 from kvfold.models.deepseek_v4.model import Dsv4Model
 from kvfold.models.deepseek_v4.mtp import MtpModule
 from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
-from helpers import random_ids
+from helpers import fp32_paths_bound, random_ids
 
 TIMEOUT_S = 240  # a whole spawned group, startup included; the group's own collective timeout is 60 s
 HANG_TIMEOUT_S = 5  # the collective timeout of the hang test
@@ -136,10 +136,11 @@ def test_sharded_logits_tokens_state_and_snapshots_match_one_process(ckpt, refer
         assert shard["heads"] == cfg.num_attention_heads // size and shard["q_b"] == shard["heads"] * cfg.head_dim
         assert shard["experts"] == cfg.n_routed_experts // size and shard["first"] == r * shard["experts"]
         assert shard["shared"] == (r == 0) and shard["params"] < full
-    for r in range(size):
+    layers = cfg.num_hidden_layers
+    for r in range(size):  # the heads' and experts' partial sums add in another order: two fp32 paths
         got = load_file(str(tmp_path / f"logits{r}.safetensors"))
         for k, w in want.items():
-            assert (got[k] - w).abs().max().item() < 1e-5, (r, k)
+            assert (got[k] - w).abs().max().item() < fp32_paths_bound(w, layers), (r, k)
         assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, [tokens, tokens]]
     # the replicated state (all of V4's: K = V, compressors, indexers) holds the same bits on every rank
     states = [(tmp_path / f"state{r}.bin").read_bytes() for r in range(size)]
@@ -150,10 +151,11 @@ def test_sharded_logits_tokens_state_and_snapshots_match_one_process(ckpt, refer
     mine = model.new_state(capacity=80, max_rewind=4)
     mine.restore(blob)
     cont_here = model.forward(ids[PROMPT + 5:PROMPT + 8], here)
-    assert (cont_here - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < 1e-5
+    bound = fp32_paths_bound(cont_here, layers)  # states written under TP and TP = 1: two fp32 paths
+    assert (cont_here - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < bound
     for r in range(size):  # TP = 1's restores at TP = size
         got = load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"]
-        assert (got - cont_here).abs().max().item() < 1e-5
+        assert (got - cont_here).abs().max().item() < bound
 
 
 def test_a_dead_rank_ends_the_group_with_a_clear_error(ckpt, tmp_path):
@@ -295,7 +297,8 @@ def glm_ckpt(tmp_path_factory):
 @pytest.mark.parametrize("size", [2, 4])
 def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(glm_ckpt, tmp_path, size):
     """GLM-5.3 at TP = 2 and 4: KDA and MLA heads and routed experts split, the KDA state with its
-    heads; logits within 1e-5 of one process, the same greedy tokens with and without drafting, and
+    heads; logits within fp32 rounding of one process (helpers.fp32_paths_bound: the heads' and
+    experts' partial sums add in another order), the same greedy tokens with and without drafting, and
     a snapshot gathered into the whole layer's layout: equal on every rank, restorable at TP = 1,
     and a TP = 1 snapshot restores under TP."""
     d, model = glm_ckpt, kvfold.load_model(glm_ckpt)
@@ -304,12 +307,12 @@ def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(glm_ckpt, 
     assert spec == [tokens, tokens]
     (tmp_path / "tp1.bin").write_bytes(st.snapshot())
     assert run_group(size, d, tmp_path, mode="glm") == [0] * size
+    cfg = model.config
     for r in range(size):
         got = load_file(str(tmp_path / f"logits{r}.safetensors"))
         for k, w in want.items():
-            assert (got[k] - w).abs().max().item() < 1e-5, (r, k)
+            assert (got[k] - w).abs().max().item() < fp32_paths_bound(w, cfg.num_hidden_layers), (r, k)
         assert json.loads((tmp_path / f"tokens{r}.json").read_text()) == [tokens, [tokens, tokens]]
-    cfg = model.config
     for r in range(size):  # each rank holds its share of the heads (and their KDA state) and experts
         shard = json.loads((tmp_path / f"shard{r}.json").read_text())
         assert shard["kda"] == cfg.linear_num_heads // size and shard["rec"][0] == shard["kda"]
@@ -320,9 +323,10 @@ def test_glm5_sharded_by_heads_with_its_kda_state_matches_one_process(glm_ckpt, 
     here.restore(states[0])
     mine.restore((tmp_path / "tp1.bin").read_bytes())
     cont = model.forward(ids[PROMPT + 5:PROMPT + 8], here)
-    assert (cont - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < 1e-5
+    bound = fp32_paths_bound(cont, cfg.num_hidden_layers)  # states written under TP and TP = 1
+    assert (cont - model.forward(ids[PROMPT + 5:PROMPT + 8], mine)).abs().max().item() < bound
     for r in range(size):
-        assert (load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"] - cont).abs().max().item() < 1e-5
+        assert (load_file(str(tmp_path / f"cont{r}.safetensors"))["cont"] - cont).abs().max().item() < bound
 
 
 def _engine_worker(rank: int, size: int, ckpt: str, out: str) -> None:
