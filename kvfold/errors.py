@@ -76,6 +76,11 @@ class SnapshotChecksumError(SnapshotError):
     """The checksum over header and body does not match: the blob is corrupted."""
 
 
+class CacheFileError(SnapshotError):
+    """A prefix-cache file on disk was refused (truncated, another format, its token ids not
+    those its name promises); it is deleted and the request runs without it."""
+
+
 class SnapshotCapacityError(SnapshotError, CapacityError):
     """The blob's `pos` (a DSA indexer blob's len) does not fit in the target state's capacity;
     refused, never clamped."""
@@ -140,3 +145,15 @@ class SharedPageWriteError(PagePoolError):
 class SnapshotPagesError(SnapshotError):
     """A snapshot that omits its pool rows (prefix-cache snapshot) does not match the pages the
     target state holds by reference, or a restore would rewrite a shared page."""
+
+
+class NativeAbiError(KvfoldError):
+    """The compiled native kernels (numerics/native.c) and their ctypes mirrors
+    (numerics/native_abi.py) disagree: a struct's size, a field's offset or size, a field or a
+    function one side lacks. The library is refused, since a kernel would read the wrong bytes;
+    change the C struct and its mirror together. `struct` and `field` name the first difference
+    (field None: the struct as a whole, or `struct` a function's name)."""
+
+    def __init__(self, message: str = "", struct: str = "", field: str | None = None):
+        super().__init__(message)
+        self.struct, self.field = struct, field

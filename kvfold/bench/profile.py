@@ -5,9 +5,10 @@ Builds the named bench config with its cached random checkpoint (as `kvfold benc
 
 1. plain, timed with `perf_counter` (the wall time per token a user sees);
 2. with exclusive-time probes on the model's pieces (the categories below). While probes are on,
-   a decode row runs op by op instead of as one native call (native_block.py yields to hooks
-   and listeners), so the categories split the per-op path, whose wall time is the instrumented
-   one; the plain run is the fused call. A piece's time
+   a decode row runs op by op instead of as one native call (`probes` turns the model's fused
+   decode off, `set_fused_decode(False)`, so that every probed module's forward runs), so the
+   categories split the per-op path, whose wall time is the instrumented one; the plain run is
+   the fused call. A piece's time
    excludes the probed pieces it calls, so the categories never overlap; "other" is the probed
    run's wall time minus their sum (Python glue in `forward` outside the blocks, argmax, probe
    overhead);
@@ -135,9 +136,12 @@ def _hook(module, category: str, timer: _Timer) -> list:
 
 @contextlib.contextmanager
 def probes(model, timer: _Timer) -> Iterator[_Timer]:
-    """Attach the probes of the module doc to `model` for the duration of the block."""
+    """Attach the probes of the module doc to `model` for the duration of the block, its fused
+    decode off (a fused call would skip the probed modules' forwards, and their hooks)."""
     handles: list = []
+    fused = model.fused_decode
     try:
+        model.set_fused_decode(False)
         for module, category in _module_units(model):
             handles += _hook(module, category, timer)
         with profiling.listening(timer):
@@ -145,6 +149,7 @@ def probes(model, timer: _Timer) -> Iterator[_Timer]:
     finally:
         for h in handles:
             h.remove()
+        model.set_fused_decode(fused)
 
 
 def _decode(model, state, tok: int, steps: int) -> tuple[int, float]:

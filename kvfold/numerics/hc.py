@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import native
+from .native_abi import HcParams
 from .rows import fixed_kernels, row_mm, rows_invariant
 
 # The native collapse computes the mixing matmul row by row on one thread. With several torch
@@ -104,8 +105,9 @@ def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
         out = torch.empty(t, d, dtype=torch.float32)
         post = torch.empty(t, hc, dtype=torch.float32)
         comb = torch.empty(t, hc, hc, dtype=torch.float32)
-        if lib.kv_hc_collapse(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
-                              iters, hc_eps, norm_eps, out.data_ptr(), post.data_ptr(), comb.data_ptr()) == 0:
+        params = HcParams(fn.data_ptr(), base.data_ptr(), scale.data_ptr(), iters, hc_eps, norm_eps)
+        if lib.kv_hc_collapse(params, streams.data_ptr(), t, hc, d, out.data_ptr(), post.data_ptr(),
+                              comb.data_ptr()) == 0:
             return out, post, comb
     pre, post, comb = hc_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
     return weighted_streams(pre, streams), post, comb
@@ -121,8 +123,8 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     lib = native.serving(streams, fn, base, scale)
     if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
-        if lib.kv_hc_head(streams.data_ptr(), fn.data_ptr(), base.data_ptr(), scale.data_ptr(), t, hc, d,
-                          hc_eps, norm_eps, out.data_ptr()) == 0:
+        params = HcParams(fn.data_ptr(), base.data_ptr(), scale.data_ptr(), 0, hc_eps, norm_eps)
+        if lib.kv_hc_head(params, streams.data_ptr(), t, hc, d, out.data_ptr()) == 0:
             return out
     return weighted_streams(hc_head_weights(streams, fn, base, scale, hc_eps, norm_eps), streams)
 

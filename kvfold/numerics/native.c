@@ -10,6 +10,7 @@
  * Loaded through ctypes by native.py, which compiles this file once per machine.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,10 +19,18 @@
 #include "native_weights.h"
 
 /* ---- batch-invariant matmul: out [M, N] = x [M, K] @ w [N, K]^T (fp32 w; see native_weights.h) ---- */
-void kv_matmul(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m, int64_t n,
-               int64_t k, int64_t threads) {
-    kv_weights f32 = {KV_F32, 0, w, NULL, 1, LANES, k, 0, 0, 0, 0};
-    weights_matmul(x, ldx, &f32, 0, out, ldo, m, n, threads); /* fp32 needs no panel: cannot fail */
+typedef struct {
+    const float *x;
+    int64_t ldx;          /* x's row stride */
+    const float *w;
+    float *out;
+    int64_t ldo, m, n, k; /* ldo: out's row stride */
+    int64_t threads;
+} kv_matmul_args;
+
+void kv_matmul(const kv_matmul_args *a) {
+    kv_weights f32 = {KV_F32, 0, a->w, NULL, 1, LANES, a->k, 0, 0, 0, 0};
+    weights_matmul(a->x, a->ldx, &f32, 0, a->out, a->ldo, a->m, a->n, a->threads); /* fp32: no panel, cannot fail */
 }
 
 static inline double sigmoid_d(double z) {
@@ -46,8 +55,8 @@ void kv_rms_norm(const float *x, const float *w, float *out, int64_t rows, int64
 }
 
 /* ---- interleaved partial RoPE: rotate the last 2*half dims of each [D] vector -------------------- */
-void kv_rope(const float *x, const float *cs, const float *sn, float *out, int64_t t, int64_t inner,
-             int64_t d, int64_t half, int inverse) {
+static void rope_rows(const float *x, const float *cs, const float *sn, float *out, int64_t t, int64_t inner,
+                      int64_t d, int64_t half, int64_t inverse) {
     int64_t nope = d - 2 * half;
     for (int64_t r = 0; r < t; r++) {
         const float *c = cs + r * half, *s = sn + r * half;
@@ -65,11 +74,30 @@ void kv_rope(const float *x, const float *cs, const float *sn, float *out, int64
     }
 }
 
+/* x [t, inner, d] (cs, sn [t, half]) -> out, which may be x; inverse: rotate by -angle */
+typedef struct {
+    const float *x, *cs, *sn;
+    float *out;
+    int64_t t, inner, d, half, inverse;
+} kv_rope_args;
+
+void kv_rope(const kv_rope_args *a) {
+    rope_rows(a->x, a->cs, a->sn, a->out, a->t, a->inner, a->d, a->half, a->inverse);
+}
+
 /* ---- mHC ------------------------------------------------------------------------------------------
  * collapse: per row, mix = flat(streams) @ fn^T (fn [(2+hc)*hc, hc*d]); r = rsqrt(mean(flat^2)+eps);
  * in float64: pre = sigmoid(mix*r*s0 + b) + eps, post = 2 sigmoid(mix*r*s1 + b),
  * comb = Sinkhorn(softmax_rows(mix*r*s2 + b) + eps); then x = sum_k pre_k * stream_k (fp32). */
 #define HC_MAX 16
+
+/* one HyperConnection's parameters: fn, base, scale [3] (the head's: fn [hc, hc*d], scale [1]),
+ * the Sinkhorn iterations (the head has none) and the two epsilons */
+typedef struct {
+    const float *fn, *base, *scale;
+    int64_t iters;
+    double hc_eps, norm_eps;
+} hc_params;
 
 static void sinkhorn_row(double *a, int hc, int iters, double eps) {
     for (int j = 0; j < hc; j++) { /* columns */
@@ -102,13 +130,16 @@ static void weighted_streams(const float *xs, const float *p, float *out, int hc
         for (int64_t i = 0; i < d; i++) out[i] = out[i] + p[k] * xs[k * d + i];
 }
 
-/* returns 0, or -1 when hc is out of range (nothing written) */
-int kv_hc_collapse(const float *streams, const float *fn, const float *base, const float *scale,
-                   int64_t rows, int64_t hc, int64_t d, int64_t iters, double hc_eps, double norm_eps,
-                   float *out, float *post, float *comb) {
+/* streams [rows, hc, d] -> out [rows, d], post [rows, hc], comb [rows, hc, hc]. Returns 0, or -1 when
+ * hc is out of range (nothing written). */
+int kv_hc_collapse(const hc_params *P, const float *streams, int64_t rows, int64_t hc, int64_t d, float *out,
+                   float *post, float *comb) {
     if (hc < 1 || hc > HC_MAX) return -1;
+    const float *fn = P->fn, *base = P->base;
+    const int64_t iters = P->iters;
+    const double hc_eps = P->hc_eps, norm_eps = P->norm_eps;
     int64_t n = (2 + hc) * hc, flat = hc * d;
-    double s0 = scale[0], s1 = scale[1], s2 = scale[2];
+    double s0 = P->scale[0], s1 = P->scale[1], s2 = P->scale[2];
     for (int64_t r = 0; r < rows; r++) {
         const float *xs = streams + r * flat;
         float mix[(2 + HC_MAX) * HC_MAX];
@@ -139,9 +170,10 @@ int kv_hc_collapse(const float *streams, const float *fn, const float *base, con
 }
 
 /* the final collapse: pre = sigmoid(mix * r * s0 + b) + eps (fn [hc, hc*d]); x = sum_k pre_k stream_k */
-int kv_hc_head(const float *streams, const float *fn, const float *base, const float *scale, int64_t rows,
-               int64_t hc, int64_t d, double hc_eps, double norm_eps, float *out) {
+int kv_hc_head(const hc_params *P, const float *streams, int64_t rows, int64_t hc, int64_t d, float *out) {
     if (hc < 1 || hc > HC_MAX) return -1;
+    const float *fn = P->fn, *base = P->base, *scale = P->scale;
+    const double hc_eps = P->hc_eps, norm_eps = P->norm_eps;
     int64_t flat = hc * d;
     for (int64_t r = 0; r < rows; r++) {
         const float *xs = streams + r * flat;
@@ -182,6 +214,21 @@ void kv_hc_expand(const float *streams, const float *y, const float *post, const
 #define MOE_MAX_K 64
 #define MOE_MAX_GROUPS 64
 
+/* a router: router_w [e, h], bias [e] (top-k routing) or tid2eid [vocab, k] (hash routing; NULL: none) */
+typedef struct {
+    int64_t h, e, k, n_group, topk_group;
+    int scoring, renorm;
+    double route_scale;
+    const float *router_w, *bias;
+    const int64_t *tid2eid;
+} route_params;
+
+/* whether kv_route refuses R (before any write) */
+static int route_refuses(const route_params *R) {
+    return R->k < 1 || R->k > MOE_MAX_K || R->k > R->e || R->n_group < 1 || R->n_group > MOE_MAX_GROUPS
+           || R->e % R->n_group || R->topk_group < 1 || R->topk_group > R->n_group;
+}
+
 static void score_experts(float *s, int64_t e, int scoring) {
     if (scoring == 0) {
         float mx = -INFINITY, z = 0.0f;
@@ -211,13 +258,15 @@ static void top_k_ids(const float *v, const unsigned char *allowed, int64_t e, i
     }
 }
 
-/* one row's routing; scratch holds 2 e floats + e bytes. Returns 0, or -1 on a bad expert id. */
-static int route_row(const float *x, int64_t h, const float *router_w, int64_t e, int scoring, const float *bias,
-                     const int64_t *hash_row, int64_t k, double route_scale, int64_t n_group, int64_t topk_group,
-                     int renorm, float *scratch, int64_t *ids, float *wts) {
+/* one row's routing (hash_row: its tid2eid row, or NULL); scratch holds 2 e floats + e bytes.
+ * Returns 0, or -1 on a bad expert id. */
+static int route_row(const route_params *R, const float *x, const int64_t *hash_row, float *scratch, int64_t *ids,
+                     float *wts) {
+    const int64_t e = R->e, k = R->k, n_group = R->n_group, topk_group = R->topk_group;
+    const float *bias = R->bias;
     float *scores = scratch, *biased = scratch + e;
-    gemv(router_w, x, scores, e, h);
-    score_experts(scores, e, scoring);
+    gemv(R->router_w, x, scores, e, R->h);
+    score_experts(scores, e, R->scoring);
     if (hash_row) {
         for (int64_t j = 0; j < k; j++) ids[j] = hash_row[j];
     } else {
@@ -244,8 +293,10 @@ static int route_row(const float *x, int64_t h, const float *router_w, int64_t e
     double total = 0.0;
     for (int64_t j = 0; j < k; j++) total += scores[ids[j]];
     total += 1e-20;
+    const double route_scale = R->route_scale;
     for (int64_t j = 0; j < k; j++)
-        wts[j] = (float)(renorm ? (double)scores[ids[j]] / total * route_scale : (double)scores[ids[j]] * route_scale);
+        wts[j] = (float)(R->renorm ? (double)scores[ids[j]] / total * route_scale
+                                   : (double)scores[ids[j]] * route_scale);
     for (int64_t j = 1; j < k; j++)
         for (int64_t q = j; q > 0 && ids[q - 1] > ids[q]; q--) {
             int64_t ti = ids[q]; ids[q] = ids[q - 1]; ids[q - 1] = ti;
@@ -256,17 +307,15 @@ static int route_row(const float *x, int64_t h, const float *router_w, int64_t e
 
 /* routing of `rows` rows: ids [rows, k] ascending per row, weights [rows, k]. Returns 0, or -1 on a
  * bad argument or expert id (what was written is then meaningless). */
-int kv_route(const float *x, int64_t rows, int64_t h, const float *router_w, int64_t e, int scoring,
-             const float *bias, const int64_t *tid2eid, const int64_t *tokens, int64_t k, double route_scale,
-             int64_t n_group, int64_t topk_group, int renorm, int64_t *ids, float *wts) {
-    if (k < 1 || k > MOE_MAX_K || k > e || n_group < 1 || n_group > MOE_MAX_GROUPS || e % n_group
-        || topk_group < 1 || topk_group > n_group) return -1;
-    float *scratch = malloc(sizeof(float) * (size_t)(3 * e));
+int kv_route(const route_params *R, const float *x, int64_t rows, const int64_t *tokens, int64_t *ids, float *wts) {
+    if (route_refuses(R)) return -1;
+    const int64_t k = R->k;
+    float *scratch = malloc(sizeof(float) * (size_t)(3 * R->e));
     if (!scratch) return -1;
     int rc = 0;
     for (int64_t r = 0; r < rows && rc == 0; r++)
-        rc = route_row(x + r * h, h, router_w, e, scoring, bias, tid2eid ? tid2eid + tokens[r] * k : NULL, k,
-                       route_scale, n_group, topk_group, renorm, scratch, ids + r * k, wts + r * k);
+        rc = route_row(R, x + r * R->h, R->tid2eid ? R->tid2eid + tokens[r] * k : NULL, scratch, ids + r * k,
+                       wts + r * k);
     free(scratch);
     return rc;
 }
@@ -308,14 +357,11 @@ void kv_l2norm(const float *x, float *out, int64_t rows, int64_t d, double eps) 
     }
 }
 
-/* One MoE layer's weights and routing, as kv_moe_rows receives them. */
+/* One MoE layer's routing and weights, as kv_moe_rows reads them. */
 typedef struct {
-    int64_t h, e, k, n_group, topk_group, inter, shared_inter;
-    int scoring, renorm;
-    double route_scale;
-    float limit;
-    const float *router_w, *bias;
-    const int64_t *tid2eid;
+    route_params route;
+    int64_t inter, shared_inter; /* the routed experts' and the shared expert's width */
+    float limit;                 /* the SwiGLU clamp */
     const kv_weights *w13, *w2, *shared_gate, *shared_up, *shared_down;
 } moe_layer;
 
@@ -339,18 +385,16 @@ static int weights_all(const mm_job *jobs, int64_t count, int64_t threads) {
  * of native_weights.h's formats. The gate-up matrices (every routed expert's and the shared one's)
  * split their columns over `threads` in one parallel region, then the down matrices in another;
  * neither split touches a reduction. Returns 0, or -1 on a bad argument or a failed allocation. */
-static int moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t *token, int64_t threads,
-                    float *out) {
-    const int64_t h = L->h, inter = L->inter, si = L->shared_inter, k = L->k, e = L->e, pairs = m * k;
+int kv_moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t *token, int64_t threads, float *out) {
+    const int64_t h = L->route.h, inter = L->inter, si = L->shared_inter, k = L->route.k, e = L->route.e;
+    const int64_t pairs = m * k;
     const int shared = L->shared_gate != NULL;
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)(2 * pairs + e + 1)); /* ids, each pair's slot, first */
     float *wts = malloc(sizeof(float) * (size_t)(pairs + 1));
     float *xg = malloc(sizeof(float) * (size_t)(pairs * (2 * h + 3 * inter) + m * (3 * si + h) + 1));
     mm_job *jobs = malloc(sizeof(mm_job) * (size_t)(e + 2));
     int rc = !ids || !wts || !xg || !jobs ? -1 : 0;
-    if (rc == 0)
-        rc = kv_route(x, m, h, L->router_w, e, L->scoring, L->bias, L->tid2eid, token, k, L->route_scale,
-                      L->n_group, L->topk_group, L->renorm, ids, wts);
+    if (rc == 0) rc = kv_route(&L->route, x, m, token, ids, wts);
     if (rc != 0) { free(ids); free(wts); free(xg); free(jobs); return -1; }
     /* pair p (row p / k's j-th expert, j = p mod k) sits at slot[p] of the gathered rows: by
      * expert, then by p; expert i's slots end at first[i] once placed */
@@ -396,32 +440,30 @@ static int moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t
     return rc ? -1 : 0;
 }
 
-/* moe_rows on a layer given field by field (numerics/rows.py and models/deepseek_v4/moe.py) */
-int kv_moe_rows(const float *x, int64_t m, int64_t h, const float *router_w, int64_t e, int scoring,
-                const float *bias, const int64_t *tid2eid, const int64_t *token, int64_t k, double route_scale,
-                int64_t n_group, int64_t topk_group, int renorm,
-                const kv_weights *w13, const kv_weights *w2, int64_t inter, float limit,
-                const kv_weights *shared_gate, const kv_weights *shared_up, const kv_weights *shared_down,
-                int64_t shared_inter, int64_t threads, float *out) {
-    const moe_layer L = {h, e, k, n_group, topk_group, inter, shared_inter, scoring, renorm, route_scale, limit,
-                         router_w, bias, tid2eid, w13, w2, shared_gate, shared_up, shared_down};
-    return moe_rows(&L, x, m, token, threads, out);
-}
-
 /* ---- one decode query's attention ---------------------------------------------------------------
- * q [h, d] (already scaled); window keys: the rows of up to three runs, run r `wn[r]` contiguous
- * [d] rows at `wk[r]` (the ring's rows, oldest first, then the new row: no copy into one buffer);
- * compressed keys: the first n_comp rows of pool (sel NULL) or pool rows sel[0..n_comp) (-1 = no
- * entry, skipped), logical row i at physical row phys[i] (a paged pool) or i (phys NULL); one
- * softmax per head over the window logits, the compressed logits and the sink logit (which has no
- * value); K = V. The window logits come in 1 x 4 tiles, each output still the one `dot`. */
+ * q [h, d] (already scaled); the keys K: window keys, the rows of up to three runs, run r
+ * `window_n[r]` contiguous [d] rows at `window[r]` (the ring's rows, oldest first, then the new
+ * row: no copy into one buffer); compressed keys: the first n_comp rows of pool (sel NULL) or pool
+ * rows sel[0..n_comp) (-1 = no entry, skipped), logical row i at physical row phys[i] (a paged
+ * pool) or i (phys NULL); one softmax per head over the window logits, the compressed logits and
+ * the sink logit (which has no value); K = V. The window logits come in 1 x 4 tiles, each output
+ * still the one `dot`. */
 #define WINDOW_RUNS 3
-void kv_attend_one(const float *q, int64_t h, int64_t d, const float *w0, int64_t n0, const float *w1, int64_t n1,
-                   const float *w2, int64_t n2, const float *pool, const int64_t *phys, const int64_t *sel,
-                   int64_t n_comp, const float *sinks, float *out, float *scratch) {
-    const float *wk[WINDOW_RUNS] = {w0, w1, w2};
-    const int64_t wn[WINDOW_RUNS] = {n0, n1, n2};
-    const int64_t nw = n0 + n1 + n2;
+typedef struct {
+    const float *window[WINDOW_RUNS]; /* run r: window_n[r] rows (NULL when empty) */
+    int64_t window_n[WINDOW_RUNS];
+    const float *pool;                /* NULL when n_comp is 0 */
+    const int64_t *phys, *sel;
+    int64_t n_comp;
+} attend_keys;
+
+void kv_attend_one(const float *q, int64_t h, int64_t d, const attend_keys *K, const float *sinks, float *out,
+                   float *scratch) {
+    const float *wk[WINDOW_RUNS] = {K->window[0], K->window[1], K->window[2]};
+    const int64_t wn[WINDOW_RUNS] = {K->window_n[0], K->window_n[1], K->window_n[2]};
+    const int64_t nw = wn[0] + wn[1] + wn[2], n_comp = K->n_comp;
+    const float *pool = K->pool;
+    const int64_t *phys = K->phys, *sel = K->sel;
     float *logit = scratch; /* nw + n_comp */
     for (int64_t hh = 0; hh < h; hh++) {
         const float *qh = q + hh * d;
@@ -462,8 +504,15 @@ void kv_attend_one(const float *q, int64_t h, int64_t d, const float *w0, int64_
  * score_j = sum_h w[h] * relu(q_h . key_j) over the n entries (entry j at physical row phys[j], or
  * j when phys is NULL); the k best (higher first, ties to the
  * lower index), written to out in ascending index order. scratch holds n floats. */
-void kv_index_topk_one(const float *q, const float *w, int64_t h, int64_t d, const float *keys,
-                       const int64_t *phys, int64_t n, int64_t k, int64_t *out, float *scratch) {
+typedef struct {
+    const float *q, *w; /* the query's heads [heads, dim] and their weights [heads] */
+    int64_t heads, dim;
+} index_query;
+
+void kv_index_topk_one(const index_query *Q, const float *keys, const int64_t *phys, int64_t n, int64_t k,
+                       int64_t *out, float *scratch) {
+    const float *q = Q->q, *w = Q->w;
+    const int64_t h = Q->heads, d = Q->dim;
     float *score = scratch;
     for (int64_t j = 0; j < n; j++) {
         const float *kr = keys + (phys ? phys[j] : j) * d;
@@ -533,3 +582,4 @@ int kv_pool_windows(const float *kv, const float *score, int64_t n_w, int64_t ra
 
 #include "native_attention.h" /* the attention layer's fused halves, composed of the kernels above */
 #include "native_block.h"     /* a V4 block's decode row, composed of the attention's halves and the MoE row */
+#include "native_abi.h"       /* every struct's layout, for native_abi.py's check at load */

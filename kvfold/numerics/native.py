@@ -9,7 +9,12 @@ The library builds native.c with the system C compiler (`cc`, or $CC) into a per
 ($KVFOLD_CACHE_DIR, else $XDG_CACHE_HOME/kvfold, else ~/.cache/kvfold) on first use, keyed by the
 source, flags and CPU, and falls back to the torch formulas when no compiler is found, with one
 warning. KVFOLD_NATIVE=0 turns the kernels off (for A/B runs); `use_native(False)` does the same
-in-process. KVFOLD_NATIVE_ISA=avx2 builds them without AVX-512 (the same bits, checked by the tests). Only fp32 CPU tensors reach the kernels; other dtypes and devices keep torch.
+in-process. KVFOLD_NATIVE_ISA=avx2 builds them without AVX-512 (the same bits, checked by the
+tests). Only fp32 CPU tensors reach the kernels; other dtypes and devices keep torch.
+
+Loading gives every function its ctypes signature and holds every struct the Python side mirrors
+to the library's own layout of it (native_abi.py); a difference refuses the library with a
+NativeAbiError, raised by every `library()` call, not a fallback to torch: it is a bug in kvfold.
 """
 from __future__ import annotations
 
@@ -27,11 +32,13 @@ from pathlib import Path
 
 import torch
 
+from ..errors import NativeAbiError
 from ..paths import cache_root
+from . import native_abi
 
 _SOURCE = Path(__file__).with_name("native.c")
-_HEADERS = tuple(Path(__file__).with_name(n) for n in ("native_dot.h", "native_weights.h", "native_attention.h",
-                                                         "native_block.h"))  # included by native.c
+# every header beside it, so that an edit to any header native.c includes builds a new library
+_HEADERS = tuple(sorted(_SOURCE.parent.glob("native_*.h")))
 # -ffp-contract=off: every C expression is evaluated as written (no fused multiply-adds chosen by the
 # compiler), so the kernels' arithmetic is fixed by the source (native.c's header).
 _FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-std=c11", "-ffp-contract=off"]
@@ -41,35 +48,9 @@ _VARIANTS = (["-march=native", "-fopenmp"], ["-fopenmp"], [])
 # same bits with and without it (native_weights.h), and `make test` checks that on one machine.
 _ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_D = ctypes.c_double
-_SIGNATURES = {
-    "kv_rms_norm": (None, [_P, _P, _P, _I, _I, _D]),
-    "kv_rope": (None, [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]),
-    "kv_hc_collapse": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _I, _D, _D, _P, _P, _P]),
-    "kv_hc_head": (ctypes.c_int, [_P, _P, _P, _P, _I, _I, _I, _D, _D, _P]),
-    "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
-    "kv_moe_rows": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int,
-                                   _P, _P, _I, ctypes.c_float, _P, _P, _P, _I, _I, _P]),
-    "kv_route": (ctypes.c_int, [_P, _I, _I, _P, _I, ctypes.c_int, _P, _P, _P, _I, _D, _I, _I, ctypes.c_int, _P, _P]),
-    "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
-    "kv_unary": (None, [_P, _P, _I, _I]),
-    "kv_l2norm": (None, [_P, _P, _I, _I, _D]),
-    "kv_matmul": (None, [_P, _I, _P, _P, _I, _I, _I, _I, _I]),
-    "kv_matmul_weights": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _I, _I, _I]),
-    "kv_attend_one": (None, [_P, _I, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _P]),
-    "kv_index_topk_one": (None, [_P, _P, _I, _I, _P, _P, _I, _I, _P, _P]),
-    "kv_pool_windows": (ctypes.c_int, [_P, _P, _I, _I, _I, ctypes.c_int, _P]),
-    "kv_attn_project": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "kv_attn_output": (ctypes.c_int, [_P, _P, _I, _P, _P, _P]),
-    "kv_attn_sequence_one": (ctypes.c_int, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "kv_block_decode_rows": (ctypes.c_int, [_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P]),
-    "kv_model_decode_rows": (ctypes.c_int, [_P, _P, _P, _P, _P, _I, _P, _P, _P, _P]),
-}
-
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_refused: NativeAbiError | None = None  # the loaded library's ABI differs from native_abi.py's
 _tried = False
 _enabled = os.environ.get("KVFOLD_NATIVE", "1") != "0"
 
@@ -123,30 +104,40 @@ def _build_with(compiler: str, flags: list[str]) -> Path:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, building them on first use; None when disabled or unbuildable."""
-    global _lib, _tried
+    """The loaded kernels, building them on first use; None when disabled or unbuildable. Raises
+    NativeAbiError when the library's structs or functions differ from native_abi.py's."""
+    global _lib, _refused, _tried
     if not _enabled:
         return None
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            try:
-                if compiler is None:
-                    raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-                lib = ctypes.CDLL(str(_build(compiler)))
-                for name, (restype, argtypes) in _SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.restype, fn.argtypes = restype, argtypes
-                _lib = lib
-            except (OSError, subprocess.SubprocessError, AttributeError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                warnings.warn(f"kvfold: native CPU kernels unavailable ({e}; {detail.decode(errors='replace')[:500]}); "
-                              "using the slower torch path. Install a C compiler or set KVFOLD_NATIVE=0 to silence.",
-                              RuntimeWarning, stacklevel=2)
-            _tried = True
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _lib = _load()
+                except NativeAbiError as e:
+                    _refused = e
+                _tried = True
+    if _refused is not None:
+        raise _refused.with_traceback(None)
     return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    """The library built and checked (native_abi.verify), or None, with one warning, when it cannot
+    be built or loaded."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    try:
+        if compiler is None:
+            raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        warnings.warn(f"kvfold: native CPU kernels unavailable ({e}; {detail.decode(errors='replace')[:500]}); "
+                      "using the slower torch path. Install a C compiler or set KVFOLD_NATIVE=0 to silence.",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    native_abi.verify(lib)
+    return lib
 
 
 def available() -> bool:

@@ -62,7 +62,16 @@ static void add_position_bias(const compressor_proj *c, int64_t m, const int64_t
     }
 }
 
-/* Attention._project for m rows x [m, hid] at positions pos [m] (cos, sin [m, half]):
+/* A layer's projected rows: what kv_attn_project writes for m rows, or kv_attn_sequence_one reads
+ * of one (an absent part's pointers are not read or written; NULL will do). */
+typedef struct {
+    float *q, *kv;                /* [m, heads, head_dim], [m, head_dim] */
+    float *comp_kv, *comp_score;  /* the compressor's rows [m, cols] */
+    float *index_kv, *index_score; /* the indexer's compressor's rows [m, cols] */
+    float *index_q, *index_w;     /* index queries [m, IH, Id] and head weights [m, IH] */
+} attn_rows;
+
+/* Attention._project for m rows x [m, hid] at positions pos [m] (cos, sin [m, half]), into out:
  *   q_lora = rms_norm(x Wqa^T) * q_norm                                  [m, q_rank]
  *   q      = rope(rms_norm per head(q_lora Wqb^T))                       [m, heads, head_dim]
  *   kv     = rope(rms_norm(x Wkv^T) * kv_norm)                           [m, head_dim]
@@ -70,8 +79,10 @@ static void add_position_bias(const compressor_proj *c, int64_t m, const int64_t
  *   index queries rope(q_lora Wiq^T) [m, IH, Id] and head weights (x Wiw^T) * scale [m, IH].
  * Outputs of an absent part are not written. Returns 0, or -1 when a buffer cannot be allocated. */
 int kv_attn_project(const attn_project_layer *L, const float *x, int64_t m, const int64_t *pos, const float *cs,
-                    const float *sn, float *q, float *kv, float *comp_kv, float *comp_score, float *index_kv,
-                    float *index_score, float *index_q, float *index_w) {
+                    const float *sn, const attn_rows *out) {
+    float *q = out->q, *kv = out->kv, *comp_kv = out->comp_kv, *comp_score = out->comp_score;
+    float *index_kv = out->index_kv, *index_score = out->index_score, *index_q = out->index_q;
+    float *index_w = out->index_w;
     int64_t hid = L->hid, qr = L->q_rank, hd = L->heads * L->head_dim, th = L->threads;
     int64_t ih = L->index_heads, iq = ih * L->index_dim;
     float *q_lora = malloc(sizeof(float) * (size_t)(m * qr + 1));
@@ -92,13 +103,13 @@ int kv_attn_project(const attn_project_layer *L, const float *x, int64_t m, cons
     if (L->index.kv) from_q[nq++] = (mm_job){q_lora, qr, L->index_q_b, 0, index_q, iq, m, iq};
     rc |= weights_many(from_q, nq, jobs_threads(from_q, nq, th));
     kv_rms_norm(q, NULL, q, m * L->heads, L->head_dim, L->eps);
-    kv_rope(q, cs, sn, q, m, L->heads, L->head_dim, L->half, 0);
+    rope_rows(q, cs, sn, q, m, L->heads, L->head_dim, L->half, 0);
     kv_rms_norm(kv, L->kv_norm, kv, m, L->head_dim, L->eps);
-    kv_rope(kv, cs, sn, kv, m, 1, L->head_dim, L->half, 0);
+    rope_rows(kv, cs, sn, kv, m, 1, L->head_dim, L->half, 0);
     if (L->comp.kv) add_position_bias(&L->comp, m, pos, comp_score);
     if (L->index.kv) {
         add_position_bias(&L->index, m, pos, index_score);
-        kv_rope(index_q, cs, sn, index_q, m, ih, L->index_dim, L->half, 0);
+        rope_rows(index_q, cs, sn, index_q, m, ih, L->index_dim, L->half, 0);
         float scale = (float)L->index_w_scale; /* torch multiplies an fp32 tensor by a scalar in fp32 */
         for (int64_t i = 0; i < m * ih; i++) index_w[i] = index_w[i] * scale;
     }
@@ -123,7 +134,7 @@ int kv_attn_output(const attn_output_layer *L, const float *o, int64_t m, const 
     float *grouped = malloc(sizeof(float) * (size_t)(m * gr + 1));
     int rc = !rot || !grouped;
     if (!rc) {
-        kv_rope(o, cs, sn, rot, m, L->heads, L->head_dim, L->half, 1);
+        rope_rows(o, cs, sn, rot, m, L->heads, L->head_dim, L->half, 1);
         mm_job groups[MM_MAX_JOBS]; /* the groups of wo_a, up to MM_MAX_JOBS a parallel region */
         for (int64_t g0 = 0; g0 < g; g0 += MM_MAX_JOBS) {
             const int count = (int)(g - g0 < MM_MAX_JOBS ? g - g0 : MM_MAX_JOBS);
@@ -191,7 +202,7 @@ static int fold_one(const fold_state *F, int64_t p, const float *kv, const float
         if (rc == 0) {
             kv_rms_norm(entry, F->norm, entry, 1, F->width, F->eps);
             float *dst = F->pool + (F->phys ? F->phys[w] : w) * F->width;
-            kv_rope(entry, cs, sn, dst, 1, 1, F->width, half, 0);
+            rope_rows(entry, cs, sn, dst, 1, 1, F->width, half, 0);
         }
         free(rows_kv);
         if (rc != 0) return -1;
@@ -201,19 +212,17 @@ static int fold_one(const fold_state *F, int64_t p, const float *kv, const float
     return 0;
 }
 
-/* The row at position `start`: q [heads, head_dim] (unscaled), kv [head_dim]; comp_* and index_*
- * the compressor's and the indexer's rows, index_q [IH, Id] and index_w [IH]; (cs, sn) the rope of
+/* The row at position `start`: in, one row of kv_attn_project's (q unscaled); (cs, sn) the rope of
  * the entry a closing window emits (NULL when none closes). Writes out [heads, head_dim].
  * Returns 0, or -1 when a buffer cannot be allocated (then the state may be part-written: the
  * caller's refusals all come before this call). */
-int kv_attn_sequence_one(const sequence_layer *S, int64_t start, const float *q, const float *kv,
-                         const float *comp_kv, const float *comp_score, const float *index_kv,
-                         const float *index_score, const float *index_q, const float *index_w, const float *cs,
+int kv_attn_sequence_one(const sequence_layer *S, int64_t start, const attn_rows *in, const float *cs,
                          const float *sn, float *out) {
+    const float *q = in->q, *kv = in->kv;
     int64_t d = S->head_dim, hd = S->heads * d, n_comp = 0;
     const fold_state *C = S->kind ? &S->comp : NULL;
-    if (C && fold_one(C, start, comp_kv, comp_score, cs, sn, S->half) != 0) return -1;
-    if (S->kind == 1 && fold_one(&S->index, start, index_kv, index_score, cs, sn, S->half) != 0) return -1;
+    if (C && fold_one(C, start, in->comp_kv, in->comp_score, cs, sn, S->half) != 0) return -1;
+    if (S->kind == 1 && fold_one(&S->index, start, in->index_kv, in->index_score, cs, sn, S->half) != 0) return -1;
     int64_t n_entries = C ? (start + 1) / C->ratio : 0;
     int64_t k = S->kind == 1 ? (S->topk < n_entries ? S->topk : n_entries) : n_entries;
     int64_t prev = start - S->window_len + 1 > 0 ? start - S->window_len + 1 : 0, n_ring = start - prev;
@@ -221,16 +230,17 @@ int kv_attn_sequence_one(const sequence_layer *S, int64_t start, const float *q,
     int64_t *sel = malloc(sizeof(int64_t) * (size_t)(k + 1));
     if (!qs || !sel) { free(qs); free(sel); return -1; }
     float *scratch = qs + hd;
-    if (S->kind == 1 && k > 0)
-        kv_index_topk_one(index_q, index_w, S->index_heads, S->index_dim, S->index.pool, S->index.phys, n_entries,
-                          k, sel, scratch);
+    if (S->kind == 1 && k > 0) {
+        const index_query Q = {in->index_q, in->index_w, S->index_heads, S->index_dim};
+        kv_index_topk_one(&Q, S->index.pool, S->index.phys, n_entries, k, sel, scratch);
+    }
     if (S->kind) n_comp = k;
     float scale = (float)S->q_scale; /* torch scales an fp32 tensor by a Python float in fp32 */
     for (int64_t i = 0; i < hd; i++) qs[i] = q[i] * scale;
     int64_t a = prev % S->window_rows, first = n_ring < S->window_rows - a ? n_ring : S->window_rows - a;
-    kv_attend_one(qs, S->heads, d, S->window + a * d, first, S->window, n_ring - first, kv, 1,
-                  C ? C->pool : NULL, C ? C->phys : NULL, S->kind == 1 ? sel : NULL, n_comp, S->sinks, out,
-                  scratch);
+    const attend_keys K = {{S->window + a * d, S->window, kv}, {first, n_ring - first, 1}, C ? C->pool : NULL,
+                           C ? C->phys : NULL, S->kind == 1 ? sel : NULL, n_comp};
+    kv_attend_one(qs, S->heads, d, &K, S->sinks, out, scratch);
     memcpy(S->window + (start % S->window_rows) * d, kv, sizeof(float) * (size_t)d);
     free(qs);
     free(sel);

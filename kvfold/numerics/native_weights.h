@@ -823,12 +823,14 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     return weights_many(&job, 1, threads);
 }
 
-int kv_matmul_weights(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out, int64_t ldo,
-                      int64_t m, int64_t n, int64_t threads) {
+/* The job's matmul (weights_matmul's), after checking its descriptor. Returns 0; -2: a descriptor
+ * the kernels cannot read (nothing written); -1: a panel buffer cannot be allocated. */
+int kv_matmul_weights(const mm_job *job, int64_t threads) {
+    const kv_weights *w = job->w;
     if (w->fmt < KV_F32 || w->fmt > KV_FP4 || (scaled(w->fmt) && (w->bc % LANES || w->br < 1))
         || (w->fmt == KV_FP4 && w->k % 2))
         return -2;
-    return weights_matmul(x, ldx, w, index, out, ldo, m, n, threads);
+    return weights_many(job, 1, threads);
 }
 
 #endif

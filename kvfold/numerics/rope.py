@@ -7,6 +7,7 @@ import math
 import torch
 
 from . import native
+from .native_abi import RopeArgs
 from .rows import fixed_kernels, unary
 
 
@@ -61,8 +62,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     if lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
         out = torch.empty_like(x)
         t, d = x.shape[0], x.shape[-1]
-        lib.kv_rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t,
-                    x.numel() // (t * d) if t * d else 0, d, half, int(inverse))
+        lib.kv_rope(RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t,
+                             x.numel() // (t * d) if t * d else 0, d, half, int(inverse)))
         return out
     if x.dtype == torch.float32:  # rotate the pairs in place in a copy: no cat, no casts
         out = x.clone() if x.is_contiguous() else x.contiguous()

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from . import native, triton_ops
+from .native_abi import MatmulArgs, RouteParams
 
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
 _FIXED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_fixed_order", default=False)
@@ -154,8 +155,8 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     out = torch.empty(m, n, dtype=_F32)
     if m and n:
-        _lib().kv_matmul(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), out.data_ptr(), n, m, n, k,
-                         _threads(m * n * k))
+        _lib().kv_matmul(MatmulArgs(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), out.data_ptr(), n, m,
+                                    n, k, _threads(m * n * k)))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
@@ -190,8 +191,8 @@ def grouped_row_mm(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     out = torch.empty(t, g * per, dtype=torch.float32)
     lib = _lib()
     for i in range(groups):
-        lib.kv_matmul(x.data_ptr() + 4 * i * k, g * k, w.data_ptr() + 4 * i * per * k, out.data_ptr() + 4 * i * per,
-                      g * per, t, per, k, _threads(t * per * k))
+        lib.kv_matmul(MatmulArgs(x.data_ptr() + 4 * i * k, g * k, w.data_ptr() + 4 * i * per * k,
+                                 out.data_ptr() + 4 * i * per, g * per, t, per, k, _threads(t * per * k)))
     return out
 
 
@@ -274,8 +275,8 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, sc
     wts = torch.empty(t, k, dtype=torch.float32)
     args = [None if a is None else a.contiguous() for a in (router_w.float(), bias, tid2eid, token_ids)]
     w_ptr, bias_ptr, table_ptr, tok_ptr = (None if a is None else a.data_ptr() for a in args)
-    rc = _lib().kv_route(x2.data_ptr(), t, h, w_ptr, e, SCORING[scoring], bias_ptr, table_ptr, tok_ptr, k, scale,
-                         n_group, topk_group, int(renorm), ids.data_ptr(), wts.data_ptr())
+    router = RouteParams(h, e, k, n_group, topk_group, SCORING[scoring], int(renorm), scale, w_ptr, bias_ptr, table_ptr)
+    rc = _lib().kv_route(router, x2.data_ptr(), t, tok_ptr, ids.data_ptr(), wts.data_ptr())
     if rc != 0:
         raise ValueError(f"routing refused: k={k} of {e} experts, {n_group} groups (top {topk_group}), "
                          f"or an expert id out of range in tid2eid")

@@ -18,21 +18,12 @@ import math
 import torch
 
 from . import native
+from .native_abi import MmJob, WeightsDesc
 from .rows import _threads
 
 F32, BF16, FP8, FP4 = 0, 1, 2, 3
 _FORMAT_OF = {torch.float32: F32, torch.bfloat16: BF16, torch.float8_e4m3fn: FP8}
 _LANES = 8
-
-
-class WeightsDesc(ctypes.Structure):
-    """native_weights.h's kv_weights (field for field). It holds raw pointers, so it also keeps
-    the tensors they point into alive (`tensors`)."""
-    _fields_ = [("fmt", ctypes.c_int64), ("scale_f32", ctypes.c_int64), ("data", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("br", ctypes.c_int64), ("bc", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("data_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64), ("row_phase", ctypes.c_int64),
-                ("nan_codes", ctypes.c_int64), ("subnormal_blocks", ctypes.c_void_p),
-                ("subnormal_stride", ctypes.c_int64)]
 
 
 def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
@@ -125,8 +116,9 @@ def native_mm(x: torch.Tensor, desc: WeightsDesc, n: int, k: int, index: int = 0
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
     if m and n:
-        rc = lib.kv_matmul_weights(x2.data_ptr(), x2.stride(0) if m > 1 else k, ctypes.addressof(desc), index,
-                                   out.data_ptr(), out.stride(0) if m > 1 else n, m, n, _threads(m * n * k))
+        job = MmJob(x2.data_ptr(), x2.stride(0) if m > 1 else k, ctypes.addressof(desc), index, out.data_ptr(),
+                    out.stride(0) if m > 1 else n, m, n)
+        rc = lib.kv_matmul_weights(job, _threads(m * n * k))
         if rc != 0:
             raise MemoryError(f"native matmul could not allocate its panel ({n} x {k} weights, rc {rc})")
     return out.view(*x.shape[:-1], n) if out.is_contiguous() else out

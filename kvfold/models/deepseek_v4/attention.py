@@ -16,6 +16,7 @@ from torch import nn
 
 from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, triton_ops, unweighted_rms_norm
+from ...numerics.native_abi import AttendKeys
 from ...numerics.reference import release_q_norm, release_sparse_attn
 from ...numerics.rows import fresh_rows, grouped_row_mm, order_fixed, own_rows, rows_invariant
 from ...numerics.weights_mm import native_mm
@@ -382,10 +383,11 @@ def _native_attend_one(q: torch.Tensor, window: list[torch.Tensor], pool, select
             if sel.dtype != torch.int64 or not sel.is_contiguous():
                 return None
     _, h, d = q.shape
-    runs = [(w.data_ptr(), w.shape[0]) for w in window] + [(None, 0)] * (3 - len(window))
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    keys = AttendKeys(pool=ptr(data), phys=ptr(phys), sel=ptr(sel), n_comp=n_comp)
+    keys.window[:len(window)] = [w.data_ptr() for w in window]  # the runs left empty stay NULL, 0 rows
+    keys.window_n[:len(window)] = [w.shape[0] for w in window]
     out = torch.empty(1, h, d, dtype=torch.float32)
-    scratch = torch.empty(sum(n for _, n in runs) + n_comp, dtype=torch.float32)
-    lib.kv_attend_one(q.data_ptr(), h, d, *runs[0], *runs[1], *runs[2], None if data is None else data.data_ptr(),
-                      None if phys is None else phys.data_ptr(), None if sel is None else sel.data_ptr(), n_comp,
-                      sinks.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    scratch = torch.empty(sum(w.shape[0] for w in window) + n_comp, dtype=torch.float32)
+    lib.kv_attend_one(q.data_ptr(), h, d, keys, sinks.data_ptr(), out.data_ptr(), scratch.data_ptr())
     return out

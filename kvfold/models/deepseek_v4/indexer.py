@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ...numerics import apply_rope, native, topk_lower_index, triton_ops
+from ...numerics.native_abi import IndexQuery
 from ...numerics.quant import fp4_e2m1_simulate, hadamard
 from ...numerics.reference import release_index_scores, topk_descending
 from .state import CompressorState
@@ -130,6 +131,6 @@ def _native_topk_one(q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: i
     data, phys = source
     out = torch.empty(1, k, dtype=torch.long)
     scratch = torch.empty(n_entries, dtype=torch.float32)
-    lib.kv_index_topk_one(q.data_ptr(), w.data_ptr(), n_heads, head_dim, data.data_ptr(),
+    lib.kv_index_topk_one(IndexQuery(q.data_ptr(), w.data_ptr(), n_heads, head_dim), data.data_ptr(),
                           None if phys is None else phys.data_ptr(), n_entries, k, out.data_ptr(), scratch.data_ptr())
     return out

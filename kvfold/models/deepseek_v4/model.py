@@ -34,6 +34,8 @@ from .sharding import tp_counts
 
 
 class Block(nn.Module):
+    fused_decode = True  # decode rows in one native call where they can (Dsv4Model.set_fused_decode)
+
     def __init__(self, cfg: Dsv4Config, i: int, dtype: torch.dtype, device=None, tp=None):
         super().__init__()
         hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
@@ -70,6 +72,7 @@ class Dsv4Model(CausalLM):
     """Weights named as in a transformers `DeepseekV4ForCausalLM` checkpoint."""
 
     capabilities = Capabilities(fp8_kv=True, pages=True, numerics=("hf", "reference"))
+    fused_decode = True  # see set_fused_decode
 
     def __init__(self, cfg: Dsv4Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  tp=None):
@@ -118,6 +121,16 @@ class Dsv4Model(CausalLM):
         self.numerics = mode
         # states hold rows computed under one numerics mode; keep them apart
         self.fingerprint = self.config.fingerprint() + ("" if mode == "hf" else "-ref")
+
+    def set_fused_decode(self, on: bool = True) -> None:
+        """On (the default): on the CPU, a step's decode rows run the whole model, or else each
+        block, in one native call where they can (native_block.py), with the per-op path's bits.
+        That call replaces the forwards of the modules it covers (the blocks and their norms,
+        attention and MoE, the embedding, the mHC head, the final norm, the lm_head), so their
+        forward hooks do not fire for those rows. Off: every module's forward runs, and its hooks
+        see every row; the same bits, slower. Code that needs the hooks (a profiler) turns it off."""
+        for module in (self, *(m for m in self.modules() if isinstance(m, Block))):
+            module.fused_decode = bool(on)
 
     # ---- state -------------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ from ...layers.basic import _param, fp32_native_weights
 from ...layers.native_cache import NativeCache
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
+from ...numerics.native_abi import MoeLayer, RouteParams
 from ...numerics.reference import release_swiglu
 from ...numerics.rows import SCORING, biased_topk, route_rows, row_mm, rows_invariant, unary
 from .config import Dsv4Config
@@ -152,23 +153,9 @@ def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torc
     if L is None:
         return None
     m = x.shape[0]
-    out = torch.empty(m, L.h, dtype=torch.float32)
-    rc = lib.kv_moe_rows(x.data_ptr(), m, L.h, L.router_w, L.e, L.scoring, L.bias, L.tid2eid, token_ids.data_ptr(),
-                         L.k, L.route_scale, L.n_group, L.topk_group, L.renorm, L.w13, L.w2, L.inter, L.limit,
-                         L.shared_gate, L.shared_up, L.shared_down, L.shared_inter, moe_threads(L, m),
-                         out.data_ptr())
+    out = torch.empty(m, L.route.h, dtype=torch.float32)
+    rc = lib.kv_moe_rows(L, x.data_ptr(), m, token_ids.data_ptr(), moe_threads(L, m), out.data_ptr())
     return out if rc == 0 else None
-
-
-class MoeLayer(ctypes.Structure):
-    """native.c's moe_layer, field for field: the layer's routing and weights as moe_row reads
-    them (kv_moe_rows takes the same values as arguments)."""
-    _fields_ = [("h", ctypes.c_int64), ("e", ctypes.c_int64), ("k", ctypes.c_int64), ("n_group", ctypes.c_int64),
-                ("topk_group", ctypes.c_int64), ("inter", ctypes.c_int64), ("shared_inter", ctypes.c_int64),
-                ("scoring", ctypes.c_int), ("renorm", ctypes.c_int), ("route_scale", ctypes.c_double),
-                ("limit", ctypes.c_float), ("router_w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("tid2eid", ctypes.c_void_p), ("w13", ctypes.c_void_p), ("w2", ctypes.c_void_p),
-                ("shared_gate", ctypes.c_void_p), ("shared_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p)]
 
 
 def native_moe_layer(moe: MoE) -> MoeLayer | None:
@@ -183,16 +170,17 @@ def native_moe_layer(moe: MoE) -> MoeLayer | None:
         e, h = router.shape
         ptr = lambda d: None if d is None else ctypes.addressof(d[0])  # noqa: E731
         is_hash = moe.gate.is_hash
-        layer = MoeLayer(h, e, moe.gate.k, 1, 1, w2[2], 0 if sg is None else sg[1], SCORING[moe.gate.scoring], 1,
-                         moe.gate.scale, moe.experts.limit, router.data_ptr(), None if is_hash else table.data_ptr(),
-                         table.data_ptr() if is_hash else None, ptr(w13), ptr(w2), ptr(sg), ptr(su), ptr(sd))
+        route = RouteParams(h, e, moe.gate.k, 1, 1, SCORING[moe.gate.scoring], 1, moe.gate.scale, router.data_ptr(),
+                            None if is_hash else table.data_ptr(), table.data_ptr() if is_hash else None)
+        layer = MoeLayer(route, w2[2], 0 if sg is None else sg[1], moe.experts.limit, ptr(w13), ptr(w2), ptr(sg),
+                         ptr(su), ptr(sd))
         hit = moe.__dict__["_native_layer"] = (ws, layer)
     return hit[1]
 
 
 _SERIAL_BYTES = 1 << 20  # below this much fp32-equivalent weight per call, one thread (the count changes no bits)
 # Up to this many rows (decode rows, verify rows, small batches) the layer is one native call,
-# which gathers each expert's rows and reads its weights once for them (native.c's moe_rows); past
+# which gathers each expert's rows and reads its weights once for them (native.c's kv_moe_rows); past
 # it, the grouped path of layers/moe.py does the same per op (native for 128-token prefill chunks
 # was measured no faster: bench/RESULTS.md).
 NATIVE_MOE_ROWS = 16
@@ -200,4 +188,5 @@ NATIVE_MOE_ROWS = 16
 
 def moe_threads(L: MoeLayer, m: int) -> int:
     """The native MoE's thread count for m rows: one below _SERIAL_BYTES of weights, else torch's."""
-    return torch.get_num_threads() if 4 * m * L.h * (L.k * 3 * L.inter + 3 * L.shared_inter) > _SERIAL_BYTES else 1
+    h, k = L.route.h, L.route.k
+    return torch.get_num_threads() if 4 * m * h * (k * 3 * L.inter + 3 * L.shared_inter) > _SERIAL_BYTES else 1

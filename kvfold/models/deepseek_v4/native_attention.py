@@ -18,30 +18,13 @@ import torch
 from ...layers.basic import QuantizedWeight, fp32_native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native
-from ...numerics.weights_mm import WeightsDesc, describe, row_groups
+from ...numerics.native_abi import (AttnRows, CompressorProj, FoldState, OutputLayer, ProjectLayer, SequenceLayer,
+                                    WeightsDesc)
+from ...numerics.weights_mm import describe, row_groups
 from ...state.kv_rows import plain_rows
 from .config import CSA, HCA, SLIDING
 
-_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _F32 = torch.float32
-
-
-class _CompressorProj(ctypes.Structure):
-    _fields_ = [("kv", _P), ("gate", _P), ("bias", _P), ("cols", _I), ("ratio", _I)]
-
-
-class _ProjectLayer(ctypes.Structure):
-    """native_attention.h's attn_project_layer, field for field."""
-    _fields_ = [("hid", _I), ("q_rank", _I), ("heads", _I), ("head_dim", _I), ("half", _I), ("eps", _D),
-                ("q_a", _P), ("q_b", _P), ("kv", _P), ("q_norm", _P), ("kv_norm", _P),
-                ("comp", _CompressorProj), ("index", _CompressorProj), ("index_q_b", _P), ("index_w", _P),
-                ("index_heads", _I), ("index_dim", _I), ("index_w_scale", _D), ("threads", _I)]
-
-
-class _OutputLayer(ctypes.Structure):
-    """native_attention.h's attn_output_layer, field for field."""
-    _fields_ = [("hid", _I), ("heads", _I), ("head_dim", _I), ("half", _I), ("groups", _I), ("rank", _I),
-                ("o_a", _P), ("o_b", _P), ("threads", _I)]
 
 
 def _weight(module):
@@ -75,17 +58,17 @@ def _cached(attn, name: str, paths, build):
     return cache.get()
 
 
-def _compressor_proj(c, descs: list) -> _CompressorProj | None:
+def _compressor_proj(c, descs: list) -> CompressorProj | None:
     """One compressor's projections (its descriptors appended to `descs`, which keeps them alive)."""
     kv, gate = _desc(_weight(c.kv_proj)), _desc(_weight(c.gate_proj))
     bias = c.position_bias
     if kv is None or gate is None or not native.fp32_cpu(bias) or c.entry_sim is not None:
         return None
     descs += [kv, gate]
-    return _CompressorProj(ctypes.addressof(kv), ctypes.addressof(gate), bias.data_ptr(), bias.shape[1], c.ratio)
+    return CompressorProj(ctypes.addressof(kv), ctypes.addressof(gate), bias.data_ptr(), bias.shape[1], c.ratio)
 
 
-def _build_projection(attn) -> tuple[_ProjectLayer, list] | None:
+def _build_projection(attn) -> tuple[ProjectLayer, list] | None:
     """The layer's attn_project_layer (and the descriptors it points into), or None."""
     lins = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj]
     c = attn.compressor
@@ -102,9 +85,9 @@ def _build_projection(attn) -> tuple[_ProjectLayer, list] | None:
     if any(d is None for d in descs):
         return None
     q_a = _weight(attn.q_a_proj)
-    layer = _ProjectLayer(q_a.shape[1], q_a.shape[0], attn.n_heads, attn.head_dim, attn.rope_dim // 2, attn.eps,
-                          *(ctypes.addressof(d) for d in descs), attn.q_a_norm.weight.data_ptr(),
-                          attn.kv_norm.weight.data_ptr())
+    layer = ProjectLayer(q_a.shape[1], q_a.shape[0], attn.n_heads, attn.head_dim, attn.rope_dim // 2, attn.eps,
+                         *(ctypes.addressof(d) for d in descs), attn.q_a_norm.weight.data_ptr(),
+                         attn.kv_norm.weight.data_ptr())
     if c is not None:
         comp = _compressor_proj(c, descs)
         if comp is None:
@@ -137,23 +120,23 @@ def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
     q = empty(m, attn.n_heads, attn.head_dim, dtype=_F32)
     kv = empty(m, attn.head_dim, dtype=_F32)
     rows = {"q": q, "kv": kv, "positions": positions}
-    ptrs = [None] * 6
+    out = AttnRows(q.data_ptr(), kv.data_ptr())  # the absent parts' rows stay NULL
     if attn.compressor is not None:
         rows["comp"] = (empty(m, layer.comp.cols, dtype=_F32), empty(m, layer.comp.cols, dtype=_F32))
-        ptrs[0:2] = (t.data_ptr() for t in rows["comp"])
+        out.comp_kv, out.comp_score = (t.data_ptr() for t in rows["comp"])
         if layer.index_heads:
             rows["idx_kv"] = (empty(m, layer.index.cols, dtype=_F32), empty(m, layer.index.cols, dtype=_F32))
             rows["idx_q"] = (empty(m, layer.index_heads, layer.index_dim, dtype=_F32),
                              empty(m, layer.index_heads, dtype=_F32))
-            ptrs[2:6] = (t.data_ptr() for t in (*rows["idx_kv"], *rows["idx_q"]))
-    rc = lib.kv_attn_project(ctypes.addressof(layer), x.data_ptr(), m, positions.data_ptr(), cos.data_ptr(),
-                             sin.data_ptr(), q.data_ptr(), kv.data_ptr(), *ptrs)
+            out.index_kv, out.index_score = (t.data_ptr() for t in rows["idx_kv"])
+            out.index_q, out.index_w = (t.data_ptr() for t in rows["idx_q"])
+    rc = lib.kv_attn_project(layer, x.data_ptr(), m, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out)
     if rc != 0:
         raise MemoryError(f"native attention projections could not allocate a buffer (rc {rc})")
     return rows
 
 
-def _build_output(attn) -> tuple[_OutputLayer, list] | None:
+def _build_output(attn) -> tuple[OutputLayer, list] | None:
     wa, wb = _weight(attn.o_a_proj), _weight(attn.o_b_proj)
     if attn.act_dtype is not _F32 or attn.o_b_proj.act_quant or wa.dtype is not _F32:
         return None
@@ -166,8 +149,8 @@ def _build_output(attn) -> tuple[_OutputLayer, list] | None:
     if groups is None or o_b is None:
         return None
     table = (WeightsDesc * len(groups))(*(d for d, _, _ in groups))  # copies: the C side reads an array
-    layer = _OutputLayer(wb.shape[0], attn.n_heads, attn.head_dim, attn.rope_dim // 2, attn.o_groups, groups[0][1],
-                         ctypes.addressof(table), ctypes.addressof(o_b))
+    layer = OutputLayer(wb.shape[0], attn.n_heads, attn.head_dim, attn.rope_dim // 2, attn.o_groups, groups[0][1],
+                        ctypes.addressof(table), ctypes.addressof(o_b))
     return layer, [table, o_b, groups]
 
 
@@ -182,8 +165,7 @@ def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     if layer is None:
         return None
     out = torch.empty(m, layer.hid, dtype=_F32)
-    if lib.kv_attn_output(ctypes.addressof(layer), o.data_ptr(), m, cos.data_ptr(), sin.data_ptr(),
-                          out.data_ptr()) != 0:
+    if lib.kv_attn_output(layer, o.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), out.data_ptr()) != 0:
         raise MemoryError("native attention output could not allocate its buffers")
     return out
 
@@ -196,7 +178,7 @@ def _with_threads(built):
     return built[0]
 
 
-def _projection_layer(attn) -> _ProjectLayer | None:
+def _projection_layer(attn) -> ProjectLayer | None:
     return _with_threads(_cached(attn, "_native_project", _projection_paths, _build_projection))
 
 
@@ -204,7 +186,7 @@ def _output_paths(attn) -> list[str]:
     return ["o_a_proj.weight", "o_b_proj.weight"]
 
 
-def _output_layer(attn) -> _OutputLayer | None:
+def _output_layer(attn) -> OutputLayer | None:
     return _with_threads(_cached(attn, "_native_output", _output_paths, _build_output))
 
 
@@ -213,23 +195,11 @@ def fused_paths(attn) -> list[str]:
     return _projection_paths(attn) + _output_paths(attn)
 
 
-def fused_halves(attn) -> tuple[_ProjectLayer, _OutputLayer] | None:
+def fused_halves(attn) -> tuple[ProjectLayer, OutputLayer] | None:
     """The layer's attn_project_layer and attn_output_layer as `project_rows` and `output_rows` use
     them, or None where either cannot run."""
     project, output = _projection_layer(attn), _output_layer(attn)
     return None if project is None or output is None else (project, output)
-
-
-class _FoldState(ctypes.Structure):
-    _fields_ = [("kv", _P), ("score", _P), ("rows", _I), ("cols", _I), ("ratio", _I), ("overlap", _I),
-                ("pool", _P), ("phys", _P), ("width", _I), ("norm", _P), ("eps", _D)]
-
-
-class _SequenceLayer(ctypes.Structure):
-    """native_attention.h's sequence_layer, field for field."""
-    _fields_ = [("window", _P), ("window_rows", _I), ("window_len", _I), ("heads", _I), ("head_dim", _I),
-                ("half", _I), ("topk", _I), ("kind", _I), ("q_scale", _D), ("sinks", _P),
-                ("comp", _FoldState), ("index", _FoldState), ("index_heads", _I), ("index_dim", _I)]
 
 
 _KINDS = {SLIDING: 0, CSA: 1, HCA: 2}
@@ -241,7 +211,7 @@ def _ring(ring) -> torch.Tensor | None:
     return store.data if store.fp8_nope is None and native.fp32_cpu(store.data) else None
 
 
-def _fold_state(comp, st, w: int | None) -> _FoldState | None:
+def _fold_state(comp, st, w: int | None) -> FoldState | None:
     """One compressor's rings and pool for native.c, or None where they are not plain fp32 rows.
     With `w` (the entry this row emits), a shared page under it refuses here, before any write."""
     kv, score, pool = _ring(st.kv), _ring(st.score), plain_rows(st.pool)
@@ -251,12 +221,12 @@ def _fold_state(comp, st, w: int | None) -> _FoldState | None:
     data, phys = pool
     if w is not None and phys is not None:
         st.pool.check_writable(w, w + 1)
-    return _FoldState(kv.data_ptr(), score.data_ptr(), st.kv.rows, kv.shape[1], st.ratio, int(st.overlap),
-                      data.data_ptr(), None if phys is None else phys.data_ptr(), data.shape[1], norm.data_ptr(),
-                      comp.kv_norm.eps)
+    return FoldState(kv.data_ptr(), score.data_ptr(), st.kv.rows, kv.shape[1], st.ratio, int(st.overlap),
+                     data.data_ptr(), None if phys is None else phys.data_ptr(), data.shape[1], norm.data_ptr(),
+                     comp.kv_norm.eps)
 
 
-def sequence_layer(attn, ls, start: int, rope) -> tuple[_SequenceLayer, torch.Tensor | None,
+def sequence_layer(attn, ls, start: int, rope) -> tuple[SequenceLayer, torch.Tensor | None,
                                                          torch.Tensor | None] | None:
     """What native.c's decode row reads and writes of `ls` at position `start` (a sequence_layer),
     with the rope (cos, sin) of the entry a closing window emits (None, None when none closes);
@@ -270,8 +240,8 @@ def sequence_layer(attn, ls, start: int, rope) -> tuple[_SequenceLayer, torch.Te
     c = attn.compressor
     emits = c is not None and (start + 1) % c.ratio == 0
     w = start // c.ratio if emits else None
-    layer = _SequenceLayer(window.data_ptr(), ls.window.rows, attn.window, attn.n_heads, attn.head_dim,
-                           attn.rope_dim // 2, 0, _KINDS[attn.kind], attn.head_dim ** -0.5, attn.sinks.data_ptr())
+    layer = SequenceLayer(window.data_ptr(), ls.window.rows, attn.window, attn.n_heads, attn.head_dim,
+                          attn.rope_dim // 2, 0, _KINDS[attn.kind], attn.head_dim ** -0.5, attn.sinks.data_ptr())
     if c is not None:
         comp = _fold_state(c, ls.compressor, w)
         if comp is None:
@@ -305,9 +275,9 @@ def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor |
     if found is None:
         return None
     layer, cos, sin = found
-    ptrs = [t.data_ptr() for t in parts] + [None] * (8 - len(parts))
+    row = AttnRows(*(t.data_ptr() for t in parts))  # in AttnRows' order; the absent parts' stay NULL
     out = torch.empty(1, attn.n_heads, attn.head_dim, dtype=_F32)
-    if lib.kv_attn_sequence_one(ctypes.addressof(layer), start, *ptrs, None if cos is None else cos.data_ptr(),
+    if lib.kv_attn_sequence_one(layer, start, row, None if cos is None else cos.data_ptr(),
                                 None if sin is None else sin.data_ptr(), out.data_ptr()) != 0:
         raise MemoryError("native decode attention could not allocate its buffers")
     return out

@@ -7,48 +7,40 @@ row (native_attention.py), its output, the expand, the MoE's collapse and norm, 
 the last expand. `block_row` makes that sequence one call: the same kernels in the same order on
 the same values, so the streams and the states it writes are the per-op path's bit for bit,
 without the Python between the calls. It runs only where every one of those calls would run
-natively for that many rows, no forward hook is registered on the block's sub-modules (the fused
-call would skip them) and no profiler listens (`kvfold.profiling`); anywhere else it returns None
-and the block runs op by op. `model_row` does the same for `Dsv4Model._run_rows`: the embedding,
-every block, the mHC head, the norm and the lm_head in one call. What that call reads of the
-weights is one `_RowPlan` a model, checked once a step by one `NativeCache` over every weight it
-points into; only the states' part (each layer's sequence_layer per row) and the rope are built
-per step.
+natively for that many rows, the model's fused decode is on and no profiler listens
+(`kvfold.profiling`); anywhere else it returns None and the block runs op by op. `model_row` does
+the same for `Dsv4Model._run_rows`: the embedding, every block, the mHC head, the norm and the
+lm_head in one call. What that call reads of the weights is one `_RowPlan` a model, checked once a
+step by one `NativeCache` over every weight it points into; only the states' part (each layer's
+sequence_layer per row) and the rope are built per step.
+
+Forward hooks. A fused call replaces the forwards of the modules it covers (the block's norms,
+attention and MoE; for `model_row` also the blocks, the embedding, the mHC head, the norm and the
+lm_head), so a forward hook registered on one of them does not fire for those rows. torch has no
+public way to ask whether a module, or any module, has hooks (`Module._forward_hooks` and
+`torch.nn.modules.module._global_forward_hooks` are private), so the fused path does not guess:
+it is a setting of the model, `Dsv4Model.set_fused_decode(on)` (on by default: the fast path),
+and code that needs every module's forward to run turns it off there, as the profiler does
+(`kvfold.bench.profile.probes`). Off changes no bits, only the speed.
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
-from torch.nn.modules import module as _module
 
 from ... import profiling
 from ...layers.basic import fp32_native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native, triton_ops
+from ...numerics.native_abi import BlockLayer, DecodeRows, HcEntry, HcParams, ModelLayer, ModelRows
 from ...numerics.hc import native_collapse_serves
 from ...numerics.rows import _threads, rows_invariant
 from .config import SLIDING
 from .moe import NATIVE_MOE_ROWS, moe_threads, native_moe_layer, native_moe_paths
 from .native_attention import fused_halves, fused_paths, sequence_layer
 
-_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-
-
-class _HcEntry(ctypes.Structure):
-    """native_block.h's hc_entry, field for field."""
-    _fields_ = [("fn", _P), ("base", _P), ("scale", _P), ("iters", _I), ("hc_eps", _D), ("norm_eps", _D),
-                ("norm", _P), ("eps", _D)]
-
-
-class _BlockLayer(ctypes.Structure):
-    """native_block.h's block_layer, field for field."""
-    _fields_ = [("hc", _I), ("hid", _I), ("attn", _HcEntry), ("ffn", _HcEntry), ("project", _P), ("output", _P),
-                ("moe", _P), ("moe_threads", _I)]
-
-
 _ENTRIES = (("attn_hc", "input_layernorm"), ("ffn_hc", "post_attention_layernorm"))
-_CALLED = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")  # the sub-modules Block.forward calls
 
 
 def _paths(block) -> list[str]:
@@ -56,27 +48,20 @@ def _paths(block) -> list[str]:
         [f"{norm}.weight" for _, norm in _ENTRIES]
 
 
-def _entry(hc, norm) -> _HcEntry | None:
+def _entry(hc, norm) -> HcEntry | None:
     p, w = hc._parameters, norm._parameters["weight"]
     if not native.fp32_cpu(p["fn"], p["base"], p["scale"], w):
         return None
-    return _HcEntry(p["fn"].data_ptr(), p["base"].data_ptr(), p["scale"].data_ptr(), hc.iters, hc.hc_eps,
-                    hc.norm_eps, w.data_ptr(), norm.eps)
+    params = HcParams(p["fn"].data_ptr(), p["base"].data_ptr(), p["scale"].data_ptr(), hc.iters, hc.hc_eps,
+                      hc.norm_eps)
+    return HcEntry(params, w.data_ptr(), norm.eps)
 
 
-def _build(block) -> _BlockLayer | None:
+def _build(block) -> BlockLayer | None:
     entries = [_entry(getattr(block, hc), getattr(block, norm)) for hc, norm in _ENTRIES]
     if any(e is None for e in entries):
         return None
-    return _BlockLayer(0, 0, *entries)  # hc and hid: set from each call's streams
-
-
-def _hooked(block) -> bool:
-    """Whether a forward hook would see one of the sub-modules Block.forward calls."""
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return True
-    subs = block._modules
-    return any(subs[name]._forward_hooks or subs[name]._forward_pre_hooks for name in _CALLED)
+    return BlockLayer(0, 0, *entries)  # hc and hid: set from each call's streams
 
 
 def _prepared(block, batch, hc: int, hid: int):
@@ -85,7 +70,7 @@ def _prepared(block, batch, hc: int, hid: int):
     a step would not run natively. A shared page under an entry a row would write refuses here
     (PageError), before any write."""
     attn, moe, n = block.self_attn, block.mlp, len(batch.segments)
-    if attn.tp is not None or moe.tp is not None or _hooked(block):
+    if attn.tp is not None or moe.tp is not None or not block.fused_decode:
         return None
     lib = native.library()
     if lib is None or not _int64_rows(batch.token_ids, batch.positions):
@@ -128,7 +113,7 @@ def _rows_serve(n: int, fns) -> bool:
     return n <= NATIVE_MOE_ROWS and reads_as_stored(n) and all(native_collapse_serves(n, fn) for fn in fns)
 
 
-def _linked(layer: _BlockLayer | None, block, hc: int, hid: int, rows: int):
+def _linked(layer: BlockLayer | None, block, hc: int, hid: int, rows: int):
     """`layer` pointed at the block's fused attention halves and MoE layer (returned with it, which
     keeps them alive), for calls of `rows` decode rows; or None where a step of that many rows
     would not run natively (whether the collapse is native depends on the mode and threads of this
@@ -167,21 +152,14 @@ def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
         return None
     lib, layer, seqs, (cos, sin, emit_cos, emit_sin) = found
     out = torch.empty_like(streams)
-    rc = lib.kv_block_decode_rows(ctypes.addressof(layer), _pointers(seqs), len(seqs), batch.positions.data_ptr(),
-                                  batch.token_ids.data_ptr(), cos.data_ptr(), sin.data_ptr(), _pointers(emit_cos),
-                                  _pointers(emit_sin), streams.data_ptr(), out.data_ptr())
+    rows = DecodeRows(len(seqs), batch.positions.data_ptr(), batch.token_ids.data_ptr(), cos.data_ptr(),
+                      sin.data_ptr(), _pointers(emit_cos), _pointers(emit_sin))
+    rc = lib.kv_block_decode_rows(layer, _pointers(seqs), rows, streams.data_ptr(), out.data_ptr())
     if rc == -2:
         return None  # refused before any write: the per-op path runs (and reports what it finds)
     if rc != 0:
         raise MemoryError("native decode block could not allocate its buffers")
     return out
-
-
-class _ModelLayer(ctypes.Structure):
-    """native_block.h's model_layer, field for field."""
-    _fields_ = [("hc", _I), ("hid", _I), ("vocab", _I), ("layers", _I), ("embed", _P), ("head_fn", _P),
-                ("head_base", _P), ("head_scale", _P), ("head_hc_eps", _D), ("head_norm_eps", _D), ("norm", _P),
-                ("norm_eps", _D), ("lm_head", _P), ("head_threads", _I)]
 
 
 def _head_weights(model):
@@ -202,14 +180,13 @@ class _RowPlan:
     """What `model_row`'s call reads of the model's weights, built once per model (and again when
     a weight, the thread count, batch invariance, `numerics` or the kernels change): every block's
     block_layer with its attention halves and MoE layer, the head's model_layer, and what each
-    call still checks (the hook dicts of the modules it skips, the modules a `tp` would shard, the
-    most decode rows the per-op path runs natively)."""
+    call still checks (the modules a `tp` would shard, the most decode rows the per-op path runs
+    natively)."""
 
-    def __init__(self, lib, head: _ModelLayer, layers: list, keep: list, hooks: list, sharded: list, attns: list,
-                 max_rows: int):
+    def __init__(self, lib, head: ModelLayer, layers: list, keep: list, sharded: list, attns: list, max_rows: int):
         self.lib, self.head, self.layers, self.keep = lib, head, layers, keep  # keep: what the pointers point into
         self.blocks = (ctypes.c_void_p * len(layers))(*(ctypes.addressof(b) for b in layers))
-        self.hooks, self.sharded = hooks, sharded
+        self.sharded = sharded
         self.attns = attns  # (attention, its batch.rope key, its rope_dim) per block
         self.ropes = {(kind, dim) for _, kind, dim in attns}
         self.max_rows = max_rows
@@ -249,12 +226,10 @@ def _build_plan(model) -> _RowPlan | None:
     built = [_linked(_build(block), block, hc, hid, 1) for block in body.layers]
     if any(b is None for b in built):
         return None
-    layer = _ModelLayer(hc, hid, vocab, len(built), ctypes.addressof(embed), p["hc_fn"].data_ptr(),
-                        p["hc_base"].data_ptr(), p["hc_scale"].data_ptr(), body.hc_head.hc_eps, body.hc_head.norm_eps,
-                        body.norm.weight.data_ptr(), body.norm.eps, ctypes.addressof(head), _threads(vocab * hid))
-    skipped = [body.embed_tokens, body.hc_head, body.norm, model.lm_head, *body.layers,
-               *(block._modules[name] for block in body.layers for name in _CALLED)]
-    hooks = [d for m in skipped for d in (m._forward_hooks, m._forward_pre_hooks)]
+    head_hc = HcParams(p["hc_fn"].data_ptr(), p["hc_base"].data_ptr(), p["hc_scale"].data_ptr(), 0,
+                       body.hc_head.hc_eps, body.hc_head.norm_eps)
+    layer = ModelLayer(hc, hid, vocab, len(built), ctypes.addressof(embed), head_hc, body.norm.weight.data_ptr(),
+                       body.norm.eps, ctypes.addressof(head), _threads(vocab * hid))
     sharded = [model, *(m for block in body.layers for m in (block.self_attn, block.mlp))]
     attns = [(a, SLIDING if a.kind == SLIDING else "compressed", a.rope_dim)
              for a in (block.self_attn for block in body.layers)]
@@ -262,8 +237,7 @@ def _build_plan(model) -> _RowPlan | None:
     max_rows = 1  # the conditions only tighten as rows are added
     while max_rows < NATIVE_MOE_ROWS and _rows_serve(max_rows + 1, fns):
         max_rows += 1
-    return _RowPlan(lib, layer, [b[0] for b in built], [found, *(b[1] for b in built)], hooks, sharded, attns,
-                    max_rows)
+    return _RowPlan(lib, layer, [b[0] for b in built], [found, *(b[1] for b in built)], sharded, attns, max_rows)
 
 
 def _plan(model) -> _RowPlan | None:
@@ -286,15 +260,14 @@ def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`Dsv4Model._run_rows` for a batch of n decode rows, one a sequence, in one native call: the
     embedding, every block, the mHC head, the norm and the lm_head (native_block.h). Returns
     (logits [n, vocab], final streams [n, hc, hidden]), or None where any step would not run
-    natively, a forward hook would see one of the modules it skips, or a profiler listens (then
-    nothing has been written). A shared page under an entry a row would write refuses
-    (PageError) before any write."""
+    natively, the model's fused decode is off or a profiler listens (then nothing has been
+    written). A shared page under an entry a row would write refuses (PageError) before any
+    write."""
     tokens, positions, n = batch.token_ids, batch.positions, len(batch.segments)
-    if not _decode_rows(batch) or _module._global_forward_hooks or _module._global_forward_pre_hooks \
-            or not _int64_rows(tokens, positions):
+    if not model.fused_decode or not _decode_rows(batch) or not _int64_rows(tokens, positions):
         return None
     plan = _plan(model)
-    if plan is None or n > plan.max_rows or any(plan.hooks) or any(m.tp is not None for m in plan.sharded) \
+    if plan is None or n > plan.max_rows or any(m.tp is not None for m in plan.sharded) \
             or not _rope_serves(plan, batch, n):
         return None
     for half in plan.halves:
@@ -311,9 +284,9 @@ def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     hc, hid, vocab = plan.head.hc, plan.head.hid, plan.head.vocab
     streams = torch.empty(n, hc, hid, dtype=torch.float32)
     logits = torch.empty(n, vocab, dtype=torch.float32)
-    rc = plan.lib.kv_model_decode_rows(ctypes.addressof(plan.head), plan.blocks, _pointers(seqs), _pointers(rope),
-                                       _pointers(emit), n, positions.data_ptr(), tokens.data_ptr(),
-                                       streams.data_ptr(), logits.data_ptr())
+    rows = ModelRows(n, positions.data_ptr(), tokens.data_ptr(), _pointers(rope), _pointers(emit))
+    rc = plan.lib.kv_model_decode_rows(plan.head, plan.blocks, _pointers(seqs), rows, streams.data_ptr(),
+                                       logits.data_ptr())
     if rc == -2:
         return None  # refused before any write
     if rc != 0:
