@@ -1,5 +1,5 @@
 """Command line: `kvfold generate ...` streams text; `kvfold inspect ...` shows a model's layout;
-`kvfold eval-ppl ...` measures perplexity on a text file."""
+`kvfold eval-ppl ...` measures perplexity on a text file; `kvfold doctor` checks the machine."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from .argtypes import nonneg_float as _nonneg_float, nonneg_int as _nonneg_int, pos_int as _pos_int, top_p as _top_p
 from .errors import KvfoldError
+from .progress import quieted
 from .decoding.generate import generate, generation_capacity
 from .models.registry import checkpoint_dir
 
@@ -95,6 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     from .bench import add_bench_parser
     add_bench_parser(sub)
+    from .doctor import add_doctor_parser
+    add_doctor_parser(sub)
 
     c = sub.add_parser("convert", help="rewrite a checkpoint in the transformers (hf) or official layout")
     c.add_argument("src", help="checkpoint directory to read")
@@ -112,7 +115,25 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="write the unquantized float *.weight tensors (embedding, lm_head, norms, compressors, "
                         "router) in this dtype, as the release stores them in bfloat16 (default: as stored)")
     c.add_argument("--shard-size-gib", type=float, default=4.0, help="maximum shard size (default 4 GiB)")
+    _add_quiet_args(sub)
     return parser
+
+
+_QUIET_COMMANDS = ("generate", "inspect", "eval-ppl", "serve", "convert", "bench")
+
+
+def _add_quiet_args(sub: Any) -> None:
+    """`--quiet` on every command that loads or writes a checkpoint (and on `bench`'s `serve` mode,
+    so that it may follow either word)."""
+    help_text = "no progress lines on stderr (and no start-up banner for serve)"
+    for name in _QUIET_COMMANDS:
+        parser = sub.choices[name]
+        parser.add_argument("--quiet", action="store_true", help=help_text)
+        for action in parser._actions:  # argparse lists a parser's sub-parsers only there
+            if isinstance(action, argparse._SubParsersAction):
+                for mode in action.choices.values():
+                    # SUPPRESS: unset here, the mode does not overwrite `bench --quiet serve`
+                    mode.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=help_text)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -290,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="replace")
     clean = False
     try:
-        rc = _dispatch(args)
+        with quieted(getattr(args, "quiet", False)):
+            rc = _dispatch(args)
         clean = True
         return rc
     except KvfoldError as exc:
@@ -322,6 +344,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from .server import run_serve
         return run_serve(args)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+        return run_doctor(args)
     return _cmd_inspect(args)
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import struct
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +32,7 @@ from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
 from .sharding import tp_slice
 from ...parallel import local_expert, skips_shared_expert
 from ...errors import CheckpointError
+from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
 from ...numerics.quant_formats import (BF16, FP8, QuantSettings, dequant_into, expected_scale_shape, logical_shape,
                                        scale_keys, stored_format)
@@ -57,33 +57,6 @@ def checkpoint_files(directory: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"shards listed in the index are missing: {missing}")
     return files
-
-
-class _Progress:
-    """One self-overwriting stderr line while loading, only when stderr is a terminal."""
-
-    def __init__(self, total_bytes: int, enabled: bool | None = None, label: str = "loading weights"):
-        self.total, self.done, self.count, self.label = max(total_bytes, 1), 0, 0, label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = self.last = time.monotonic()
-
-    def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.count += 1
-        now = time.monotonic()
-        if self.enabled and (now - self.last >= 0.1 or self.done >= self.total):
-            self.last = now
-            gib = 1 << 30
-            rate = self.done / gib / max(now - self.t0, 1e-9)
-            sys.stderr.write(f"\rkvfold: {self.label} {100 * self.done / self.total:5.1f}% "
-                             f"({self.done / gib:.2f}/{self.total / gib:.2f} GiB, {self.count} tensors, "
-                             f"{rate:.2f} GiB/s)\x1b[K")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 class _Entry(NamedTuple):
@@ -234,7 +207,8 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
     (decoded straight into the parameters, one tensor at a time, from memory-mapped files).
     `weights="quantized"` keeps FP8 / FP4 weights as stored instead (see `QuantizedWeight`); float
     checkpoint tensors load as floats either way (nothing is quantized at load).
-    `progress`: a stderr progress line (default: only when stderr is a terminal)."""
+    `progress`: a stderr progress line (default: only when stderr is a terminal, outside
+    `kvfold.progress.quieted()`)."""
     if weights not in WEIGHT_RESIDENCIES:
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     directory = Path(directory)
@@ -242,13 +216,10 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
     settings = read_quant_settings(directory)
     _prepare_slots(model, reader, settings, weights)
     loader = _WeightLoader(model, reader, settings)
-    bar = _Progress(reader.total_bytes, progress)
-    try:
+    with ByteProgress(reader.total_bytes, "loading weights", enabled=progress) as bar:
         for key, read, read_scale in reader.tensors():
             if loader.load(key, read, read_scale):
-                bar.update(reader.nbytes(key))
-    finally:
-        bar.close()
+                bar.advance(reader.nbytes(key))
     loader.finish(directory)
 
 
@@ -412,11 +383,12 @@ def _raise_mismatch(directory: Path, missing: list[str], unexpected: list[str], 
     raise CheckpointError(f"checkpoint {directory} does not match its config.json: " + "; ".join(parts))
 
 
-def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
+def save_checkpoint(model: torch.nn.Module, directory: str | Path, progress: bool | None = None) -> Path:
     """Write `config.json` + `model.safetensors` in the transformers layout (MTP under the
     official `mtp.0.*` names, which is where checkpoints carry it). Float weights only: a model
-    loaded with weights="quantized" is refused (its checkpoint files can be rewritten with `convert`)."""
-    from safetensors.torch import save_file
+    loaded with weights="quantized" is refused (its checkpoint files can be rewritten with `convert`).
+    `progress`: a stderr progress line (default: only when stderr is a terminal, outside
+    `kvfold.progress.quieted()`)."""
     from .mtp import official_mtp_weights
     if any(isinstance(m, QuantizedWeight) for m in model.modules()):
         raise CheckpointError("save_checkpoint writes float weights, but this model keeps its FP8 / FP4 weights "
@@ -428,9 +400,47 @@ def save_checkpoint(model: torch.nn.Module, directory: str | Path) -> Path:
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if not k.startswith("mtp.")}
     if model.mtp is not None:
         tensors.update({k: v.cpu() for k, v in official_mtp_weights(model.mtp).items()})
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(directory / "model.safetensors", tensors, {"format": "pt"}, progress=progress)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    **({torch.float8_e8m0fnu: "F8_E8M0"} if hasattr(torch, "float8_e8m0fnu") else {}),
+}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      progress: bool | None = None, label: str = "writing checkpoint") -> None:
+    """Write CPU `tensors` as one safetensors file, tensor by tensor, so that a progress line can
+    follow the bytes (`safetensors.save_file` writes in one call). The layout is safetensors': an
+    8-byte header length, the JSON header padded with spaces to 8 bytes, then the data, largest
+    element size first so every tensor starts aligned to its element size."""
+    if sys.byteorder != "little":  # safetensors stores little-endian; its own writer swaps bytes
+        from safetensors.torch import save_file
+        save_file(tensors, str(path), metadata=metadata)
+        return
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{key}: cannot store dtype {t.dtype} in safetensors")
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f, ByteProgress(offset, label, enabled=progress) as bar:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for key in order:
+            raw = tensors[key].contiguous().reshape(-1).view(torch.uint8)  # reshape: 0-d tensors too
+            f.write(memoryview(raw.numpy()))
+            bar.advance(raw.numel())
 
 
 def checkpoint_dtype_breakdown(directory: str | Path) -> dict[str, tuple[int, int]]:

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CheckpointReader, _Progress, _resolve, read_quant_settings
+from .checkpoint import CheckpointReader, _resolve, read_quant_settings
 from .names import Target, hf_key_for_official, official_quant_kind, to_official_names
 from .config import CSA, HCA, SLIDING, Dsv4Config, load_config
 from ...errors import CheckpointError, ConfigError
+from ...progress import ByteProgress
 from ...numerics.quant import (E8M0_BIAS, FP4_BLOCK, FP8_BLOCK, dequant_fp4_blocks, dequant_fp8_blocks,
                              quantize_fp4_blocks, quantize_fp8_blocks)
 from ...numerics.quant_formats import FP4, FP8, QuantSettings, stored_format
@@ -286,13 +287,13 @@ def _write_tensors(reader: CheckpointReader, cfg: Dsv4Config, settings: QuantSet
                    dst: Path, progress: bool | None) -> None:
     """Convert every source tensor and finish the shards; on any failure (or interrupt) the parts
     written so far are removed, leaving no half-written checkpoint behind."""
-    bar = _Progress(reader.total_bytes, progress, "converting")
+    bar = ByteProgress(reader.total_bytes, "converting", enabled=progress)
     try:
         for key, read, read_scale in reader.tensors():
             target = _resolve(key)
             if target is not None:  # None: a tensor the model does not load (dropped)
                 _convert_tensor(target, read(), read_scale(), cfg, settings, emitter)
-            bar.update(reader.nbytes(key))
+            bar.advance(reader.nbytes(key))
         emitter.writer.finish()
     except BaseException:
         for part in dst.glob(".part-*.safetensors"):

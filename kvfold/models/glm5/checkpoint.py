@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ...errors import CheckpointError, ConfigError
+from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
 from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader
 from ...numerics.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
@@ -199,14 +200,16 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
     `block` blocks) decoded straight into float slots, or copied as stored into `QuantizedWeight`s."""
     loader = _Loader(model, reader, block)
     n_vision = 0
-    for key, read, read_scale in reader.tensors():
-        kind, name = _internal(key, model.config.num_hidden_layers)
-        if kind == "vision":
-            n_vision += 1
-        elif kind == "text" and name.endswith(_FUSED_CONV):
-            loader.put_fused_conv(key, name, read)
-        elif kind == "text":
-            loader.put(key, _slot_of(name), read, read_scale)
+    with ByteProgress(reader.total_bytes, "loading weights") as bar:
+        for key, read, read_scale in reader.tensors():
+            kind, name = _internal(key, model.config.num_hidden_layers)
+            if kind == "vision":
+                n_vision += 1
+            elif kind == "text" and name.endswith(_FUSED_CONV):
+                loader.put_fused_conv(key, name, read)
+            elif kind == "text":
+                loader.put(key, _slot_of(name), read, read_scale)
+            bar.advance(reader.nbytes(key))  # skipped tensors too: the bar counts the files' bytes
     loader.finish()
     if n_vision:
         print(f"kvfold: note: ignoring {n_vision} vision tensors (glm5_next is loaded as a text model)",
