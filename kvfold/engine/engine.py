@@ -22,8 +22,9 @@ from typing import Any, Sequence as Seq
 import torch
 
 from ..decoding.grammar import CompiledGrammar, compile_grammar
-from ..errors import InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
+from ..errors import CacheFileError, InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
 from .graphs import GRAPH_STATS, DecodeGraphs
+from .disk_cache import DiskHit, disk_stats, engine_prefix_cache
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
@@ -48,14 +49,16 @@ class Engine:
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
                  prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
                  batch_invariant: bool | None = None, speculative: str | None = None, num_draft: int = 4,
-                 decode_graphs: bool = False):
+                 decode_graphs: bool = False, cache_dir: str | None = None, cache_disk_bytes: int = 0):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
         fed per step. `prefill_chunk`: prefill chunk and prefix-cache block size, a multiple of
         128. `max_state_bytes`: bound on the bytes of all live states (None: no bound beyond
         max_running). `prefix_cache_bytes`: budget of the prefix cache: its snapshots plus the pages
-        only it still holds (0 disables it). `kv_page_bytes`: size of the shared page pool of
+        only it still holds (0 disables it). `cache_dir`, `cache_disk_bytes`: the prefix cache's disk
+        tier (disk_cache.py): evicted entries, and all of them at `flush_prefix_cache()`, kept there
+        as full snapshots under that budget, found again by any engine of the same model. `kv_page_bytes`: size of the shared page pool of
         compressed KV (models with the `pages` capability); None: room for max_running sequences of
         max_seq_len tokens (at most max_state_bytes, at least one such sequence); 0: private
         per-sequence pools, no page sharing. `batch_invariant`: this engine's mode, passed to every
@@ -103,15 +106,19 @@ class Engine:
         if decode_graphs:
             self.graphs = DecodeGraphs.for_engine(model, self.pages, max_running, max_seq_len, self.max_rewind,
                                                   batch_invariant)
-        root = f"{model.fingerprint}/{model.dtype}".encode()
-        self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, root, self.pages) \
-            if prefix_cache_bytes else None
+        self.prefix_cache = engine_prefix_cache(model, self.pages, prefill_chunk, prefix_cache_bytes,
+                                                self.max_rewind, cache_dir, cache_disk_bytes)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request
         self._ids = itertools.count()
         self._c = dict.fromkeys(
             ["requests_added", "requests_rejected", "requests_cancelled", "finished_stop", "finished_length",
              "finished_error", "prompt_tokens", "prefill_tokens", "generation_tokens", "steps", "batch_seqs",
              "batch_tokens", "last_batch_seqs", "last_batch_tokens", "states_allocated", "states_freed"], 0)
+
+    def flush_prefix_cache(self) -> int:
+        """Write every prefix-cache entry not yet on disk (a clean shutdown; no disk tier: nothing).
+        Call it when no step runs. Returns how many entries were written."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     @property
     def arena(self):
@@ -439,7 +446,8 @@ class Engine:
             return True
         cached, keep = 0, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
-            cached, keep, _ = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
+            cached, keep, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
+            cached = cached if entry is not None and entry.pages else 0  # a disk hit shares no pages
         need = self._group_pages(seq, cached) + self._reserved_pages
         if self.pages.free_pages >= need:
             return True
@@ -448,9 +456,9 @@ class Engine:
     def _start(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
         """Give an admitted sequence its state, resumed from the longest cached prefix: its
         pages by reference (paged states) and the rest restored from the entry's snapshot."""
-        n, entry = 0, None
+        n, key, entry = 0, None, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a hit skips the prompt's logits
-            n, _, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
+            n, key, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
         kw = self._state_kw()
         prefix = {"prefix_pages": list(entry.pages)} if entry is not None and entry.pages else {}
         try:
@@ -463,7 +471,12 @@ class Engine:
             try:
                 seq.state.restore(entry.blob)
                 seq.cached_tokens = n
-            except SnapshotError:  # refused blobs leave the state untouched: run cold
+                if isinstance(entry, DiskHit):
+                    entry.tier.served(n)
+                    self._maybe_snapshot(seq)  # back into memory
+            except SnapshotError as exc:  # refused blobs leave the state untouched: run cold
+                if isinstance(entry, DiskHit) and not isinstance(exc, CacheFileError):
+                    entry.tier.refuse(key, type(exc).__name__)
                 self.prefix_cache.hits -= 1
                 self.prefix_cache.hit_tokens -= n
                 if prefix:  # its prefix pages must not be written: start over with pages of its own
@@ -495,9 +508,9 @@ class Engine:
             self.prefix_cache.touch(key)
         elif self.pages is not None:
             pages = seq.state.share_prefix(pos)
-            self.prefix_cache.insert(key, seq.state.snapshot(pools=False), pages)
+            self.prefix_cache.insert(key, seq.state.snapshot(pools=False), pages, seq.prompt, pos)
         else:
-            self.prefix_cache.insert(key, seq.state.snapshot())
+            self.prefix_cache.insert(key, seq.state.snapshot(), (), seq.prompt, pos)
 
     def _release(self, seq: Sequence) -> None:
         if seq.state is not None:
@@ -580,6 +593,7 @@ class Engine:
             prefix_cache_evictions=pc.evictions,
             prefix_cache_pages=pc.pages_held,
             prefix_cache_blob_bytes=pc.blob_bytes,
+            **disk_stats(pc.disk),
         )
         return m
 

@@ -14,6 +14,14 @@ reads can change: no restore or eviction touches another sequence's rows.
 Eviction is least-recently-used under a byte budget that counts the blobs plus the pages held
 by the cache alone (pages also used by a running sequence cost the cache nothing until that
 sequence ends). The engine also evicts to free pages for an admission.
+
+With a disk tier (disk_cache.py) an evicted entry is written to disk as a full snapshot (the
+engine's `materialize` adds the rows its pages hold) with its token ids, and `flush` writes the
+rest at a clean shutdown; a lookup that finds a longer prefix on disk than in memory returns that
+(`DiskHit`: no pages, the state restores every row into its own). Only entries worth a full
+snapshot go to disk: the longest one of each prompt (a leaf) and those a request has hit (a
+shared system prompt, a conversation's earlier turn). Every block of a prompt holds an entry,
+and full snapshots of all of them would write the prompt's rows once per block.
 """
 from __future__ import annotations
 
@@ -21,7 +29,7 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 def block_hashes(ids: Sequence[int], block: int, root: bytes = b"") -> list[bytes]:
@@ -38,17 +46,23 @@ def block_hashes(ids: Sequence[int], block: int, root: bytes = b"") -> list[byte
 class CacheEntry:
     blob: bytes
     pages: tuple[int, ...] = ()  # one reference held by the cache to each
+    ids: Sequence[int] = ()  # the prompt it was taken from (shared, not copied): ids[:n_tokens] is its prefix
+    n_tokens: int = 0
 
 
 class PrefixCache:
-    def __init__(self, block: int, max_bytes: int, root: bytes = b"", pages=None):
-        """`pages`: the `PagePool` whose pages entries may hold (None: blobs only)."""
+    def __init__(self, block: int, max_bytes: int, root: bytes = b"", pages=None, disk=None,
+                 materialize: Callable[[CacheEntry], bytes] | None = None):
+        """`pages`: the `PagePool` whose pages entries may hold (None: blobs only). `disk`: a
+        `DiskTier` evicted entries go to, `materialize(entry)` making an entry's full snapshot."""
         self.block = block
+        self.disk, self.materialize = disk, materialize
         self.max_bytes = max_bytes
         self.root = root  # e.g. the model fingerprint: keys of different models never meet
         self.pages = pages
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # oldest first
         self._page_refs: Counter[int] = Counter()  # references the cache holds, per page
+        self._hit_keys: set[bytes] = set()  # entries a request has been served from
         self.blob_bytes = 0
         # counters for metrics
         self.lookups = 0
@@ -91,16 +105,25 @@ class PrefixCache:
         if count:
             self.lookups += 1
             self.lookup_tokens += n_tokens
+        n, key, entry = self._find_in_memory(keys, n_tokens)
+        if self.disk is not None:
+            hit = self.disk.find(keys, n_tokens, longer_than=n)
+            if hit is not None:
+                n, key, entry = hit.n_tokens, hit.key, hit
+        if entry is not None and count:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                self._hit_keys.add(key)
+            self.hits += 1
+            self.hit_tokens += n
+        return n, key, entry
+
+    def _find_in_memory(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, bytes | None, CacheEntry | None]:
         usable = (n_tokens - 1) // self.block
         for j in range(min(usable, len(keys)) - 1, -1, -1):
             entry = self._entries.get(keys[j])
             if entry is not None:
-                n = (j + 1) * self.block
-                if count:
-                    self._entries.move_to_end(keys[j])
-                    self.hits += 1
-                    self.hit_tokens += n
-                return n, keys[j], entry
+                return (j + 1) * self.block, keys[j], entry
         return 0, None, None
 
     def lookup(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, bytes | None]:
@@ -116,17 +139,19 @@ class PrefixCache:
             self._entries.move_to_end(key)
 
     # ---- insert / evict ----------------------------------------------------------------------
-    def insert(self, key: bytes, blob: bytes, pages: Sequence[int] = ()) -> bool:
+    def insert(self, key: bytes, blob: bytes, pages: Sequence[int] = (), ids: Sequence[int] = (),
+               n_tokens: int = 0) -> bool:
         """Store a snapshot and take over one reference to each of `pages` (dropped at once if
         the entry is not stored). An existing key is only refreshed. Then evict the least
-        recently used entries until the budget holds. Returns whether the entry is stored."""
+        recently used entries until the budget holds. Returns whether the entry is stored.
+        `ids[:n_tokens]`: the prefix the entry holds (what a disk tier writes with it)."""
         if key in self._entries or len(blob) > self.max_bytes:
             if key in self._entries:
                 self._entries.move_to_end(key)
             if pages:
                 self.pages.decref(pages)
             return False
-        entry = CacheEntry(bytes(blob), tuple(pages))
+        entry = CacheEntry(bytes(blob), tuple(pages), ids, n_tokens)
         self._entries[key] = entry
         self._page_refs.update(entry.pages)
         self.blob_bytes += len(entry.blob)
@@ -134,7 +159,10 @@ class PrefixCache:
         self.shrink(keep=key)
         return key in self._entries
 
-    def _drop(self, key: bytes) -> None:
+    def _drop(self, key: bytes, to_disk: bool = False) -> None:
+        if to_disk and self.disk is not None and self._worth_a_file(key):
+            self._write_to_disk(key, self._entries[key])
+        self._hit_keys.discard(key)
         entry = self._entries.pop(key)
         self.blob_bytes -= len(entry.blob)
         self._page_refs.subtract(entry.pages)
@@ -148,7 +176,7 @@ class PrefixCache:
         key = next((k for k in self._entries if k != keep), None)
         if key is None:
             return False
-        self._drop(key)
+        self._drop(key, to_disk=True)
         self.evictions += 1
         return True
 
@@ -173,6 +201,36 @@ class PrefixCache:
         while self.pages.free_pages < n_free and self._evict_oldest(keep):
             pass
         return self.pages.free_pages >= n_free
+
+    def _write_to_disk(self, key: bytes, entry: CacheEntry) -> bool:
+        """Write one entry to the disk tier (a full snapshot), unless it has none, the entry
+        lacks its ids or the file is there already."""
+        if self.disk is None or not entry.n_tokens or key in self.disk:
+            return False
+        blob = self.materialize(entry) if entry.pages and self.materialize is not None else entry.blob
+        return self.disk.write(key, entry.ids[:entry.n_tokens], blob)
+
+    def _worth_a_file(self, key: bytes, longest: dict[int, int] | None = None) -> bool:
+        """A prompt's longest entry, or one a request has hit (see the module docstring).
+        `longest`: each prompt's (ids object's) longest entry, from `_longest()`."""
+        entry = self._entries[key]
+        longest = self._longest() if longest is None else longest
+        return key in self._hit_keys or longest[id(entry.ids)] == entry.n_tokens
+
+    def _longest(self) -> dict[int, int]:
+        longest: dict[int, int] = {}
+        for e in self._entries.values():
+            longest[id(e.ids)] = max(longest.get(id(e.ids), 0), e.n_tokens)
+        return longest
+
+    def flush(self) -> int:
+        """Write every entry worth a file and not yet on disk, most recently used first (a clean
+        shutdown); the disk's budget drops the oldest. Returns how many were written."""
+        if self.disk is None:
+            return 0
+        longest = self._longest()
+        return sum(self._write_to_disk(key, self._entries[key]) for key in reversed(list(self._entries))
+                   if self._worth_a_file(key, longest))
 
     def clear(self) -> None:
         """Drop every entry and the cache's page references."""
