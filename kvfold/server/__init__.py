@@ -30,6 +30,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVFOLD_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help='model id clients send (default: the built-in name or the checkpoint directory name)')
+    p.add_argument("--no-web-page", dest="web_page", action="store_false",
+                   help="do not serve the chat page at / (default: served; it asks for --api-key when one is set)")
     p.add_argument("--max-seq-len", type=_int_at_least(1), default=4096,
                    help="prompt + max_tokens limit per request (default 4096)")
     p.add_argument("--max-running", type=_int_at_least(1), default=16,
@@ -42,6 +44,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-bytes", type=_int_at_least(0), default=256 << 20,
                    help="prefix-cache budget in bytes (snapshots plus pages only the cache holds), "
                         "0 disables (default 256 MiB)")
+    p.add_argument("--cache-dir", default=None,
+                   help="keep prefix-cache entries on disk under DIR: evicted ones, and all of them at a clean "
+                        "shutdown; a restarted server finds them again (docs/serving.md)")
+    p.add_argument("--cache-disk-gib", type=float, default=8.0,
+                   help="byte budget of --cache-dir in GiB, least recently used entries go first (default 8)")
     p.add_argument("--kv-page-bytes", type=_int_at_least(0), default=None,
                    help="bytes of the shared compressed-KV page pool, 0 for private per-sequence pools "
                         "(default: room for max-running sequences of max-seq-len)")
@@ -110,7 +117,8 @@ def build_engine(args: argparse.Namespace):
                       max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
                       kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
                       speculative=args.speculative, num_draft=args.num_draft,
-                      decode_graphs=getattr(args, "decode_graphs", False))
+                      decode_graphs=getattr(args, "decode_graphs", False), cache_dir=getattr(args, "cache_dir", None),
+                      cache_disk_bytes=int(getattr(args, "cache_disk_gib", 0) * (1 << 30)))
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
 
@@ -118,18 +126,80 @@ def build_engine(args: argparse.Namespace):
 def build_app(args: argparse.Namespace):
     """Load the model and build the app `kvfold serve` runs (separate from run_serve for tests)."""
     from .app import create_app
-    from ..models.registry import BUILT_IN, checkpoint_dir, family_of
+    from ..models.registry import checkpoint_dir, family_of
     from ..chat.template import ChatTemplate
 
     engine = build_engine(args)
     model = engine.model
     model_dir = checkpoint_dir(args.model)
-    name = args.served_model_name or (args.model if args.model in BUILT_IN
-                                      else os.path.basename(os.path.normpath(args.model)))
+    name = served_model_name(args)
     family = family_of(model_dir).name if model_dir is not None else None
     template = ChatTemplate.for_model(model.tokenizer, model_dir, family) if model.tokenizer is not None else None
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFOLD_API_KEY") or None
-    return create_app(engine, model_name=name, api_key=api_key, chat_template=template)
+    return create_app(engine, model_name=name, api_key=api_key, chat_template=template,
+                      web_page=getattr(args, "web_page", True))
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model id clients send: --served-model-name, else the built-in name or the directory's name."""
+    from ..models.registry import BUILT_IN
+    return args.served_model_name or (args.model if args.model in BUILT_IN
+                                      else os.path.basename(os.path.normpath(args.model)))
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def base_url(host: str, port: int) -> str:
+    """http://HOST:PORT (an IPv6 address in brackets, as URLs write it)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def startup_banner(args: argparse.Namespace, engine) -> str:
+    """What `kvfold serve` prints to stderr once before uvicorn starts: the model, where it runs,
+    the memory its weights and state reservation take, the prefix cache, and the URLs."""
+    from ..models.registry import checkpoint_dir, family_of
+    model = engine.model
+    model_dir = checkpoint_dir(args.model)
+    family = family_of(model_dir).name if model_dir is not None else "deepseek_v4"  # tiny-random is one
+    kept = len(model.quantized_weights())
+    weights = f"{args.weights}{f' ({kept} tensors kept FP8/FP4/bf16)' if kept else ''}"
+    threads = serving_threads(args.threads)
+    url = base_url(args.host, args.port)
+    port_note = " (port 0: the system picks one; uvicorn logs it)" if args.port == 0 else ""
+    page = f"{url}/" if getattr(args, "web_page", True) else "off"
+    lines = [f"kvfold serve: {args.model} as {served_model_name(args)!r} ({family})",
+             f"  weights:      {weights}, {_mib(model.weight_bytes())} in memory",
+             f"  device:       {model.device}, {str(model.dtype).removeprefix('torch.')}, {threads} "
+             f"thread{'s' if threads != 1 else ''}, batch-invariant {'on' if engine.batch_invariant else 'off'}"
+             # under --tp the weights and state above are this rank's share
+             f"{f', rank 0 of {args.tp} (memory: its share)' if getattr(args, 'tp', 1) > 1 else ''}",
+             f"  state:        {_state_summary(args, engine)}",
+             f"  prefix cache: {_prefix_cache_summary(args, engine)}",
+             f"  page:         {page}{port_note}",
+             f"  API:          {url}/v1{port_note}"]
+    return "\n".join(lines) + "\n"
+
+
+def _state_summary(args: argparse.Namespace, engine) -> str:
+    """The state memory reserved at start (the shared page pool) and what one sequence takes."""
+    per_seq = f"a {args.max_seq_len}-token sequence takes up to {_mib(engine.state_bytes(args.max_seq_len))}"
+    bound = f", all states at most {_mib(args.max_state_bytes)}" if args.max_state_bytes else ""
+    pool = engine.pages
+    if pool is None:
+        return f"private per-sequence pools, allocated per request; {per_seq}, {args.max_running} at once{bound}"
+    return (f"{_mib(pool.nbytes)} page pool reserved now ({pool.num_pages} pages of {engine.model.page_tokens} "
+            f"tokens); {per_seq}, {args.max_running} at once{bound}")
+
+
+def _prefix_cache_summary(args: argparse.Namespace, engine) -> str:
+    cache = engine.prefix_cache
+    if cache is None:
+        return "off (--prefix-cache-bytes 0)"
+    disk = getattr(args, "cache_dir", None)
+    disk_note = f", on disk under {disk} up to {getattr(args, 'cache_disk_gib', 0):g} GiB" if disk else ""
+    return f"{_mib(cache.max_bytes)} in memory, blocks of {cache.block} tokens{disk_note}"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -146,5 +216,8 @@ def run_serve(args: argparse.Namespace) -> int:
             build_engine(args).follow()
             return 0  # the group is left by kvfold.cli.main, as on rank 0
     app = build_app(args)
+    if not getattr(args, "quiet", False):
+        import sys
+        print(startup_banner(args, app.state.server.engine), end="", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

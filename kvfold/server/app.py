@@ -2,9 +2,12 @@
 app (state, lifespan, error handlers); the routes are in `routes`, the checks they share in `context`,
 and the response bodies in `responses` and `formats`.
 
-Routes: GET /health, GET /metrics (Prometheus text), GET /openapi.json and /docs, and, behind
+Routes: GET / (the chat page, `page`; not with web_page=False), GET /health, GET /metrics
+(Prometheus text), GET /openapi.json and /docs, and, behind
 the API key when one is set, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
-POST /v1/chat/completions (both streamed as server-sent events with `"stream": true`). Errors use
+POST /v1/chat/completions (both streamed as server-sent events with `"stream": true`), and
+Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic`, errors in Anthropic's
+shape). Errors use
 OpenAI's shape {"error": {message, type, param, code}}; whatever a client sends, a bad request is
 a 4xx, never a 500, and its keep-alive connection serves on.
 
@@ -24,8 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import AsyncEngine, Engine
 from ..chat.template import ChatTemplate
+from .anthropic import add_anthropic_api
 from .context import ServerContext, server_context
 from .openapi import build_openapi
+from .page import add_chat_page
 from .routes import router
 from .schemas import ApiError
 
@@ -33,9 +38,11 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB
 
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
-               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               web_page: bool = True) -> FastAPI:
     """An app serving `engine` as `model_name`. Its step loop runs on a background thread
-    started and stopped with the app (uvicorn's lifespan); `app.state.engine` is the AsyncEngine."""
+    started and stopped with the app (uvicorn's lifespan); `app.state.engine` is the AsyncEngine.
+    `web_page`: serve the chat page at / (`kvfold serve --no-web-page` turns it off)."""
     async_engine = AsyncEngine(engine)
     tokenizer = engine.tokenizer
     template = chat_template or (ChatTemplate(tokenizer) if tokenizer is not None else None)
@@ -50,6 +57,9 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    add_anthropic_api(app)  # POST /v1/messages and /v1/messages/count_tokens
+    if web_page:
+        add_chat_page(app)
     app.openapi = lambda: build_openapi(app, app.state.server)
     return app
 
@@ -63,6 +73,7 @@ async def _lifespan(app: FastAPI):
         yield
     finally:
         async_engine.shutdown()
+        async_engine.engine.flush_prefix_cache()  # with --cache-dir: every entry outlives the process
 
 
 # ---- errors: every one in OpenAI's shape, and counted by status for /metrics ---------------------

@@ -9,11 +9,13 @@ with the others (engine, served name, key) from the app's `ServerContext`. The d
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from ..chat.parsers import OutputParser
+from ..engine import SamplingParams
 from ..engine.async_engine import RequestStream
 from ..errors import InvalidRequestError
 from . import metrics as prom
@@ -89,18 +91,15 @@ async def chat_completions(request: Request) -> Response:
     ctx.check_auth(request)
     req = parse(ChatCompletionRequest, await ctx.read_json(request))
     ctx.check_model(req.model)
-    ids, reasoning = _chat_ids(ctx, req)
+    ids, reasoning = chat_ids(ctx, req)
     # no max_tokens: whatever room the context leaves (at least 1, so a full context is a 400)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.engine.max_seq_len - len(ids))
     limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens" if req.max_tokens else "messages"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    # structured output constrains the answer, after the reasoning (vLLM #41132: not the reasoning)
-    after = ctx.tokenizer.encode("</think>") if reasoning else []
-    params = sampling(req, max_tokens, logprobs=logprobs, grammar_after=after, tool_family=ctx.template.family)
+    params = chat_sampling(ctx, req, reasoning, max_tokens, logprobs)
     streams = await ctx.start(ids, params, length_param=limit)
-    family, tools = ctx.template.family, tool_dicts(req.tools) if req.calls_tools else None
-    parser = (lambda: OutputParser(family, tools=tools, in_reasoning=reasoning))
-    fmt = ChatFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, logprobs is not None, len(params), parser)
+    fmt = ChatFormat(ctx.model_name, req.return_token_ids, ctx.tokenizer, logprobs is not None, len(params),
+                     chat_parser(ctx, req, reasoning))
     return await respond(request, streams, req, fmt)
 
 
@@ -114,7 +113,7 @@ async def tokenize(request: Request) -> Response:
     if req.model is not None:
         ctx.check_model(req.model)
     if req.messages is not None:
-        ids, _ = _chat_ids(ctx, req)
+        ids, _ = chat_ids(ctx, req)
     elif req.add_special_tokens or ctx.tokenizer is None:  # (no tokenizer: _prompt_ids says so)
         ids = _prompt_ids(ctx, req.prompt, "prompt")
     else:
@@ -177,7 +176,22 @@ def _prompt_ids(ctx: ServerContext, prompt: str | list[int], param: str) -> list
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
 
 
-def _chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
+def chat_sampling(ctx: ServerContext, req: ChatCompletionRequest, reasoning: bool, max_tokens: int,
+                  logprobs: int | None = None) -> list[SamplingParams]:
+    """The engine's parameters for a parsed chat request whose prompt opens a reasoning block or
+    not (`chat_ids`); also what POST /v1/messages runs with (`kvfold.server.anthropic`)."""
+    # structured output constrains the answer, after the reasoning (vLLM #41132: not the reasoning)
+    after = ctx.tokenizer.encode("</think>") if reasoning else []
+    return sampling(req, max_tokens, logprobs=logprobs, grammar_after=after, tool_family=ctx.template.family)
+
+
+def chat_parser(ctx: ServerContext, req: ChatCompletionRequest, reasoning: bool) -> Callable[[], OutputParser]:
+    """A factory of the parser that reads a chat choice back (reasoning, content, tool calls)."""
+    family, tools = ctx.template.family, tool_dicts(req.tools) if req.calls_tools else None
+    return lambda: OutputParser(family, tools=tools, in_reasoning=reasoning)
+
+
+def chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
     """The chat messages rendered in the model's chat format, and whether the rendered prompt
     opens a reasoning block; messages the format cannot express, or a template that refuses
     them, are a 400."""
