@@ -21,15 +21,9 @@ from kvfold.models.glm5.config import glm5_config_from_dict
 from kvfold.models.glm5.model import Glm5Model
 from kvfold.progress import ByteProgress, format_bytes, progress_line, quieted
 
-GLM_TINY = dict(  # bench/gpu_check.py's GLM_TINY: every GLM-5.3 layer kind, a few KiB
-    model_type="glm5_next_text", vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-    num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
-    kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, v_head_dim=8, index_topk=8, index_head_dim=8,
-    index_n_heads=2, index_kpool=4, linear_head_dim=8, linear_num_heads=2, hc_mult=2, hc_sinkhorn_iters=5,
-    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
-                 "indexed_attention"],
-    indexer_types=["full", "full", "shared", "full", "full"],
-    mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"])
+from test_gpu_check import _script
+
+GLM_TINY = _script().GLM_TINY  # bench/gpu_check.py's: every GLM-5.3 layer kind, a few KiB
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 _LINE = re.compile(r"kvfold: (?P<label>[a-z ]+?) +(?P<pct>[\d.]+)% \((?P<done>[\d.]+) (?P<du>\w+) / "

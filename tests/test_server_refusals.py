@@ -8,18 +8,9 @@ from collections import Counter
 import pytest
 
 import kvfold
-from kvfold.server.app import create_app
 
-from helpers import serving
-from test_server import KEY, _error, client, prompt_ids
+from test_server import KEY, _error, client, prompt_ids, server  # noqa: F401  (server: test_server's live server)
 
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    engine = kvfold.Engine(tiny, max_seq_len=512, max_running=16, max_queue=64)
-    app = create_app(engine, model_name="tiny-random", api_key=KEY)
-    with serving(app) as url:
-        yield url, app.state.engine
 
 # ---- what an OpenAI client may send: refused, never silently ignored ------------------------------
 
