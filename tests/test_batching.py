@@ -14,7 +14,7 @@ import torch
 from bounds import matmul_bound
 from helpers import flat_rows, fp32_paths_bound, random_ids
 from kvfold.errors import CapacityError, ConfigError
-from kvfold.numerics.rows import invariant_mm, invariant_rows, row_mm, swiglu
+from kvfold.numerics.rows import invariant_mm, batch_invariant_scope, row_mm, swiglu
 
 
 pytestmark = pytest.mark.batch_invariance
@@ -111,7 +111,7 @@ def test_row_mm_takes_the_invariant_kernel_only_inside_invariant_rows():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(9, 77, generator=g), torch.randn(12, 77, generator=g)
     assert torch.equal(row_mm(x, w), torch.nn.functional.linear(x, w))
-    with invariant_rows():
+    with batch_invariant_scope():
         assert torch.equal(row_mm(x, w), invariant_mm(x, w))
 
 
@@ -119,7 +119,7 @@ def test_invariant_swiglu_is_per_row_and_matches_the_formula():
     g = torch.Generator().manual_seed(4)
     gu = torch.randn(40, 2, 33, generator=g) * 6
     want = torch.nn.functional.silu(gu[:, 0].clamp(max=5.0)) * gu[:, 1].clamp(-5.0, 5.0)
-    with invariant_rows():
+    with batch_invariant_scope():
         got = swiglu(gu[:, 0], gu[:, 1], 5.0)
         assert torch.equal(torch.cat([swiglu(gu[i:i + 1, 0], gu[i:i + 1, 1], 5.0) for i in range(40)]), got)
     assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
@@ -136,7 +136,7 @@ def test_a_row_takes_the_same_moe_bits_alone_in_a_few_rows_and_in_a_batch(invari
     n = NATIVE_MOE_ROWS + 3
     x = torch.randn(n, hidden, generator=g)
     tokens = torch.randint(0, invariant.config.vocab_size, (n,), generator=g)
-    with invariant_rows(), threads(n_threads):
+    with batch_invariant_scope(), threads(n_threads):
         for layer in invariant.model.layers[:2]:  # layer 0: hash routing, layer 1: biased top-k
             moe = layer.mlp
             batched = moe(x, tokens)  # more rows than the native call takes: the grouped path
@@ -176,7 +176,7 @@ def attention_halves(model, n_rows: int, seed: int = 0):
 def test_fused_attention_halves_give_the_per_op_bits_in_batch_invariant_mode(invariant, n_threads):
     """native_attention.h composes the per-op path's native kernels in its order: the same bits,
     for every layer kind, one decode row, a few verify rows and a prefill chunk past NATIVE_ROWS."""
-    with invariant_rows(), threads(n_threads), torch.inference_mode():
+    with batch_invariant_scope(), threads(n_threads), torch.inference_mode():
         for n_rows in (1, 5, 40):
             for fused, per_op in attention_halves(invariant, n_rows):
                 assert torch.equal(fused, per_op)
@@ -191,7 +191,7 @@ def test_fused_attention_halves_follow_a_replaced_weight_or_submodule():
     model = kvfold.load_model("tiny-random")
     attn = model.model.layers[1].self_attn
     g = torch.Generator().manual_seed(9)
-    with invariant_rows(), torch.inference_mode():
+    with batch_invariant_scope(), torch.inference_mode():
         before = attention_halves(model, 3)[1][0]
         attn.q_a_proj.weight = nn.Parameter(torch.randn(attn.q_a_proj.weight.shape, generator=g))
         kv = Linear(attn.kv_proj.weight.shape[1], attn.kv_proj.weight.shape[0], torch.float32)

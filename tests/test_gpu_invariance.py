@@ -29,7 +29,7 @@ from kvfold.numerics import triton_rows as R
 from kvfold.numerics.rows import (
     invariance_by_default,
     invariance_unsupported,
-    invariant_rows,
+    batch_invariant_scope,
     route_rows,
 )
 
@@ -190,7 +190,7 @@ def test_fixed_routing_picks_native_routings_experts_with_their_weights(case):
     if case == "no_renorm":
         kw["renorm"] = False
     scoring = case if case in ("softmax", "sigmoid", "sqrtsoftplus") else "sigmoid"
-    with invariant_rows():
+    with batch_invariant_scope():
         want_w, want_ids = route_rows(x, w, scoring, k, 2.5, **kw)  # native.c's kv_route
         with cuda_path():
             got_w, got_ids = route_rows(x, w, scoring, k, 2.5, **kw)
@@ -205,7 +205,7 @@ def test_fixed_routing_picks_native_routings_experts_with_their_weights(case):
 
 def test_fixed_routing_refuses_a_bad_table_with_a_clear_error():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
-    with invariant_rows(), cuda_path(), pytest.raises(ValueError, match="out of range"):
+    with batch_invariant_scope(), cuda_path(), pytest.raises(ValueError, match="out of range"):
         route_rows(x, w, "sigmoid", 2, 1.0, tid2eid=torch.full((3, 2), 9), token_ids=torch.tensor([0, 1]))
 
 

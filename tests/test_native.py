@@ -262,7 +262,7 @@ def test_compressor_pooling_native_matches_torch(overlap):
 def test_invariant_collapse_is_native_per_row_at_any_thread_count():
     """In batch-invariant mode every row takes the native collapse, whatever the row count and the
     number of torch threads (a path chosen by size would let a row's bits depend on its batch)."""
-    from kvfold.numerics.rows import invariant_rows
+    from kvfold.numerics.rows import batch_invariant_scope
     g = torch.Generator().manual_seed(10)
     streams = torch.randn(64, 4, 512, generator=g)
     _, fn, base, scale = _hc_params(4, 512, seed=10)
@@ -270,7 +270,7 @@ def test_invariant_collapse_is_native_per_row_at_any_thread_count():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            with invariant_rows():
+            with batch_invariant_scope():
                 whole = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
                 rows = [hc_collapse(streams[i:i + 1], fn, base, scale, 20, 1e-6, 1e-6) for i in range(64)]
             for part, got in enumerate(whole):

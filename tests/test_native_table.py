@@ -69,10 +69,10 @@ def _case_moe_rows(g):
 
 
 def _case_route(g):
-    from kvfold.numerics.rows import invariant_rows
+    from kvfold.numerics.rows import batch_invariant_scope
     moe, cfg = _tiny_moe(1, 4)
     x, ids = torch.randn(9, cfg.hidden_size, generator=g), torch.randint(0, 200, (9,), generator=g)
-    with invariant_rows():
+    with batch_invariant_scope():
         w, e = moe.gate(x, ids)
     w_t, e_t = moe.gate(x, ids)
     order = e_t.argsort(dim=1)  # the reference keeps routing order; the kernel ascends
@@ -81,26 +81,26 @@ def _case_route(g):
 
 
 def _case_swiglu(g):
-    from kvfold.numerics.rows import invariant_rows, swiglu
+    from kvfold.numerics.rows import batch_invariant_scope, swiglu
     gate, up = torch.randn(7, 40, generator=g) * 5, torch.randn(7, 40, generator=g) * 5
-    with invariant_rows():
+    with batch_invariant_scope():
         got = swiglu(gate, up, 4.0)
     return got, swiglu(gate, up, 4.0)
 
 
 def _case_unary(g):
-    from kvfold.numerics.rows import invariant_rows, unary
+    from kvfold.numerics.rows import batch_invariant_scope, unary
     x = torch.randn(7, 45, generator=g) * 12  # past softplus's linear threshold of 20 too
     ops = ("sigmoid", "silu", "softplus", "cos", "sin")
-    with invariant_rows():
+    with batch_invariant_scope():
         got = torch.stack([unary(op, x) for op in ops])
     return got, torch.stack([unary(op, x) for op in ops])
 
 
 def _case_l2norm(g):
-    from kvfold.numerics.rows import invariant_rows, l2norm
+    from kvfold.numerics.rows import batch_invariant_scope, l2norm
     x = torch.randn(5, 3, 37, generator=g)
-    with invariant_rows():
+    with batch_invariant_scope():
         got = l2norm(x)
     return got, l2norm(x)
 
@@ -109,10 +109,10 @@ def test_invariant_elementwise_rows_do_not_move_with_the_call_length():
     """A row's sigmoid / silu / softplus / cos / sin / L2 norm is the same bits whether 1 or 40
     rows share the call, at any offset: native.c computes each element on its own (where a
     vectorised loop's tail, which moves with the call's length, would take other code)."""
-    from kvfold.numerics.rows import invariant_rows, l2norm, unary
+    from kvfold.numerics.rows import batch_invariant_scope, l2norm, unary
     x = torch.randn(40, 48, generator=torch.Generator().manual_seed(3)) * 6
     fns = [lambda a, op=op: unary(op, a) for op in ("sigmoid", "silu", "softplus", "cos", "sin")] + [l2norm]
-    with invariant_rows():
+    with batch_invariant_scope():
         for fn in fns:
             alone = torch.cat([fn(x[i:i + 1]) for i in range(40)])
             for t in (3, 7, 40):
@@ -123,10 +123,10 @@ def test_a_rope_tables_rows_do_not_move_with_the_other_positions_of_the_call():
     """In batch-invariant mode the cos / sin of a position are the same bits whatever other
     positions share the call (a batch's rows are one call), and within an ulp of float64's."""
     from kvfold.numerics import RopeTable
-    from kvfold.numerics.rows import invariant_rows
+    from kvfold.numerics.rows import batch_invariant_scope
     table = RopeTable(64, 10000.0)
     positions = torch.cat([torch.arange(0, 300), torch.arange(4000, 4017), torch.tensor([65000])])
-    with invariant_rows():
+    with batch_invariant_scope():
         cos, sin = table.cos_sin(positions)
         for lo, hi in ((0, 1), (5, 12), (299, 318), (317, 318)):
             c, s = table.cos_sin(positions[lo:hi])

@@ -17,7 +17,7 @@ from kvfold.models.deepseek_v4.moe import NATIVE_MOE_ROWS
 from kvfold.layers.moe import Experts
 from kvfold.numerics.quant import dequant_fp4_into, dequant_fp8_into, quantize_fp8_blocks, unpack_fp4
 from helpers import fp32_paths_bound
-from kvfold.numerics.rows import invariant_rows
+from kvfold.numerics.rows import batch_invariant_scope
 from test_official_checkpoint import BF16_KEY, E8M0, FP8_KEY, IDS, logits, official_tensors, slice_of, tiny_v4, write_official
 
 
@@ -214,7 +214,7 @@ def test_fused_attention_halves_read_quantized_weights_with_the_per_op_bits(both
     projection native.c's format-reading matmul) bit for bit, and the dequantized model's."""
     from test_batching import attention_halves
     deq, q = both[torch.float32]
-    with invariant_rows(), torch.inference_mode():
+    with batch_invariant_scope(), torch.inference_mode():
         for n_rows in (1, 6):
             for (fused, per_op), (fused_deq, _) in zip(attention_halves(q, n_rows), attention_halves(deq, n_rows)):
                 assert torch.equal(fused, per_op) and torch.equal(fused, fused_deq)

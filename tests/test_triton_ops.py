@@ -24,9 +24,9 @@ def gen(seed):
 def test_they_are_off_unless_asked_for():
     assert os.environ.get("TRITON_INTERPRET") == "1"
     assert triton_ops.available("cpu") and triton_ops.available("cuda")
-    assert triton_ops.serving("cpu") is None
+    assert triton_ops.kernels_for("cpu") is None
     with triton_ops.use_triton():
-        assert triton_ops.serving("cpu") is T
+        assert triton_ops.kernels_for("cpu") is T
 
 
 @pytest.mark.parametrize("ratio,overlap,c", [(4, True, 24), (4, True, 130), (8, False, 64), (16, False, 5)])

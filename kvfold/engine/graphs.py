@@ -18,7 +18,7 @@ loaded anew, the page pool's storage, the arena's rings. Before every replay `si
 compared with the one taken at capture: the address of every tensor the step reads, the
 model's numerics and batch-invariant mode, and whether the Triton kernels are on. A difference
 recaptures that bucket and counts it in `recaptures`; a graph is never replayed on what it was
-not captured on. The step runs in the model's batch-invariant mode (`invariant_rows`), which
+not captured on. The step runs in the model's batch-invariant mode (`batch_invariant_scope`), which
 only DeepSeek-V4 with the Triton kernels keeps here (`graph_invariance_unsupported`).
 
 On the CPU nothing is captured: each step runs the same function eagerly on the same static
@@ -37,7 +37,7 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
 
 from ..errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
 from ..numerics import triton_ops
-from ..numerics.rows import invariant_rows
+from ..numerics.rows import batch_invariant_scope
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_MIN = 256
@@ -215,7 +215,7 @@ class DecodeGraphs:
         return tuple(out) if hidden else out[0]
 
     def _run(self, b: _Bucket) -> torch.Tensor:
-        with torch.inference_mode(), invariant_rows(self.batch_invariant):
+        with torch.inference_mode(), batch_invariant_scope(self.batch_invariant):
             tokens, positions, slots, extras = b.step_inputs()
             return self.step_fn(self.arena, tokens, positions, slots, b.context, extras)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..numerics import rms_norm
-from ..numerics.rows import order_fixed, row_mm
+from ..numerics.rows import in_fixed_order_scope, row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
 from ..numerics.weights_mm import describe, native_mm, row_groups
 from ..numerics.quant_formats import BF16, FP4, FP8
@@ -184,7 +184,7 @@ NATIVE_ROWS = 32  # up to this many rows (decode, verify), a quantized weight is
 def reads_as_stored(rows: int) -> bool:
     """Whether a matmul of `rows` rows reads a weight in its stored format (`weight_mm`'s rule):
     decode and verify rows, and every row where matmuls take the fixed-order dot."""
-    return rows <= NATIVE_ROWS or order_fixed()
+    return rows <= NATIVE_ROWS or in_fixed_order_scope()
 
 
 def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:

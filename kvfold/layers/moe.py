@@ -9,7 +9,7 @@ from torch import nn
 from ..numerics import triton_ops
 from ..numerics.quant import act_quant_fp8
 from ..numerics.reference import release_swiglu
-from ..numerics.rows import combine_experts, row_mm, rows_invariant, swiglu
+from ..numerics.rows import combine_experts, row_mm, in_batch_invariant_scope, swiglu
 from .basic import Linear, _param, matmul_weight, weight_mm
 
 
@@ -36,7 +36,7 @@ class Experts(nn.Module):
         """sum over each row's k experts of weight * expert(row), fp32 [T, hidden]."""
         if self.act_quant:  # set by numerics="reference" only
             return self._forward_release(x, weights, ids)
-        invariant = rows_invariant()
+        invariant = in_batch_invariant_scope()
         # batch-invariant: each (row, slot) output kept apart, then combined in slot order (ascending ids)
         alloc = torch.zeros if self.partial else torch.empty  # another rank's slots stay 0
         per_slot = alloc(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
@@ -55,7 +55,7 @@ class Experts(nn.Module):
         in slot order (`combine_experts`). Torch gathers copies of each row's experts; the Triton
         kernel (numerics/triton_ops.py, off by default) reads them in place. Plain stacks only."""
         w13, w2 = self.gate_up_proj, self.down_proj  # [E, 2I, H], [E, H, I]
-        kernels = triton_ops.serving(x.device)
+        kernels = triton_ops.kernels_for(x.device)
         if kernels is not None:
             gate, up = kernels.expert_rows(x.to(w13.dtype), w13, ids).to(w13.dtype).chunk(2, dim=-1)
             act = swiglu(gate, up, self.limit).to(w2.dtype)  # [N, k, I]

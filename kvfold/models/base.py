@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError
 from ..layers.basic import QuantizedWeight, _param
 from ..layers.rows import RowBatch
-from ..numerics.rows import fixed_order, invariance_by_default, invariance_unsupported, invariant_rows
+from ..numerics.rows import fixed_order_scope, invariance_by_default, invariance_unsupported, batch_invariant_scope
 from .chunks import run_batch_in_rounds, run_in_chunks
 
 
@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
         state. Returns (logits per piece, all rows' final streams). `invariant`: the call's
         batch-invariant mode (None: the model's)."""
         invariant = self.batch_invariant if invariant is None else invariant
-        with invariant_rows(invariant), fixed_order(self.numerics == "reference"):
+        with batch_invariant_scope(invariant), fixed_order_scope(self.numerics == "reference"):
             return self._run_rows(RowBatch.build(pieces, self.device), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:

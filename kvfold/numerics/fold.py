@@ -16,10 +16,10 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: boo
     slots) would pool to 0.
     """
     c_total = kv.shape[-1]
-    kernels = triton_ops.serving(kv.device)  # off by default (triton_ops.py)
+    kernels = triton_ops.kernels_for(kv.device)  # off by default (triton_ops.py)
     if kernels is not None and kv.dim() == 2 and score.shape == kv.shape:
         return kernels.pool_windows(kv, score, ratio, overlap)
-    lib = native.serving(kv, score)
+    lib = native.library_for(kv, score)
     if lib is not None and kv.dim() == 2 and score.shape == kv.shape:
         n_w = kv.shape[0] // ratio - (1 if overlap else 0)
         out = torch.empty(max(n_w, 0), c_total // 2 if overlap else c_total, dtype=torch.float32)

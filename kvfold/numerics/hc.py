@@ -22,7 +22,7 @@ import torch
 
 from . import native
 from .native_abi import HcParams
-from .rows import fixed_kernels, row_mm, rows_invariant
+from .rows import fixed_kernels, row_mm, in_batch_invariant_scope
 
 # The native collapse computes the mixing matmul row by row on one thread. With several torch
 # threads, large calls (prefill chunks) keep the threaded GEMM, except in batch-invariant mode,
@@ -32,7 +32,7 @@ _NATIVE_SERIAL_MACS = 1 << 24
 
 def native_collapse_serves(t: int, fn: torch.Tensor) -> bool:
     """Whether a collapse of t rows with this fn takes the native kernel (see above)."""
-    return rows_invariant() or torch.get_num_threads() == 1 or t * fn.numel() <= _NATIVE_SERIAL_MACS
+    return in_batch_invariant_scope() or torch.get_num_threads() == 1 or t * fn.numel() <= _NATIVE_SERIAL_MACS
 
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -100,7 +100,7 @@ def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     kernels = fixed_kernels(streams)
     if kernels is not None:
         return kernels.hc_collapse(streams, _fixed_mix(streams, fn), base, scale, iters, hc_eps, norm_eps)
-    lib = native.serving(streams, fn, base, scale)
+    lib = native.library_for(streams, fn, base, scale)
     if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         post = torch.empty(t, hc, dtype=torch.float32)
@@ -120,7 +120,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     kernels = fixed_kernels(streams)
     if kernels is not None:
         return kernels.hc_collapse(streams, _fixed_mix(streams, fn), base, scale, 0, hc_eps, norm_eps, head=True)
-    lib = native.serving(streams, fn, base, scale)
+    lib = native.library_for(streams, fn, base, scale)
     if lib is not None and native_collapse_serves(t, fn):
         out = torch.empty(t, d, dtype=torch.float32)
         params = HcParams(fn.data_ptr(), base.data_ptr(), scale.data_ptr(), 0, hc_eps, norm_eps)
@@ -145,7 +145,7 @@ def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb
     kernels = fixed_kernels(streams)
     if kernels is not None:
         return kernels.hc_expand(streams, out, post, comb)
-    lib = native.serving(streams, out, post, comb)
+    lib = native.library_for(streams, out, post, comb)
     if lib is not None:
         t, hc, d = streams.shape
         res = torch.empty_like(streams)

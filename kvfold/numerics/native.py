@@ -156,7 +156,7 @@ def use_native(on: bool):
         _enabled = before
 
 
-def serving(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The one dispatch guard: the loaded kernels when they can serve these tensors (all
     contiguous fp32 CPU tensors, kernels on and built), else None (the caller runs torch)."""
     lib = library()

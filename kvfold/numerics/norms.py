@@ -16,7 +16,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernels = fixed_kernels(x)
     if kernels is not None:
         return kernels.norm(x, weight, eps)
-    lib = native.serving(x, weight)
+    lib = native.library_for(x, weight)
     if lib is not None:
         return _native_norm(lib, x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -31,7 +31,7 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     kernels = fixed_kernels(x)
     if kernels is not None:
         return kernels.norm(x, None, eps)
-    lib = native.serving(x)
+    lib = native.library_for(x)
     if lib is not None:
         return _native_norm(lib, x, None, eps)
     if x.dtype == torch.float32:

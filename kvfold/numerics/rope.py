@@ -58,7 +58,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     kernels = fixed_kernels(x)  # batch-invariant mode off the CPU: per row in Triton
     if kernels is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
         return kernels.rope(x, cos, sin, inverse)
-    lib = native.serving(x, cos, sin)
+    lib = native.library_for(x, cos, sin)
     if lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
         out = torch.empty_like(x)
         t, d = x.shape[0], x.shape[-1]

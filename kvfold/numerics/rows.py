@@ -5,7 +5,7 @@ sequence's tokens must not change with the server's load, and a prefix-cache hit
 bit-identical to a cold run. Third-party CPU kernels give no such promise: MKL and ATen pick
 other GEMM kernels and blockings by row count, instruction set and thread count, and ATen's
 vectorised elementwise and reduction kernels compute tails and thread chunks with other code
-than the body. So inside `invariant_rows()` every token-parallel op (the ones that run on the
+than the body. So inside `batch_invariant_scope()` every token-parallel op (the ones that run on the
 concatenated rows of several sequences) goes through native.c, whose arithmetic the program
 fixes:
   * `row_mm` (projections, experts, router, lm_head, the grouped output projection): every
@@ -52,7 +52,7 @@ _SERIAL_MACS = 1 << 17  # below this a matmul runs on one thread (the thread cou
 
 
 @contextlib.contextmanager
-def invariant_rows(on: bool = True):
+def batch_invariant_scope(on: bool = True):
     """Within: token-parallel ops take the batch-invariant native kernels."""
     token = _ON.set(bool(on))
     try:
@@ -61,13 +61,13 @@ def invariant_rows(on: bool = True):
         _ON.reset(token)
 
 
-def rows_invariant() -> bool:
-    """Whether the current model call runs in batch-invariant mode (inside `invariant_rows()`)."""
+def in_batch_invariant_scope() -> bool:
+    """Whether the current model call runs in batch-invariant mode (inside `batch_invariant_scope()`)."""
     return _ON.get()
 
 
 @contextlib.contextmanager
-def fixed_order(on: bool = True):
+def fixed_order_scope(on: bool = True):
     """Within: every weight matmul takes native.c's fixed-order dot (fp32 accumulation, whatever
     the row count), and `unary`'s functions of fp32 rows native.c's scalar code; the rest of the
     arithmetic is unchanged. Reference numerics (bf16) runs in it, so that decode and any chunking
@@ -81,9 +81,9 @@ def fixed_order(on: bool = True):
         _FIXED.reset(token)
 
 
-def order_fixed() -> bool:
+def in_fixed_order_scope() -> bool:
     """Whether weight matmuls take the fixed-order native dot and `unary` / `l2norm` native.c's
-    per-element code (batch-invariant mode, or inside `fixed_order()`)."""
+    per-element code (batch-invariant mode, or inside `fixed_order_scope()`)."""
     return _ON.get() or _FIXED.get()
 
 
@@ -161,9 +161,9 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T: inside `invariant_rows()` the Triton fixed-order matmul off
+    """x [..., K] @ weight[N, K]^T: inside `batch_invariant_scope()` the Triton fixed-order matmul off
     the CPU (`fixed_kernels`), else `invariant_mm` (and that for fp32 CPU operands inside
-    `fixed_order()`); torch's GEMM otherwise."""
+    `fixed_order_scope()`); torch's GEMM otherwise."""
     if _ON.get():
         kernels = triton_ops.fixed_rows(x.device)
         if kernels is not None:
@@ -197,7 +197,7 @@ def grouped_row_mm(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, L)) * clamp(up, -L, L); inside `invariant_rows()` per row in native.c."""
+    """silu(min(gate, L)) * clamp(up, -L, L); inside `batch_invariant_scope()` per row in native.c."""
     if not _ON.get():
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     kernels = triton_ops.fixed_rows(gate.device)
@@ -220,7 +220,7 @@ _UNARY = {"sigmoid": (0, torch.sigmoid), "silu": (1, F.silu),
 
 def unary(name: str, x: torch.Tensor) -> torch.Tensor:
     """sigmoid / silu / softplus (linear past 20) / cos / sin of x, elementwise; inside
-    `invariant_rows()` or `fixed_order()`, for fp32 CPU tensors, in native.c with scalar libm,
+    `batch_invariant_scope()` or `fixed_order_scope()`, for fp32 CPU tensors, in native.c with scalar libm,
     so no element depends on its place in the call (ATen computes a vectorised loop's tail with
     scalar code, whose rounding differs from the body's: a row's values would move with the
     call's length); in batch-invariant mode off the CPU, per row in Triton (`fixed_kernels`)."""
@@ -228,7 +228,7 @@ def unary(name: str, x: torch.Tensor) -> torch.Tensor:
     kernels = fixed_kernels(x)
     if kernels is not None:
         return kernels.unary(name, x)
-    if not order_fixed() or x.dtype != torch.float32 or not x.is_cpu:
+    if not in_fixed_order_scope() or x.dtype != torch.float32 or not x.is_cpu:
         return torch_fn(x)
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -243,7 +243,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     kernels = fixed_kernels(x)
     if kernels is not None:
         return kernels.norm(x, None, eps, l2=True)
-    if not order_fixed() or x.dtype != torch.float32 or not x.is_cpu:
+    if not in_fixed_order_scope() or x.dtype != torch.float32 or not x.is_cpu:
         return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
     x = x.contiguous()
     out = torch.empty_like(x)

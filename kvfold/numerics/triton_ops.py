@@ -22,7 +22,7 @@ _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_triton", defa
 
 @contextlib.contextmanager
 def use_triton(on: bool = True):
-    """Within: the Triton kernels on (where `serving` allows) or off."""
+    """Within: the Triton kernels on (where `kernels_for` allows) or off."""
     token = _ON.set(bool(on))
     try:
         yield
@@ -42,7 +42,7 @@ def available(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def serving(device: torch.device | str):
+def kernels_for(device: torch.device | str):
     """The kernels module when they are on and can run on `device`, else None (the caller runs torch)."""
     if not _ON.get() or not available(device):
         return None

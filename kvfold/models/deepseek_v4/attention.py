@@ -18,7 +18,7 @@ from .config import CSA, HCA, SLIDING, Dsv4Config
 from ...numerics import apply_rope, native, triton_ops, unweighted_rms_norm
 from ...numerics.native_abi import AttendKeys
 from ...numerics.reference import release_q_norm, release_sparse_attn
-from ...numerics.rows import fresh_rows, grouped_row_mm, order_fixed, own_rows, rows_invariant
+from ...numerics.rows import fresh_rows, grouped_row_mm, in_fixed_order_scope, own_rows, in_batch_invariant_scope
 from ...numerics.weights_mm import native_mm
 from ...profiling import scope
 from .state import LayerState
@@ -49,10 +49,10 @@ class GroupedLinear(nn.Module):
             y = self._native_quantized(x)
             if y is not None:
                 return y
-        if rows_invariant():
+        if in_batch_invariant_scope():
             weight = self.weight.dequant() if isinstance(self.weight, QuantizedWeight) else self.weight
             return grouped_row_mm(x.to(weight.dtype), weight, self.groups)
-        if order_fixed() and self.weight.dtype == torch.bfloat16:  # reference numerics: each group's
+        if in_fixed_order_scope() and self.weight.dtype == torch.bfloat16:  # reference numerics: each group's
             per = self.weight.shape[0] // self.groups  # rows one fixed-order matmul, as weight_mm's
             return torch.cat([weight_mm(x[:, i], self.weight[i * per:(i + 1) * per]) for i in range(self.groups)], -1)
         w_t = self._grouped_t()  # [G, in, R]
@@ -196,7 +196,7 @@ class Attention(nn.Module):
         """One sequence: fold its compressors, select, attend to its own state, write its window."""
         ls: LayerState = seg.state.layers[self.layer_idx]
         start = seg.start
-        if seg.length == 1 and triton_ops.serving(rows["q"].device) is None:
+        if seg.length == 1 and triton_ops.kernels_for(rows["q"].device) is None:
             with scope("attention core"):  # a decode row: all of it in one native call where the state allows
                 o = sequence_row(self, ls, start, rows, take, rope)
             if o is not None:
@@ -239,7 +239,7 @@ class Attention(nn.Module):
             local = ls.window.read_then(local_start, start, kv_seg)
             return self._attend_release(q, local, local_start, start, pool, selected, n_comp, sinks, positions)
         q = (q if q.dtype == f32 else q.float()) * d ** -0.5
-        kernels = triton_ops.serving(q.device)  # off by default (triton_ops.py)
+        kernels = triton_ops.kernels_for(q.device)  # off by default (triton_ops.py)
         if kernels is None and t == 1:
             out = _native_attend_one(q, ls.window.runs(local_start, start) + [kv_seg], pool, selected, n_comp,
                                      sinks, self.kind)
@@ -369,7 +369,7 @@ def _native_attend_one(q: torch.Tensor, window: list[torch.Tensor], pool, select
                        n_comp: int, sinks: torch.Tensor, kind: str) -> torch.Tensor | None:
     """`Attention._attend` of one query in one native call (fp32 CPU keys and pools, private or
     paged), else None. `window`: up to three runs of window keys, in position order."""
-    lib = native.serving(q, sinks, *window)
+    lib = native.library_for(q, sinks, *window)
     if lib is None or len(window) > 3:
         return None
     data = phys = sel = None

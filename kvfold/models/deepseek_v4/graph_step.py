@@ -105,7 +105,7 @@ def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tens
         sets.append((storage, rows.entry_rows(entries.clamp(min=0), per), visible))
     q = proj["q"].float() * attn.head_dim ** -0.5
     sinks = attn.sinks if attn.sinks.dtype == f32 else attn.sinks.float()
-    kernels = triton_ops.serving(q.device)
+    kernels = triton_ops.kernels_for(q.device)
     if kernels is not None:
         (keys_w, at_w, ok_w), *comp = sets
         keys_c, at_c, ok_c = comp[0] if comp else (None, None, None)
@@ -154,7 +154,7 @@ def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage:
     entries = torch.arange(n_entries, device=q.device)
     at = rows.entry_rows(entries.expand(q.shape[0], -1), per)  # [N, E] rows of the pool storage
     visible = (rows.positions + 1) // indexer.ratio
-    kernels = triton_ops.serving(q.device)
+    kernels = triton_ops.kernels_for(q.device)
     if kernels is not None:  # the scores read the pool in place (triton_ops.py, off by default)
         return kernels.topk_lower_index(kernels.index_scores(q, w, storage, visible, rows=at), indexer.topk)
     keys = storage[at]  # [N, E, d]

@@ -77,7 +77,7 @@ class Indexer(Compressor):
         if self.entry_sim == "hadamard_fp4":
             return self._select_release(q, w, start, st, n_entries, k)
         f32 = torch.float32
-        kernels = triton_ops.serving(q.device)  # off by default (triton_ops.py)
+        kernels = triton_ops.kernels_for(q.device)  # off by default (triton_ops.py)
         if kernels is not None:
             visible = (torch.arange(start, start + t, device=q.device) + 1) // r
             return kernels.index_topk(q, w, st.pool[:n_entries], visible, k)
@@ -124,7 +124,7 @@ class Indexer(Compressor):
 def _native_topk_one(q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: int, pool, n_entries: int,
                      k: int) -> torch.Tensor | None:
     """`Indexer.select` of one fp32 query over every entry in one native call, else None."""
-    lib = native.serving(q, w)
+    lib = native.library_for(q, w)
     source = plain_rows(pool) if lib is not None else None
     if source is None:
         return None

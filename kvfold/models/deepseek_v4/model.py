@@ -238,7 +238,7 @@ class Dsv4Model(CausalLM):
         """With the Triton kernels on (`use_triton`), the graph step keeps batch invariance: its
         token-parallel ops take the fixed-order row kernels, and its attention, index scores and
         top-k, pooling and experts are Triton kernels of one program per row (graph_step.py)."""
-        if triton_ops.serving(self.device) is None or triton_ops.fixed_rows(self.device) is None:
+        if triton_ops.kernels_for(self.device) is None or triton_ops.fixed_rows(self.device) is None:
             return ("graph decode keeps batch invariance only with the Triton kernels, one program per row: turn "
                     "them on (kvfold.numerics.triton_ops.use_triton, KVFOLD_TRITON=1; CUDA with triton installed)")
         return None

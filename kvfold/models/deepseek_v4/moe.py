@@ -16,7 +16,7 @@ from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
 from ...numerics.native_abi import MoeLayer, RouteParams
 from ...numerics.reference import release_swiglu
-from ...numerics.rows import SCORING, biased_topk, route_rows, row_mm, rows_invariant, unary
+from ...numerics.rows import SCORING, biased_topk, route_rows, row_mm, in_batch_invariant_scope, unary
 from .config import Dsv4Config
 
 
@@ -42,7 +42,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] fp32, expert ids [T, k]; ascending per row in batch-invariant mode)."""
-        if rows_invariant():
+        if in_batch_invariant_scope():
             table = dict(tid2eid=self.tid2eid, token_ids=token_ids) if self.is_hash \
                 else dict(bias=self.e_score_correction_bias)
             return route_rows(x, self.weight, self.scoring, self.k, self.scale, **table)
@@ -146,7 +146,7 @@ def native_moe_paths(moe: MoE) -> list[str]:
 
 
 def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
-    lib = native.serving(x)
+    lib = native.library_for(x)
     if lib is None or token_ids.dtype != torch.int64 or not token_ids.is_contiguous() or not x.is_contiguous():
         return None
     L = native_moe_layer(moe)

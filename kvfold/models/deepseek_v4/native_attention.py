@@ -109,7 +109,7 @@ def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tens
                  sin: torch.Tensor) -> dict | None:
     """`Attention._project`'s rows for x [m, hidden] at `positions` in one native call, or None."""
     m = x.shape[0]
-    lib = native.serving(x, cos, sin)
+    lib = native.library_for(x, cos, sin)
     if lib is None or not reads_as_stored(m) or positions.dtype != torch.int64 or not positions.is_contiguous() \
             or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
@@ -158,7 +158,7 @@ def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     """The attention output o [m, heads, head_dim] de-rotated and projected to [m, hidden] in one
     native call, or None."""
     m = o.shape[0]
-    lib = native.serving(o, cos, sin)
+    lib = native.library_for(o, cos, sin)
     if lib is None or not reads_as_stored(m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
     layer = _output_layer(attn)
@@ -268,7 +268,7 @@ def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor |
         if attn.kind == CSA:
             parts += [take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), take(rows["idx_q"][0]),
                       take(rows["idx_q"][1])]
-    lib = native.serving(*parts)
+    lib = native.library_for(*parts)
     if lib is None:
         return None
     found = sequence_layer(attn, ls, start, rope)

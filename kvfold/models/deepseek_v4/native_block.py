@@ -35,7 +35,7 @@ from ...layers.native_cache import NativeCache
 from ...numerics import native, triton_ops
 from ...numerics.native_abi import BlockLayer, DecodeRows, HcEntry, HcParams, ModelLayer, ModelRows
 from ...numerics.hc import native_collapse_serves
-from ...numerics.rows import _threads, rows_invariant
+from ...numerics.rows import _threads, in_batch_invariant_scope
 from .config import SLIDING
 from .moe import NATIVE_MOE_ROWS, moe_threads, native_moe_layer, native_moe_paths
 from .native_attention import fused_halves, fused_paths, sequence_layer
@@ -132,7 +132,7 @@ def _decode_rows(batch) -> bool:
     """Whether the batch is decode rows only (one a sequence), with no profiler listening and no
     Triton kernels serving."""
     return all(seg.r1 - seg.r0 == 1 for seg in batch.segments) and profiling.quiet() \
-        and triton_ops.serving(batch.token_ids.device) is None
+        and triton_ops.kernels_for(batch.token_ids.device) is None
 
 
 def _pointers(items) -> ctypes.Array:
@@ -170,7 +170,7 @@ def _head_weights(model):
     we = embed._parameters.get("weight")
     e = fp32_native_weights(we if we is not None else embed._modules.get("weight"))
     w = head._parameters.get("weight")
-    if head.act_quant or (w is not None and not rows_invariant()):
+    if head.act_quant or (w is not None and not in_batch_invariant_scope()):
         return None  # an fp32 parameter outside batch invariance: torch's GEMM (row_mm)
     h = fp32_native_weights(w if w is not None else head._modules.get("weight"))
     return None if e is None or h is None else (e, h)
@@ -245,7 +245,7 @@ def _plan(model) -> _RowPlan | None:
     cache = model.__dict__.get("_native_row_plan")
     if cache is None:
         cache = model.__dict__["_native_row_plan"] = NativeCache(model, _plan_paths(model), lambda: _build_plan(model))
-    return cache.get(key=(native.library(), rows_invariant(), torch.get_num_threads(), model.numerics))
+    return cache.get(key=(native.library(), in_batch_invariant_scope(), torch.get_num_threads(), model.numerics))
 
 
 def _rope_serves(plan: _RowPlan, batch, n: int) -> bool:

@@ -20,7 +20,7 @@ from ...numerics.hc import stream_mean
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
-from ...numerics.rows import biased_topk, fresh_rows, own_rows, route_rows, row_mm, rows_invariant
+from ...numerics.rows import biased_topk, fresh_rows, own_rows, route_rows, row_mm, in_batch_invariant_scope
 from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState, kda_ring_sizes
 from ...state.arena import SlotArena
@@ -43,7 +43,7 @@ class Glm5Router(nn.Module):
                              torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if rows_invariant():
+        if in_batch_invariant_scope():
             return route_rows(x, self.weight, "sigmoid", self.k, self.scale, bias=self.e_score_correction_bias,
                               n_group=self.n_group, topk_group=self.topk_group, renorm=self.norm)
         scores = torch.sigmoid(row_mm(x.float(), self.weight.float()))
