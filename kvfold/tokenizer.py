@@ -1,7 +1,8 @@
 """Tokenizers: a built-in byte-level one for the tiny model, and a wrapper around `tokenizer.json`.
 
-Both share one interface: `encode(text)`, `decode(ids)`, `bos_id`, `eos_id`, `eos_ids`,
-`vocab_size` and `stream_decoder()`. A stream decoder takes generated ids one at a time
+Both share one interface: `encode(text)`, `encode_text(text)` (no added token recognized: for
+text that must not become a control token), `control_tokens()`, `decode(ids)`, `bos_id`,
+`eos_id`, `eos_ids`, `vocab_size` and `stream_decoder()`. A stream decoder takes generated ids one at a time
 (`push`) and returns only the text they completed, so a CLI can print as tokens arrive
 without ever printing half a UTF-8 character; `flush()` returns whatever is left.
 """
@@ -9,6 +10,7 @@ without ever printing half a UTF-8 character; `flush()` returns whatever is left
 from __future__ import annotations
 
 import codecs
+import json
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -37,6 +39,14 @@ class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Like `encode`, but no text becomes an added (control) token's id."""
+        ...
+
+    def control_tokens(self) -> tuple[str, ...]:
+        """The texts `encode` maps to added tokens' ids."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -87,6 +97,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(utf8(text))
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text)  # no text maps to BOS or EOS: every text is plain
+
+    def control_tokens(self) -> tuple[str, ...]:
+        return ()
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -162,6 +178,7 @@ class HFTokenizer:
         self.bos_id = bos_id
         self.eos_ids = _id_list(eos_id)
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
+        self._plain = None  # `encode_text`'s tokenizer, built on first use
 
     @property
     def backend(self):
@@ -173,6 +190,22 @@ class HFTokenizer:
         # BOS is the caller's choice (the CLI prepends `bos_id`), so no template specials here.
         utf8(text)  # a text that is not valid Unicode is refused before the tokenizer sees it
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text`'s ids with no added token recognized: "<think>" in it is "<", "think", ">", not the
+        one id `encode` gives (chat formats encode message contents so: kvfold.chat.content)."""
+        utf8(text)
+        if self._plain is None:
+            # the same tokenizer less its added tokens (their ids lie outside the model's vocabulary
+            # or are strings byte-level BPE never forms, so the text between them encodes alike)
+            spec = json.loads(self._tok.to_str())
+            spec["added_tokens"] = []
+            self._plain = type(self._tok).from_str(json.dumps(spec))
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
+    def control_tokens(self) -> tuple[str, ...]:
+        """The text of every added token, special or not: each is one id wherever `encode` meets it."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -42,8 +42,14 @@ TOOL_RESULT_CLOSE = "</tool_result>"
 BLOCK_SEP = "\n\n"  # between the sections of a system turn and the blocks of a user turn
 
 # None and "high" render alike; "max" adds MAX_EFFORT_PREAMBLE in thinking mode. The release
-# accepts no other value, so neither does encode_chat (a server maps OpenAI's levels first).
+# accepts no other value, so neither does encode_chat (a server maps OpenAI's levels first:
+# `reasoning_mode`).
 REASONING_EFFORTS = (None, "high", "max")
+# OpenAI's reasoning_effort levels -> the release's: "none" is chat mode (no reasoning, None here);
+# the release has no level below "high" (its default), so the lower ones reason at "high", and
+# "xhigh" is its "max".
+OPENAI_EFFORTS = {"none": None, "minimal": "high", "low": "high", "medium": "high", "high": "high",
+                  "xhigh": "max", "max": "max"}
 MAX_EFFORT_PREAMBLE = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve"
@@ -103,6 +109,22 @@ def encode_chat(messages: list[dict], *, tools: list[dict] | None = None, thinki
     preamble = MAX_EFFORT_PREAMBLE if thinking and reasoning_effort == "max" else ""
     return BOS + preamble + _render(turns, thinking=thinking, keep_reasoning=keep_reasoning,
                                     add_generation_prompt=add_generation_prompt)
+
+
+def reasoning_mode(effort: str | None, thinking: bool | None) -> tuple[bool, str | None]:
+    """(thinking, the release's effort) for a request's OpenAI `reasoning_effort` and its own
+    `thinking` switch (None: not given, chat mode). "none" turns thinking off, so asking for
+    thinking too is a contradiction (ChatEncodingError); any other level leaves the switch as
+    the request set it and picks the depth of the reasoning when it is on."""
+    if effort is not None and effort not in OPENAI_EFFORTS:
+        raise ChatEncodingError(f"reasoning_effort {effort!r} is not one of {', '.join(OPENAI_EFFORTS)}",
+                                param="reasoning_effort")
+    if effort == "none":
+        if thinking:
+            raise ChatEncodingError("reasoning_effort 'none' turns thinking off, but chat_template_kwargs asks "
+                                    "for thinking: drop one of them", param="reasoning_effort")
+        return False, None
+    return bool(thinking), OPENAI_EFFORTS.get(effort) if effort is not None else None
 
 
 def opens_reasoning(prompt: str) -> bool:

@@ -57,6 +57,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from .coercion import coerce_json, coerce_text, schema_types, tool_properties
+
 FAMILIES = ("deepseek_v4", "glm", "plain")
 
 THINK_START = "<think>"
@@ -97,119 +99,6 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------- schema types and coercion
-
-_TYPE_ALIASES = {"str": "string", "text": "string", "int": "integer", "float": "number",
-                 "double": "number", "bool": "boolean", "dict": "object", "list": "array"}
-
-
-def _schema_types(schema: Any) -> set[str]:
-    """The JSON types a parameter schema allows (`type`, `enum`, `anyOf`/`oneOf`/`allOf`).
-
-    An empty set means "no type information": the value is then kept as the model wrote it."""
-    types: set[str] = set()
-    if not isinstance(schema, dict):
-        return types
-    declared = schema.get("type")
-    for t in declared if isinstance(declared, list) else [declared]:
-        if isinstance(t, str):
-            types.add(_TYPE_ALIASES.get(t.strip().lower(), t.strip().lower()))
-    enum = schema.get("enum")
-    if isinstance(enum, list):
-        types.update(_json_type(v) for v in enum)
-    for key in ("anyOf", "oneOf", "allOf"):
-        choices = schema.get(key)
-        if isinstance(choices, list):
-            for choice in choices:
-                types |= _schema_types(choice)
-    return types
-
-
-def _json_type(value: Any) -> str:
-    """JSON-Schema type name of a parsed JSON value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
-def _strict_json(text: str) -> tuple[bool, Any]:
-    """(ok, value) for strict JSON: no NaN/Infinity (Python's json accepts them, JSON does not)
-    and nothing that would not serialize back (1e999 parses to inf). Never raises: too-deep
-    nesting is just "not JSON"."""
-    def reject(_constant: str) -> Any:
-        raise ValueError("non-finite number")
-
-    try:
-        value = json.loads(text, parse_constant=reject)
-        json.dumps(value, allow_nan=False)
-    except (ValueError, RecursionError, MemoryError):  # all mean "not usable JSON"
-        return False, None
-    return True, value
-
-
-def _allowed(value: Any, types: set[str]) -> bool:
-    kind = _json_type(value)
-    return kind in types or (kind == "integer" and "number" in types)
-
-
-def _coerce_text(raw: str, types: set[str]) -> Any:
-    """A raw-text value typed by its schema, as vLLM's `coerce_to_schema_type` does: a string
-    parameter (or one with no type information) keeps the text exactly; otherwise the first of
-    null, integer, number, boolean, object, array that the text parses as; else the text."""
-    text = raw.strip()
-    if "null" in types and text == "null":
-        return None
-    if not types or "string" in types:
-        return raw
-    if "boolean" in types and text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    ok, value = _strict_json(text)
-    if ok and not isinstance(value, bool) and value is not None and _allowed(value, types):
-        return value
-    return raw
-
-
-def _coerce_json(raw: str, types: set[str]) -> tuple[bool, Any]:
-    """A DSML ``string="false"`` value: it must be JSON (else the block is malformed). A JSON
-    value the schema does not allow is mended where that is unambiguous: a JSON string for a
-    non-string parameter is coerced from its text, any JSON for a string-only parameter becomes
-    its text; otherwise the model's JSON is kept."""
-    ok, value = _strict_json(raw.strip())
-    if not ok:
-        return False, None
-    if not types or _allowed(value, types):
-        return True, value
-    if isinstance(value, str):
-        return True, _coerce_text(value, types)
-    if "string" in types:
-        return True, raw.strip()
-    return True, value
-
-
-def _tool_properties(tools: list[dict] | None) -> dict[str, dict]:
-    """Function name -> its JSON-schema `properties`, from OpenAI tools (or bare functions).
-    Entries of any other shape are ignored: they only lose coercion, never raise."""
-    table: dict[str, dict] = {}
-    for tool in tools or []:
-        if not isinstance(tool, dict):
-            continue
-        function = tool.get("function", tool)
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            continue
-        params = function.get("parameters")
-        props = params.get("properties") if isinstance(params, dict) else None
-        table[function["name"]] = props if isinstance(props, dict) else {}
-    return table
 
 
 # ---------------------------------------------------------------- scanning helpers
@@ -308,8 +197,8 @@ def _scan_dsml_param(s: str, pos: int, types_of) -> tuple[str, Any, int] | str:
         return value
     raw, end = value
     if flag[0] == 'string="true"':
-        return name, _coerce_text(raw, types_of(name)), end
-    ok, parsed = _coerce_json(raw, types_of(name))
+        return name, coerce_text(raw, types_of(name)), end
+    ok, parsed = coerce_json(raw, types_of(name))
     return (name, parsed, end) if ok else FAIL
 
 
@@ -330,7 +219,7 @@ def _scan_dsml_invoke(s: str, pos: int, props: dict) -> tuple[tuple[str, list], 
     schema = props.get(name, {})
 
     def types_of(key: str) -> set[str]:
-        return _schema_types(schema.get(key)) if isinstance(schema, dict) else set()
+        return schema_types(schema.get(key)) if isinstance(schema, dict) else set()
 
     args: list[tuple[str, Any]] = []
     while True:
@@ -419,8 +308,8 @@ def scan_glm_call(s: str, props: dict) -> tuple[list, int] | str:
         raw, pos = value
         if any(key == k for k, _ in args):
             return FAIL
-        types = _schema_types(schema.get(key)) if isinstance(schema, dict) else set()
-        args.append((key, _coerce_text(raw, types)))
+        types = schema_types(schema.get(key)) if isinstance(schema, dict) else set()
+        args.append((key, coerce_text(raw, types)))
 
 
 # ---------------------------------------------------------------- the streaming parser
@@ -441,14 +330,20 @@ class OutputParser:
 
     `feed` returns only what is safe to emit now; `finish` flushes the rest. Modes: "start"
     (is a ``<think>`` coming?), "reasoning", "content", "block" (inside tool-call markup that is
-    not yet known valid or invalid)."""
+    not yet known valid or invalid).
+
+    `end_token`: the id of ``</think>`` where the tokenizer has one (with `decode`, its decoding of
+    ids). A caller that feeds every text with its ids then gets the reasoning ended by that token
+    only, the event structured output waits for (`grammar_after`): a model that writes ``</``,
+    ``think``, ``>`` as three pieces is still reasoning, and so is the grammar still waiting. A
+    feed without ids falls back to the text for the rest of the output."""
 
     def __init__(self, family: str, *, tools: list[dict] | None = None,
-                 in_reasoning: bool = False):
+                 in_reasoning: bool = False, end_token: int | None = None, decode=None):
         if family not in FAMILIES:
             raise ValueError(f"unknown output family {family!r}; use one of {FAMILIES}")
         self.family = family
-        self._props = _tool_properties(tools)
+        self._props = tool_properties(tools)
         self._tools_on = bool(tools) and family != "plain"
         self._block_start = DSML_BLOCK_START if family == "deepseek_v4" else GLM_CALL_START
         self._reasoning_ends = (THINK_END, DSML_BLOCK_START) if family == "deepseek_v4" \
@@ -460,18 +355,40 @@ class OutputParser:
         self._after_block = False  # just after a valid block: trailing whitespace is dropped
         self._calls: list[ToolCall] = []
         self._finished = False
+        self._end_token = end_token if decode is not None else None
+        self._decode = decode
+        self._ids: list[int] = []  # ids fed until end_token came
+        self._end_at: int | None = None  # where end_token's text starts in the output
+        self._fed = 0  # characters fed so far: _buf is the output from _fed - len(_buf) on
 
     @property
     def tool_calls(self) -> list[ToolCall]:
         """The complete calls so far."""
         return list(self._calls)
 
-    def feed(self, text: str) -> Delta:
-        """More decoded text -> what can be emitted now. Text fed after `finish` is ignored."""
-        if self._finished or not text:
+    def feed(self, text: str, token_ids: list[int] | None = None) -> Delta:
+        """More decoded text (and the ids it came from) -> what can be emitted now. Text fed
+        after `finish` is ignored."""
+        if self._finished:
+            return Delta()
+        if token_ids is None:
+            self._end_token = None  # the text alone decides from here on
+        elif self._end_token is not None and self._end_at is None:
+            self._find_end_token(token_ids)
+        if not text:
             return Delta()
         self._buf += text
+        self._fed += len(text)
         return self._run(final=False)
+
+    def _find_end_token(self, token_ids: list[int]) -> None:
+        """Note where end_token's text starts in the output, once it comes: the text of the ids
+        before it (ids come no later than their text, so this is known before the text is)."""
+        start = len(self._ids)
+        self._ids += token_ids
+        if self._end_token in token_ids:
+            self._end_at = len(self._decode(self._ids[:self._ids.index(self._end_token, start)]))
+            self._ids = []
 
     def finish(self) -> Delta:
         """End of output: everything still held is resolved (unresolved markup is content)."""
@@ -504,14 +421,21 @@ class OutputParser:
     def _step_reasoning(self, out: Delta, final: bool) -> bool:
         """Reasoning runs to ``</think>`` (dropped) or, for DeepSeek-V4, to a tool-call block
         (kept for the content step), as vLLM's deepseek_v4 reasoning parser does."""
-        ends = [(i, tag) for tag in self._reasoning_ends if (i := self._buf.find(tag)) != -1]
+        tags = self._reasoning_ends if self._end_token is None else \
+            tuple(t for t in self._reasoning_ends if t != THINK_END)  # the token ends it, not its text
+        ends = [(i, tag) for tag in tags if (i := self._buf.find(tag)) != -1]
+        here = None if self._end_at is None else max(0, self._end_at - (self._fed - len(self._buf)))
+        if self._end_token is not None and here is not None and (i := self._buf.find(THINK_END, here)) != -1:
+            ends.append((i, THINK_END))
         if ends:
             i, tag = min(ends)
             out.reasoning += self._buf[:i]
             self._buf = self._buf[i + len(tag):] if tag == THINK_END else self._buf[i:]
             self._mode = "content"
             return True
-        keep = 0 if final else _tag_overlap(self._buf, self._reasoning_ends)
+        keep = 0 if final else _tag_overlap(self._buf, tags)
+        if here is not None and self._end_token is not None and not final:
+            keep = max(keep, len(self._buf) - here)  # the token's text has begun: hold it back
         out.reasoning += self._buf[:len(self._buf) - keep]
         self._buf = self._buf[len(self._buf) - keep:]
         return False
@@ -580,12 +504,14 @@ class OutputParser:
         self._calls.append(ToolCall(id=call_id, name=name, arguments="".join(fragments)))
 
 
-def parse_output(family: str, text: str, *, tools: list[dict] | None = None,
-                 in_reasoning: bool = False) -> tuple[str | None, str, list[ToolCall]]:
+def parse_output(family: str, text: str, *, tools: list[dict] | None = None, in_reasoning: bool = False,
+                 token_ids: list[int] | None = None, end_token: int | None = None,
+                 decode=None) -> tuple[str | None, str, list[ToolCall]]:
     """A whole output -> (reasoning or None when there was no reasoning, content, tool calls).
-    It is the streaming parser fed everything at once, so both ways agree by construction."""
-    parser = OutputParser(family, tools=tools, in_reasoning=in_reasoning)
-    first, last = parser.feed(text), parser.finish()
+    It is the streaming parser fed everything at once, so both ways agree by construction.
+    With `token_ids` (the output's), `end_token` and `decode`: the reasoning ends at that token."""
+    parser = OutputParser(family, tools=tools, in_reasoning=in_reasoning, end_token=end_token, decode=decode)
+    first, last = parser.feed(text, token_ids), parser.finish()
     reasoning = first.reasoning + last.reasoning if parser.reasoning_started else None
     return reasoning, first.content + last.content, parser.tool_calls
 

@@ -13,19 +13,34 @@ Three kinds:
 - otherwise (the built-in tiny model) a plain template, BOS id first, with no tool syntax:
 
       <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+Whatever the kind, a marker inside the request's own strings (a tool result holding "</think>" or
+"<｜User｜>") is encoded as text, never as the control token the template writes
+(`kvfold.chat.content`); chat_template_kwargs {"allow_control_tokens_in_content": true} restores
+the release's behaviour, which encodes the whole rendered string.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from .dsv4_encoding import encode_chat, opens_reasoning
+from .content import ContentGuard
+from .dsv4_encoding import encode_chat, opens_reasoning, reasoning_mode
 from ..errors import InvalidRequestError
 
 PLAIN_TEMPLATE = "<|{role}|>\n{content}\n"
 PLAIN_GENERATION_PROMPT = "<|assistant|>\n"
 FAMILY_OF_MODEL = {"glm5_next": "glm", "deepseek_v4": "deepseek_v4"}  # registry family -> output syntax
+# chat_template_kwargs option: encode markers in message contents as control tokens (the release's
+# and transformers' behaviour); off by default, so text from users and tools stays text
+ALLOW_CONTROL_TOKENS = "allow_control_tokens_in_content"
+
+
+class Prompt(NamedTuple):
+    text: str  # as the model reads it
+    ids: list[int]
+    opens_reasoning: bool  # the reply starts inside a reasoning block (the text ends in "<think>")
 
 
 def _token_text(v: Any) -> str:
@@ -88,25 +103,51 @@ class ChatTemplate:
             return cls.deepseek_v4(tokenizer)
         return cls(tokenizer)
 
+    def prompt(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
+               options: dict[str, Any] | None = None) -> Prompt:
+        """`messages` rendered and encoded. Markers (added tokens' text) in any string of the
+        request stay text (`kvfold.chat.content`) unless options[ALLOW_CONTROL_TOKENS] is True,
+        which encodes the rendered string whole, as the release and transformers do."""
+        rendered, guard = self._render(messages, tools, options)
+        ids = guard.encode(rendered) if guard is not None else self.tokenizer.encode(rendered)
+        if self.kind == "plain" and self.tokenizer.bos_id is not None:
+            ids = [self.tokenizer.bos_id] + ids
+        text = guard.restore(rendered) if guard is not None else rendered
+        return Prompt(text, ids, opens_reasoning(text))
+
     def text(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
              options: dict[str, Any] | None = None) -> str:
         """The rendered text of OpenAI-shaped `messages` (content already one string), ending
         where the assistant replies (without the plain template's BOS, which `ids` adds).
         `options`: the request's chat_template_kwargs, plus `reasoning_effort` and
         `response_format` when it set them."""
+        rendered, guard = self._render(messages, tools, options)
+        return guard.restore(rendered) if guard is not None else rendered
+
+    def _render(self, messages, tools, options) -> tuple[str, ContentGuard | None]:
+        """The rendered text, from escaped strings unless the options allow control tokens in
+        content, and the guard that escaped them (None: nothing was)."""
         options = dict(options or {})
+        allow = options.pop(ALLOW_CONTROL_TOKENS, False)
+        if not isinstance(allow, bool):
+            raise ChatTemplateError(f"chat_template_kwargs.{ALLOW_CONTROL_TOKENS} must be a boolean",
+                                    "chat_template_kwargs")
+        guard = None if allow else ContentGuard.of(self.tokenizer)
+        if guard is not None:
+            messages = [guard.escape_message(m) if isinstance(m, dict) else m for m in messages]
+            tools, options = guard.escape(tools), {k: guard.escape(v) for k, v in options.items()}
         if self.kind == "deepseek_v4":
-            thinking = options.pop("thinking", options.pop("enable_thinking", False))
-            if not isinstance(thinking, bool):
+            thinking = options.pop("thinking", options.pop("enable_thinking", None))
+            if thinking is not None and not isinstance(thinking, bool):
                 raise ChatTemplateError("chat_template_kwargs.thinking must be a boolean", "chat_template_kwargs")
-            return encode_chat(list(messages), tools=tools, thinking=thinking,
-                               reasoning_effort=options.pop("reasoning_effort", None),
-                               response_format=options.pop("response_format", None))
+            thinking, effort = reasoning_mode(options.pop("reasoning_effort", None), thinking)
+            return encode_chat(list(messages), tools=tools, thinking=thinking, reasoning_effort=effort,
+                               response_format=options.pop("response_format", None)), guard
         if self.kind == "jinja":
             options.pop("response_format", None)  # a Jinja template has no place for it; the grammar holds it
             return self._compiled.render(messages=[_with_argument_objects(m) for m in messages], tools=tools or None,
-                                         add_generation_prompt=True, **{**self.special, **options})
-        return self._plain(messages, tools, options)
+                                         add_generation_prompt=True, **{**self.special, **options}), guard
+        return self._plain(messages, tools, options), guard
 
     @staticmethod
     def _plain(messages: Sequence[dict[str, Any]], tools, options) -> str:
@@ -126,11 +167,12 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
                options: dict[str, Any] | None = None) -> list[int]:
-        """Prompt ids for `messages`: `text`, encoded."""
-        return self.ids(self.text(messages, tools, options))
+        """Prompt ids for `messages` (`prompt`'s)."""
+        return self.prompt(messages, tools, options).ids
 
     def ids(self, text: str) -> list[int]:
-        """A rendered text's ids (the plain template's start with BOS)."""
+        """A rendered text's ids, every marker in it a control id (the plain template's start with
+        BOS). For a request's messages use `prompt`, which keeps their markers text."""
         tok = self.tokenizer
         if self.kind != "plain":
             return tok.encode(text)

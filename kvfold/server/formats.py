@@ -62,8 +62,13 @@ class ResponseFormat:
             out_choice["token_ids"] = ids
         return out_choice
 
-    def chunk(self, out: RequestOutput, index: int = 0) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._choice(self._chunk_choice(out, index), out.new_token_ids)])
+    def chunk(self, out: RequestOutput, index: int = 0) -> dict[str, Any] | None:
+        """The chunk of one output, or None when it has nothing to say (no text, delta, logprobs,
+        token ids or finish): a tool call held back until it is complete sends no chunk per token."""
+        choice = self._choice(self._chunk_choice(out, index), out.new_token_ids)
+        if not any(choice.get(k) for k in ("text", "delta", "logprobs", "finish_reason", "token_ids")):
+            return None
+        return self._envelope(self.object_chunk, [choice])
 
     def whole(self, outs_by_choice: list[list[RequestOutput]]) -> dict[str, Any]:
         choices = [self._choice(self._whole_choice(outs, i), [t for o in outs for t in o.new_token_ids])
@@ -168,7 +173,8 @@ class ChatFormat(ResponseFormat):
             delta = {"content": out.new_text} if out.new_text else {}
             return {"index": index, "delta": delta, "logprobs": self._logprobs([out]), "finish_reason": finish}
         parser = self._parsers.setdefault(index, self.parser())
-        parts = [parser.feed(out.new_text)] + ([parser.finish()] if out.finished else [])
+        # with the ids: the reasoning ends on the </think> token, where structured output starts
+        parts = [parser.feed(out.new_text, out.new_token_ids)] + ([parser.finish()] if out.finished else [])
         delta: dict[str, Any] = {}
         reasoning, content = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
         if reasoning:
@@ -187,7 +193,7 @@ class ChatFormat(ResponseFormat):
         calls = []
         if self.parser is not None:
             parser = self.parser()
-            parts = [parser.feed(text), parser.finish()]
+            parts = [parser.feed(text, [t for o in outs for t in o.new_token_ids]), parser.finish()]
             reasoning, content = "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
             calls = parser.tool_calls
             message["content"] = content if content or not calls else None

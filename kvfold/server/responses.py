@@ -92,8 +92,9 @@ async def sse(streams: list[RequestStream], fmt: ResponseFormat, include_usage: 
                     failed = True
                     break
                 lasts[i] = out
-                if out.new_text or out.new_token_ids or out.finished:
-                    yield event(fmt.chunk(out, i))
+                chunk = fmt.chunk(out, i) if out.new_text or out.new_token_ids or out.finished else None
+                if chunk is not None:  # None: nothing to say yet (text held back, no ids asked for)
+                    yield event(chunk)
         if include_usage and not failed:
             yield event(fmt.usage_chunk([lasts[i] for i in range(len(streams))]))
         yield "data: [DONE]\n\n"

@@ -75,7 +75,8 @@ async def completions(request: Request) -> Response:
     echo_logprobs = req.logprobs if req.echo else None  # the prompt's logprobs, echoed with it
     params = sampling(req, req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
                       prompt_logprobs=echo_logprobs)
-    # too long for the context: a lone prompt blames the max_tokens the client set, a batch its prompt
+    # too long for the context: a lone prompt that fits alone blames the max_tokens the client set,
+    # any other its prompt (`_start_all`)
     lone = batch[0][0] == "prompt"
     streams = await _start_all(ctx, ids, params, "max_tokens" if req.max_tokens and lone else None)
     n = len(params)
@@ -94,7 +95,9 @@ async def chat_completions(request: Request) -> Response:
     ids, reasoning = chat_ids(ctx, req)
     # no max_tokens: whatever room the context leaves (at least 1, so a full context is a 400)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, ctx.engine.max_seq_len - len(ids))
-    limit = "max_completion_tokens" if req.max_completion_tokens else "max_tokens" if req.max_tokens else "messages"
+    # too long for the context: the token limit the client set, unless the messages alone fill it
+    limit = "messages" if len(ids) >= ctx.engine.max_seq_len else \
+        "max_completion_tokens" if req.max_completion_tokens else "max_tokens" if req.max_tokens else "messages"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = chat_sampling(ctx, req, reasoning, max_tokens, logprobs)
     streams = await ctx.start(ids, params, length_param=limit)
@@ -142,12 +145,15 @@ async def _start_all(ctx: ServerContext, batch: list[tuple[str, list[int]]], par
                      length_param: str | None) -> list[RequestStream]:
     """The choices of every (param, ids) prompt, all handed to the engine at once (they queue
     together, so a batch may hold up to max_queue prompts); a refusal of one cancels the others.
-    A prompt too long for the context blames `length_param`, else its own param."""
+    A prompt too long for the context blames `length_param`, else (or when it fills the context
+    alone, so that no token limit could help) its own param."""
     queue = ctx.engine.scheduler.max_queue
     if len(batch) > max(1, queue):
         raise ApiError(400, f"a batch of {len(batch)} prompts is more than this server queues at once ({queue})",
                        param="prompt")
-    started = await asyncio.gather(*(ctx.start(ids, params, param=param, length_param=length_param or param)
+    fills = ctx.engine.max_seq_len
+    started = await asyncio.gather(*(ctx.start(ids, params, param=param,
+                                               length_param=param if len(ids) >= fills else length_param or param)
                                      for param, ids in batch), return_exceptions=True)
     streams = [s for group in started if isinstance(group, list) for s in group]
     failed = [e for e in started if isinstance(e, BaseException)]
@@ -186,9 +192,14 @@ def chat_sampling(ctx: ServerContext, req: ChatCompletionRequest, reasoning: boo
 
 
 def chat_parser(ctx: ServerContext, req: ChatCompletionRequest, reasoning: bool) -> Callable[[], OutputParser]:
-    """A factory of the parser that reads a chat choice back (reasoning, content, tool calls)."""
+    """A factory of the parser that reads a chat choice back (reasoning, content, tool calls).
+    Where "</think>" is one token, a caller that feeds the parser the ids with their text gets the
+    reasoning ended by that token, the event structured output starts on (`chat_sampling`), not by
+    the text "</think>" written in pieces."""
     family, tools = ctx.template.family, tool_dicts(req.tools) if req.calls_tools else None
-    return lambda: OutputParser(family, tools=tools, in_reasoning=reasoning)
+    end = ctx.tokenizer.encode("</think>") if ctx.tokenizer is not None else []
+    end_token, decode = (end[0], ctx.tokenizer.decode) if len(end) == 1 else (None, None)
+    return lambda: OutputParser(family, tools=tools, in_reasoning=reasoning, end_token=end_token, decode=decode)
 
 
 def chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
@@ -200,8 +211,8 @@ def chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -
     messages = [m.as_dict() for m in req.messages]
     tools = tool_dicts(req.tools)
     try:
-        text = ctx.template.text(messages, tools, req.render_options())
-        return ctx.template.ids(text), ctx.template.opens_reasoning(text)
+        prompt = ctx.template.prompt(messages, tools, req.render_options())  # markers in contents stay text
+        return prompt.ids, prompt.opens_reasoning
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param=exc.param or "messages") from None
     except Exception as exc:  # the checkpoint's template refused these messages

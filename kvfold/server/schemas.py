@@ -348,7 +348,9 @@ class ChatCompletionRequest(_Request):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="DeepSeek-V4: none is chat mode (no reasoning); minimal, low, medium and high reason at "
+        "its level high, xhigh and max at max (kvfold.chat.dsv4_encoding.reasoning_mode)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: options of the chat "
                                                         "format, e.g. {\"thinking\": true}")
     verbosity: str | None = None
