@@ -194,7 +194,7 @@ def test_prefix_cache_hit_over_http(server, tiny):
     assert rb.choices[0].token_ids == cb.token_ids == chunked_reference(tiny, prompt_ids(tiny, b), 8)
     m = metrics(url)
     assert m["kvfold_prefix_cache_hit_tokens_total"] - before["kvfold_prefix_cache_hit_tokens_total"] == 256
-    assert m["kvfold_prefix_cache_hits_total"] - before["kvfold_prefix_cache_hits_total"] == 1
+    assert m["kvfold_prefix_cache_request_hits_total"] - before["kvfold_prefix_cache_request_hits_total"] == 1
     assert 0 < m["kvfold_prefix_cache_hit_rate"] <= 1 and m["kvfold_prefix_cache_bytes"] > 0
     assert m["kvfold_prefix_cache_pages"] >= 2 and m["kvfold_kv_page_bytes_used"] > 0
 
@@ -213,6 +213,18 @@ def test_request_errors(server):
 
     err = error_of(openai.BadRequestError, 400, prompt="x" * 500, max_tokens=20)  # 501 + 20 > 512
     assert err["code"] == "context_length_exceeded" and "max_seq_len" in err["message"]
+    assert err["param"] == "max_tokens"  # the prompt fits alone: the limit set is what passes the context
+    # a prompt that fills the context alone: no max_tokens would help, so the prompt is named
+    assert error_of(openai.BadRequestError, 400, prompt="x" * 600, max_tokens=2)["param"] == "prompt"
+    for limit in ({"max_tokens": 2}, {"max_completion_tokens": 2}, {}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x" * 600}], **limit)
+        assert (e.value.response.json()["error"]["param"], e.value.response.json()["error"]["code"]) == \
+            ("messages", "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "x" * 400}],
+                                  max_tokens=200)
+    assert e.value.response.json()["error"]["param"] == "max_tokens"
     assert error_of(openai.BadRequestError, 400, temperature=3.0)["param"] == "temperature"
     assert error_of(openai.BadRequestError, 400, prompt=[1, 2, 100000])["type"] == "invalid_request_error"
     assert error_of(openai.BadRequestError, 400, n=200)["param"] == "n"

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Sequence as Seq
+from typing import Any, AsyncIterator, Callable, Sequence as Seq
 
 from ..errors import EngineError
 from .engine import Engine
@@ -70,8 +70,10 @@ class AsyncEngine:
         (stream,) = await self.add_choices(prompt_ids, [params])
         return stream
 
-    async def add_choices(self, prompt_ids: Seq[int], params: Seq[SamplingParams]) -> list["RequestStream"]:
-        """`Engine.add_choices`: one stream per choice, all sharing one prefill."""
+    async def add_choices(self, prompt_ids: Seq[int], params: Seq[SamplingParams],
+                          checkpoint: Any = None) -> list["RequestStream"]:
+        """`Engine.add_choices`: one stream per choice, all sharing one prefill (from `checkpoint`,
+        engine/checkpoint.py, when it applies)."""
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in params]
         added: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
@@ -80,7 +82,7 @@ class AsyncEngine:
             if not added.set_running_or_notify_cancel():
                 return  # the caller gave up before the worker got here: add nothing
             try:
-                rids = self.engine.add_choices(prompt_ids, list(params))
+                rids = self.engine.add_choices(prompt_ids, list(params), checkpoint=checkpoint)
             except Exception as exc:
                 added.set_exception(exc)
                 return

@@ -23,14 +23,16 @@ import torch
 
 from ..decoding.grammar import CompiledGrammar, compile_grammar
 from ..errors import CacheFileError, InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
-from .graphs import GRAPH_STATS, DecodeGraphs
-from .disk_cache import DiskHit, disk_stats, engine_prefix_cache
-from .prefix_cache import PrefixCache
+from .checkpoint import Checkpoint, resumes, start_from_checkpoint, take_checkpoint
+from .graphs import DecodeGraphs
+from .disk_cache import DiskHit, engine_prefix_cache
+from .latency import RequestLatency
 from .scheduler import Scheduler
 from .sequence import RequestOutput, SamplingParams, Sequence
 from .replicas import HEARTBEAT_S, EngineReplicas
 from .sizing import BLOCK, check_limits, page_pool
 from .speculation import EngineSpeculation
+from .stats import engine_metrics
 
 
 
@@ -58,10 +60,11 @@ class Engine:
         max_running). `prefix_cache_bytes`: budget of the prefix cache: its snapshots plus the pages
         only it still holds (0 disables it). `cache_dir`, `cache_disk_bytes`: the prefix cache's disk
         tier (disk_cache.py): evicted entries, and all of them at `flush_prefix_cache()`, kept there
-        as full snapshots under that budget, found again by any engine of the same model. `kv_page_bytes`: size of the shared page pool of
-        compressed KV (models with the `pages` capability); None: room for max_running sequences of
-        max_seq_len tokens (at most max_state_bytes, at least one such sequence); 0: private
-        per-sequence pools, no page sharing. `batch_invariant`: this engine's mode, passed to every
+        as full snapshots under that budget, found again by any engine of the same model.
+        `kv_page_bytes`: size of the shared page pool of compressed KV (models with the `pages`
+        capability); None: room for max_running sequences of max_seq_len tokens (at most
+        max_state_bytes, at least one such sequence); 0: private per-sequence pools, no page
+        sharing. `batch_invariant`: this engine's mode, passed to every
         model call it makes (the model object's own mode, `set_batch_invariant`, is left as it
         is, so engines and other holders of one model never change each other's numerics): on,
         a request's tokens never depend on what else is running; None (default) where the model
@@ -77,7 +80,8 @@ class Engine:
         It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
         or GLM-5.3, numerics "hf", plain expert stacks), outside batch-invariant mode
         (batch_invariant=None leaves it off then) except for DeepSeek-V4 with the Triton kernels
-        on (`graph_invariance_unsupported`): ConfigError otherwise. Its rows agree with the forward's to rounding, not bit for bit."""
+        on (`graph_invariance_unsupported`): ConfigError otherwise. Its rows agree with the
+        forward's to rounding, not bit for bit."""
         batch_invariant = check_limits(
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
@@ -109,6 +113,7 @@ class Engine:
         self.prefix_cache = engine_prefix_cache(model, self.pages, prefill_chunk, prefix_cache_bytes,
                                                 self.max_rewind, cache_dir, cache_disk_bytes)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request
+        self.latency = RequestLatency()
         self._ids = itertools.count()
         self._c = dict.fromkeys(
             ["requests_added", "requests_rejected", "requests_cancelled", "finished_stop", "finished_length",
@@ -150,13 +155,15 @@ class Engine:
         return self.add_choices(prompt_ids, [params], None if request_id is None else [request_id])[0]
 
     def add_choices(self, prompt_ids: Seq[int] | torch.Tensor, params: Seq[SamplingParams | None],
-                    request_ids: Seq[str] | None = None) -> list[str]:
+                    request_ids: Seq[str] | None = None, checkpoint: Checkpoint | None = None) -> list[str]:
         """Queue one request per `params` on the same prompt (OpenAI's `n`); returns their ids.
         The prompt is prefilled once: when that prefill ends, the other choices start from a
         copy of its state (paged states share its whole pages by reference and copy only the
         rest), then each goes on alone. Refusals as `add_request`, for all of them or none.
         Cancelling the first choice before its prefill ends stops its output only: its prefill
-        still runs for the others."""
+        still runs for the others. `checkpoint`: an exact starting point for the prompt and/or a
+        request for the one its prefill leaves (checkpoint.py; ignored under tensor parallelism,
+        whose ranks each hold a shard of the state)."""
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
         if self._replicas is not None and self._replicas.leader:
             params = self._replicas.prepare(list(params))
@@ -167,6 +174,7 @@ class Engine:
         try:
             seqs = [self._make_sequence(prompt_ids, p, rid) for p, rid in zip(params, ids)]
             leader = seqs[0]
+            leader.checkpoint = checkpoint if self._replicas is None else None
             leader.followers = seqs[1:]
             for f in leader.followers:
                 f.leader = leader
@@ -177,6 +185,7 @@ class Engine:
             raise
         for seq in seqs:
             self._seqs[seq.request_id] = seq
+            self.latency.arrived(seq.request_id)
         self._c["requests_added"] += len(seqs)
         self._c["prompt_tokens"] += len(leader.prompt)
         rids = [seq.request_id for seq in seqs]
@@ -258,6 +267,7 @@ class Engine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
+        self.latency.forget(request_id)
         if self._replicas is not None:
             self._replicas.record("cancel", request_id)
         self._c["requests_cancelled"] += 1
@@ -297,11 +307,13 @@ class Engine:
         request that produced a token, finished, or failed this step. Under tensor parallelism
         every rank steps together: rank 0's changes since the last step first, its tokens after."""
         if self._replicas is None:
-            return self._step()
-        if not self._replicas.sync_ops():
+            outputs = self._step()
+        elif not self._replicas.sync_ops():
             return []
-        outputs = self._step()
-        self._replicas.agree(outputs)
+        else:
+            outputs = self._step()
+            self._replicas.agree(outputs)
+        self.latency.observe(outputs)
         return outputs
 
     def follow(self) -> None:
@@ -445,7 +457,7 @@ class Engine:
         if self.pages is None:
             return True
         cached, keep = 0, None
-        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None and not resumes(self, seq):
             cached, keep, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
             cached = cached if entry is not None and entry.pages else 0  # a disk hit shares no pages
         need = self._group_pages(seq, cached) + self._reserved_pages
@@ -455,7 +467,12 @@ class Engine:
 
     def _start(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
         """Give an admitted sequence its state, resumed from the longest cached prefix: its
-        pages by reference (paged states) and the rest restored from the entry's snapshot."""
+        pages by reference (paged states) and the rest restored from the entry's snapshot, or
+        from the request's own checkpoint when that covers more (checkpoint.py)."""
+        if resumes(self, seq) and start_from_checkpoint(self, seq):
+            self._c["states_allocated"] += 1
+            self._attach_drafter(seq)
+            return
         n, key, entry = 0, None, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a hit skips the prompt's logits
             n, key, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
@@ -474,6 +491,8 @@ class Engine:
                 if isinstance(entry, DiskHit):
                     entry.tier.served(n)
                     self._maybe_snapshot(seq)  # back into memory
+                elif seq.checkpoint is not None:
+                    take_checkpoint(seq, self.prefill_chunk)  # a hit on the prompt's last block
             except SnapshotError as exc:  # refused blobs leave the state untouched: run cold
                 if isinstance(entry, DiskHit) and not isinstance(exc, CacheFileError):
                     entry.tier.refuse(key, type(exc).__name__)
@@ -501,6 +520,8 @@ class Engine:
         """After a prefill chunk that ended on a block boundary, cache the state there: a
         paged state gives the cache its prefix pages by reference plus a snapshot of the rest."""
         pos = seq.state.pos
+        if seq.checkpoint is not None:
+            take_checkpoint(seq, self.prefill_chunk)
         if self.prefix_cache is None or pos % self.prefill_chunk:
             return
         key = self._keys(seq)[pos // self.prefill_chunk - 1]
@@ -561,39 +582,6 @@ class Engine:
 
     # ---- metrics -----------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        c = self._c
-        m: dict[str, float] = dict(c)
-        live = [s for s in self.scheduler.running if s.state is not None]
-        m.update(
-            queue_depth=len(self.scheduler.waiting),
-            running=len(self.scheduler.running),
-            live_states=c["states_allocated"] - c["states_freed"],
-            live_state_bytes=sum(s.state.nbytes for s in live),
-            reserved_state_bytes=self.scheduler.reserved_bytes,
-            spec_draft_tokens=self.spec.drafted if self.spec is not None else 0,
-            spec_accepted_tokens=self.spec.accepted if self.spec is not None else 0,
-        )
-        m.update(dict.fromkeys(("pages_total", "pages_used", "pages_free", "pages_shared", "page_bytes",
-                                "page_bytes_total", "page_bytes_used"), 0))
-        if self.pages is not None:
-            m.update(self.pages.stats())
-        m.update(self.graphs.stats() if self.graphs is not None else dict.fromkeys(GRAPH_STATS, 0))
-        pc = self.prefix_cache
-        if pc is None:  # disabled: report an empty cache
-            pc = PrefixCache(self.prefill_chunk, 0)
-        m.update(
-            prefix_cache_lookups=pc.lookups,
-            prefix_cache_hits=pc.hits,
-            prefix_cache_lookup_tokens=pc.lookup_tokens,
-            prefix_cache_hit_tokens=pc.hit_tokens,
-            prefix_cache_hit_rate=pc.hit_tokens / pc.lookup_tokens if pc.lookup_tokens else 0.0,
-            prefix_cache_request_hit_rate=pc.hits / pc.lookups if pc.lookups else 0.0,
-            prefix_cache_entries=pc.entries,
-            prefix_cache_bytes=pc.nbytes,
-            prefix_cache_evictions=pc.evictions,
-            prefix_cache_pages=pc.pages_held,
-            prefix_cache_blob_bytes=pc.blob_bytes,
-            **disk_stats(pc.disk),
-        )
-        return m
+        """Counters and gauges of everything the engine holds (engine/stats.py)."""
+        return engine_metrics(self)
 

@@ -93,11 +93,28 @@ class PrefixCache:
         """What the cache costs: its blobs plus the pages nobody else uses."""
         return self.blob_bytes + (self._only_cached() * self.pages.page_bytes if self.pages is not None else 0)
 
+    def stats(self) -> dict[str, float]:
+        """The counters `Engine.metrics` reports (prefix_cache_*)."""
+        return dict(
+            prefix_cache_lookups=self.lookups,
+            prefix_cache_hits=self.hits,
+            prefix_cache_lookup_tokens=self.lookup_tokens,
+            prefix_cache_hit_tokens=self.hit_tokens,
+            prefix_cache_hit_rate=self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
+            prefix_cache_request_hit_rate=self.hits / self.lookups if self.lookups else 0.0,
+            prefix_cache_entries=self.entries,
+            prefix_cache_bytes=self.nbytes,
+            prefix_cache_evictions=self.evictions,
+            prefix_cache_pages=self.pages_held,
+            prefix_cache_blob_bytes=self.blob_bytes,
+        )
+
     # ---- lookup ------------------------------------------------------------------------------
     def keys_for(self, ids: Sequence[int]) -> list[bytes]:
         return block_hashes(ids, self.block, self.root)
 
-    def find(self, keys: Sequence[bytes], n_tokens: int, count: bool = True) -> tuple[int, bytes | None, CacheEntry | None]:
+    def find(self, keys: Sequence[bytes], n_tokens: int, count: bool = True
+             ) -> tuple[int, bytes | None, CacheEntry | None]:
         """Longest cached prefix of a prompt of `n_tokens` tokens whose block keys are `keys`:
         whole blocks only, strictly shorter than the prompt (at least one token must still run
         to produce logits). Returns (tokens covered, key, entry) or (0, None, None). `count`:

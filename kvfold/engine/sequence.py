@@ -118,6 +118,7 @@ class Sequence:
     leader: "Sequence | None" = None
     followers: list["Sequence"] = field(default_factory=list)
     ghost: bool = False  # a cancelled leader that still prefills for its followers (no output)
+    checkpoint: Any = None  # its exact starting point and/or the one to capture (engine/checkpoint.py)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     drafter: Any = None  # its own drafter under speculative decoding (speculation.py)
     drafts: list[int] = field(default_factory=list)  # this step's drafts after the last token

@@ -37,6 +37,8 @@ class EngineSpeculation:
         self.model, self.kind, self.num_draft = model, kind, num_draft
         self.needs_hidden = kind == "mtp"
         self.drafted = self.accepted = self.dropped = 0
+        self.verifies = 0  # verify steps of a sequence with drafts
+        self.accepted_at = [0] * num_draft  # per draft position: drafts accepted there (vLLM's per-position rate)
 
     @property
     def max_rewind(self) -> int:
@@ -83,6 +85,9 @@ class EngineSpeculation:
     def count(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
+        self.verifies += drafted > 0
+        for i in range(accepted):  # a draft is accepted only after every draft before it
+            self.accepted_at[i] += 1
 
     def drop(self, seq: Sequence) -> None:
         self.dropped += 1

@@ -49,6 +49,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "shutdown; a restarted server finds them again (docs/serving.md)")
     p.add_argument("--cache-disk-gib", type=float, default=8.0,
                    help="byte budget of --cache-dir in GiB, least recently used entries go first (default 8)")
+    p.add_argument("--responses-store-mib", type=float, default=512.0,
+                   help="memory for stored /v1/responses (their items and the state snapshots previous_response_id "
+                        "resumes from), least recently used out; 0 stores none (default 512)")
     p.add_argument("--kv-page-bytes", type=_int_at_least(0), default=None,
                    help="bytes of the shared compressed-KV page pool, 0 for private per-sequence pools "
                         "(default: room for max-running sequences of max-seq-len)")
@@ -58,7 +61,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "it, fp32 on the CPU; see docs/backends.md)")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
                    help="batch-invariant mode where it is not the default: on CUDA (fp32, bf16) the token-parallel "
-                        "ops run in kvfold's fixed-order Triton kernels, expected slower than torch's (see docs/backends.md)")
+                        "ops run in kvfold's fixed-order Triton kernels, expected slower than torch's "
+                        "(see docs/backends.md)")
     p.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
                    help="speculative decoding: every sequence drafts with n-gram prompt lookup or the checkpoint's "
                         "MTP layer and verifies in the batched step (default: none)")
@@ -137,7 +141,8 @@ def build_app(args: argparse.Namespace):
     template = ChatTemplate.for_model(model.tokenizer, model_dir, family) if model.tokenizer is not None else None
     api_key = args.api_key if args.api_key is not None else os.environ.get("KVFOLD_API_KEY") or None
     return create_app(engine, model_name=name, api_key=api_key, chat_template=template,
-                      web_page=getattr(args, "web_page", True))
+                      web_page=getattr(args, "web_page", True),
+                      responses_store_bytes=int(getattr(args, "responses_store_mib", 512.0) * (1 << 20)))
 
 
 def served_model_name(args: argparse.Namespace) -> str:

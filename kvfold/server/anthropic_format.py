@@ -172,7 +172,7 @@ class MessageFormat:
     def whole(self, outs: list[RequestOutput]) -> dict[str, Any]:
         text, ids = "".join(o.new_text for o in outs), [t for o in outs for t in o.new_token_ids]
         parser, writer = self.parser(), BlockWriter(self.signer)
-        for delta in (parser.feed(text), parser.finish()):
+        for delta in (parser.feed(text, ids), parser.finish()):  # ids: the reasoning ends on the </think> token
             writer.add(delta)
         writer.close()
         reason, stop = self._stop(outs[-1], writer.calls, ids, text)
@@ -195,7 +195,8 @@ class MessageFormat:
                     return
                 text.append(out.new_text)
                 ids += out.new_token_ids
-                for delta in [parser.feed(out.new_text)] + ([parser.finish()] if out.finished else []):
+                deltas = [parser.feed(out.new_text, out.new_token_ids)] + ([parser.finish()] if out.finished else [])
+                for delta in deltas:
                     for name, data in writer.add(delta):
                         yield event(name, data)
                 last = out

@@ -7,7 +7,7 @@ Routes: GET / (the chat page, `page`; not with web_page=False), GET /health, GET
 the API key when one is set, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 POST /v1/chat/completions (both streamed as server-sent events with `"stream": true`), and
 Anthropic's POST /v1/messages and /v1/messages/count_tokens (`anthropic`, errors in Anthropic's
-shape). Errors use
+shape), and OpenAI's Responses API, /v1/responses (`openai_responses`). Errors use
 OpenAI's shape {"error": {message, type, param, code}}; whatever a client sends, a bad request is
 a 4xx, never a 500, and its keep-alive connection serves on.
 
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import AsyncEngine, Engine
 from ..chat.template import ChatTemplate
 from .anthropic import add_anthropic_api
+from .openai_responses import DEFAULT_STORE_BYTES, add_responses_api
 from .context import ServerContext, server_context
 from .openapi import build_openapi
 from .page import add_chat_page
@@ -39,10 +40,11 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
                chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               web_page: bool = True) -> FastAPI:
+               web_page: bool = True, responses_store_bytes: int = DEFAULT_STORE_BYTES) -> FastAPI:
     """An app serving `engine` as `model_name`. Its step loop runs on a background thread
     started and stopped with the app (uvicorn's lifespan); `app.state.engine` is the AsyncEngine.
-    `web_page`: serve the chat page at / (`kvfold serve --no-web-page` turns it off)."""
+    `web_page`: serve the chat page at / (`kvfold serve --no-web-page` turns it off).
+    `responses_store_bytes`: budget of the stored /v1/responses (`--responses-store-mib`)."""
     async_engine = AsyncEngine(engine)
     tokenizer = engine.tokenizer
     template = chat_template or (ChatTemplate(tokenizer) if tokenizer is not None else None)
@@ -58,6 +60,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
     add_anthropic_api(app)  # POST /v1/messages and /v1/messages/count_tokens
+    add_responses_api(app, responses_store_bytes)  # /v1/responses (openai_responses)
     if web_page:
         add_chat_page(app)
     app.openapi = lambda: build_openapi(app, app.state.server)

@@ -90,14 +90,15 @@ class ServerContext:
                            param="model", code="model_not_found")
 
     async def start(self, ids: list[int], params: list[SamplingParams], param: str | None = None,
-                    length_param: str = "max_tokens") -> list[RequestStream]:
+                    length_param: str = "max_tokens", checkpoint: Any = None) -> list[RequestStream]:
         """Submit a prompt's choices (one prefill), answering the engine's refusals as OpenAI errors
         (400, or 503 when full); `param` names the field an invalid request blames unless the
         engine names one (else the prompt's ids), `length_param` the one a request too long for
-        the context does (the token limit the client set, else the prompt)."""
+        the context does (the token limit the client set, else the prompt). `checkpoint`: the
+        engine's `Checkpoint` (POST /v1/responses resumes a stored conversation from one)."""
         await self._compile(params)
         try:
-            return await self.async_engine.add_choices(ids, params)
+            return await self.async_engine.add_choices(ids, params, checkpoint=checkpoint)
         except RequestTooLongError as exc:
             raise ApiError(400, str(exc), param=length_param, code="context_length_exceeded") from None
         except InvalidRequestError as exc:

@@ -29,7 +29,7 @@ _METRICS = [
     ("live_states", "kvfold_live_states", "gauge", "Per-sequence states allocated and not yet freed."),
     ("live_state_bytes", "kvfold_state_bytes", "gauge", "Bytes held by live per-sequence states."),
     ("prefix_cache_lookups", "kvfold_prefix_cache_lookups_total", "counter", "Prefix-cache lookups."),
-    ("prefix_cache_hits", "kvfold_prefix_cache_hits_total", "counter", "Lookups that restored a snapshot."),
+    ("prefix_cache_hits", "kvfold_prefix_cache_request_hits_total", "counter", "Lookups that restored a snapshot."),
     ("prefix_cache_lookup_tokens", "kvfold_prefix_cache_queried_tokens_total", "counter",
      "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hit_tokens", "kvfold_prefix_cache_hit_tokens_total", "counter",
@@ -74,18 +74,58 @@ _METRICS = [
 ]
 
 
+# vLLM's metric semantics under vLLM's names after the prefix (docs/serving.md, "Metrics"), so a
+# dashboard built for vLLM's /metrics reads kvfold's: (engine key or a function of the metrics, name, type, help)
+_VLLM = [
+    ("running", "kvfold_num_requests_running", "gauge", "Requests running (holding a state)."),
+    ("queue_depth", "kvfold_num_requests_waiting", "gauge", "Requests waiting for admission."),
+    (lambda m: m.get("pages_used", 0) / m["pages_total"] if m.get("pages_total")
+     else m.get("running", 0) / max(1, m.get("max_running", 1)),
+     "kvfold_kv_cache_usage_perc", "gauge",
+     "KV-cache usage, 1 = full: pages in use of the shared page pool (private pools: states of max_running)."),
+    ("prefix_cache_lookup_tokens", "kvfold_prefix_cache_queries_total", "counter",
+     "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hit_tokens", "kvfold_prefix_cache_hits_total", "counter",
+     "Prompt tokens restored from the prefix cache (memory or disk)."),
+    ("spec_drafts", "kvfold_spec_decode_num_drafts_total", "counter", "Verify steps of sequences with drafts."),
+    ("spec_draft_tokens", "kvfold_spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
+    ("spec_accepted_tokens", "kvfold_spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+]
+_HISTOGRAMS = [
+    ("time_to_first_token_seconds", "kvfold_time_to_first_token_seconds",
+     "Time from a request's arrival to its first token."),
+    ("inter_token_latency_seconds", "kvfold_inter_token_latency_seconds", "Time between a request's later tokens."),
+]
+
+
 def render(metrics: Mapping[str, float], http_errors: Mapping[int, int] | None = None) -> str:
     lines = []
-    for key, name, kind, help_text in _METRICS:
+    for key, name, kind, help_text in _METRICS + _VLLM:
         base = name.split("{")[0]
         if help_text is not None:
             lines += [f"# HELP {base} {help_text}", f"# TYPE {base} {kind}"]
-        lines.append(f"{name} {_num(metrics.get(key, 0))}")
+        lines.append(f"{name} {_num(key(metrics) if callable(key) else metrics.get(key, 0))}")
+    lines += ["# HELP kvfold_spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by draft position.",
+              "# TYPE kvfold_spec_decode_num_accepted_tokens_per_pos_total counter"]
+    for pos, n in enumerate(metrics.get("spec_accepted_per_position", ())):
+        lines.append(f'kvfold_spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}} {n}')
+    for key, name, help_text in _HISTOGRAMS:
+        lines += _histogram(name, help_text, metrics.get(key))
     lines += ["# HELP kvfold_http_errors_total Error responses, by HTTP status.",
               "# TYPE kvfold_http_errors_total counter"]
     for status, n in sorted((http_errors or {}).items()):
         lines.append(f'kvfold_http_errors_total{{status="{status}"}} {n}')
     return "\n".join(lines) + "\n"
+
+
+def _histogram(name: str, help_text: str, snap) -> list[str]:
+    """A histogram's lines from `latency.Histogram.snapshot()` (bounds, cumulative counts with
+    +Inf last, sum, count); an empty one without it."""
+    bounds, cumulative, total, n = snap if snap is not None else ((), (0,), 0.0, 0)
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    for le, c in zip([_num(b) for b in bounds] + ["+Inf"], cumulative):
+        lines.append(f'{name}_bucket{{le="{le}"}} {c}')
+    return lines + [f"{name}_sum {_num(total)}", f"{name}_count {n}"]
 
 
 def _num(v: float) -> str:
