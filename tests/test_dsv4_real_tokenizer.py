@@ -364,7 +364,9 @@ def test_a_streamed_forced_call_sends_no_empty_chunks(url, model):
     chunks = _stream_chunks(url, body)
     deltas = [ch["choices"][0]["delta"] for ch in chunks]
     assert all(d or ch["choices"][0]["finish_reason"] for d, ch in zip(deltas, chunks))  # nothing empty
-    assert tokens > 10 and len(chunks) <= 3  # the role, the call (with the finish, or then the finish)
+    # a forced call streams its arguments as they are written (tests/test_server_tool_streaming.py):
+    # at most a chunk per token that adds to them, plus the role and the finish, never an empty one
+    assert tokens > 10 and len(chunks) <= tokens + 2
     streamed = [tc for d in deltas for tc in d.get("tool_calls", [])]
     assert streamed[0]["function"]["name"] == "get_weather"
     assert json.loads("".join(tc["function"]["arguments"] for tc in streamed)) == args

@@ -353,7 +353,8 @@ def test_background_response_polls_and_cancels(plain):
      "input.0.content.0.type"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
     ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "abc"}]}, "input.0.encrypted_content"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools.0.type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "x"}]}]}, "tools.0.tools.0.type"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
     ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
@@ -374,6 +375,30 @@ def test_refused_fields_name_their_param(plain, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
+
+
+def test_codex_cli_tools_namespaces_and_web_search(dsv4):
+    """What Codex CLI sends: a `namespace` tool (its functions offered as NAMESPACE.NAME, a call of
+    one comes back with `namespace`), a `web_search` tool (accepted, not offered: kvfold runs no
+    hosted tool), and its other fields, streamed, unstored; the call then goes back as input."""
+    url, _ = dsv4
+    group = {"type": "namespace", "name": "agents", "description": "Sub-agents", "tools": [WEATHER]}
+    body = {"model": MODEL, "input": "Weather?", "tools": [{"type": "web_search", "external_web_access": False}, group],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 300, "temperature": 0,
+            "stream": True, "store": False, "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"},
+            "prompt_cache_key": "k", "client_metadata": {"session_id": "s"}}
+    evs = events(url, body, key="none")
+    assert [n for n, _ in evs][-1] == "response.completed"
+    item = next(d["item"] for n, d in evs if n == "response.output_item.done" and d["item"]["type"] == "function_call")
+    assert (item["namespace"], item["name"]) == ("agents", "get_weather")
+    jsonschema.validate(json.loads(item["arguments"]), WEATHER["parameters"])
+    assert [t["name"] for t in evs[-1][1]["response"]["tools"]] == ["agents.get_weather"]
+    call = {k: item[k] for k in ("type", "call_id", "name", "namespace", "arguments")}
+    result = {"type": "function_call_output", "call_id": item["call_id"], "output": "Sunny"}
+    again = {**body, "input": [{"role": "user", "content": "Weather?"}, call, result], "tool_choice": "auto",
+             "parallel_tool_calls": True, "stream": False, "max_output_tokens": 2}
+    r = httpx.post(url + "/v1/responses", json=again, timeout=120)
+    assert r.status_code == 200, r.text
 
 
 def test_metadata_fields_are_accepted_and_the_key_is_required(plain):
@@ -406,3 +431,42 @@ def test_an_engine_failure_is_a_failed_response(plain, monkeypatch):
     assert client(url).responses.retrieve(failed["id"]).status == "failed"
     with pytest.raises(openai.InternalServerError):
         client(url).responses.create(model=MODEL, input="Hi", max_output_tokens=4)
+
+
+def test_encrypted_reasoning_round_trips_to_the_exact_ids_and_forgeries_are_refused(dsv4):
+    """include reasoning.encrypted_content (as Codex CLI sends it, store false): each reasoning item
+    carries its token ids, signed; sent back, the prompt holds exactly those ids (the tiny model's
+    reasoning is bytes no text encodes back to, so re-tokenizing its text could not); a blob that
+    is garbage, altered, signed with another key or for another model is a 400 naming it."""
+    from kvfold.server.anthropic_format import ThinkingSigner
+    from kvfold.server.openai_responses_format import seal, unseal
+    from kvfold.server.openai_responses_schemas import ResponsesRequest, items
+    from kvfold.server.openai_responses_translate import render
+    url, app = dsv4
+    c = client(url, "none")
+    signer, tok = app.state.thinking_signer, app.state.server.tokenizer
+    kw = dict(model=MODEL, reasoning={"effort": "high"}, temperature=0, store=False)
+    r = c.responses.create(input="Think first.", max_output_tokens=12, include=["reasoning.encrypted_content"], **kw)
+    (item,) = r.output
+    blob = item.encrypted_content
+    ids = unseal(signer, MODEL, blob, "x")
+    assert len(ids) == r.usage.output_tokens_details.reasoning_tokens == 12
+    assert tok.decode(ids) == item.content[0].text and tok.encode_text(tok.decode(ids)) != ids  # not re-tokenizable
+    assert c.responses.create(input="Think first.", max_output_tokens=4, **kw).output[0].encrypted_content is None
+    # sent back with tools (DeepSeek-V4 then shows every turn's reasoning): the prompt holds the ids, then </think>
+    body = {"model": MODEL, "reasoning": {"effort": "high"}, "tools": [WEATHER], "tool_choice": "none", "store": False,
+            "input": [{"role": "user", "content": "Think first."},
+                      {"type": "reasoning", "summary": [], "encrypted_content": blob},
+                      {"role": "user", "content": "And?"}]}
+    req = ResponsesRequest.model_validate(body)
+    _, prompt, _ = render(app.state.server, req, [(f"input.{i}", it) for i, it in enumerate(items(req.input))], signer)
+    run = ids + tok.encode("</think>")
+    assert any(prompt[k:k + len(run)] == run for k in range(len(prompt)))
+    back = c.responses.create(**{**body, "max_output_tokens": 1, "temperature": 0})
+    assert back.usage.input_tokens == len(prompt)
+    payload = blob.split(".")[1]
+    altered = blob.replace(payload, payload[:-2] + ("A" if payload[-2] != "A" else "B") + payload[-1])
+    for bad in ("abc", altered, seal(signer, "other-model", ids), seal(ThinkingSigner(b"another key"), MODEL, ids)):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(**{**body, "input": body["input"][:1] + [{**body["input"][1], "encrypted_content": bad}]})
+        assert err.value.body["param"] == "input.1.encrypted_content", err.value.body

@@ -30,7 +30,8 @@ attributes, stray text between tags, a duplicate parameter, a ``string="false"``
 not JSON, a block with no call) is returned verbatim as content. So while streaming, markup is
 held back until it is known valid or invalid (invalid is reported as soon as no continuation
 could be valid); a valid block's calls then come in one Delta, one argument fragment per
-parameter. The whole-output parse runs the same machine on the whole text, so a streamed parse
+parameter. Under a forced tool choice (`OutputParser(forced=True)`: the grammar makes the output
+a call) a call streams as it is written instead, never taken back. The whole-output parse runs the same machine on the whole text, so a streamed parse
 always equals the whole parse.
 
 Choices where the references differ or are silent:
@@ -173,7 +174,24 @@ def _until(s: str, pos: int, close: str) -> tuple[str, int] | str:
 # ---------------------------------------------------------------- DSML (DeepSeek-V4)
 
 
-def _scan_dsml_param(s: str, pos: int, types_of) -> tuple[str, Any, int] | str:
+class _Progress:
+    """How far a scan of tool-call markup got, for streaming a forced call as it is written:
+    `calls` [name, complete (key, value) pairs, closed], and the value being written when the
+    text ran out (`open`: key, raw text so far, whether it stays that text, its closing tag)."""
+
+    def __init__(self):
+        self.calls: list[list] = []
+        self.open: tuple[str, str, bool, str] | None = None
+
+
+def _keeps_text(types: set[str]) -> bool:
+    """Whether `coerce_text` returns a value's raw text whatever it turns out to be (so the text
+    can stream before the value ends): a string parameter, or one without type information, that
+    cannot be null."""
+    return (not types or "string" in types) and "null" not in types
+
+
+def _scan_dsml_param(s: str, pos: int, types_of, progress: _Progress | None = None) -> tuple[str, Any, int] | str:
     """One ``<｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>`` whose
     opening ``<｜DSML｜parameter`` ends before `pos` -> (name, coerced value, end)."""
     pos = _ws1(s, pos)
@@ -194,6 +212,9 @@ def _scan_dsml_param(s: str, pos: int, types_of) -> tuple[str, Any, int] | str:
         return gt
     value = _until(s, gt[1], _DSML_PARAM_END)
     if isinstance(value, str):
+        if progress is not None:
+            progress.open = (name, s[gt[1]:], flag[0] == 'string="true"' and _keeps_text(types_of(name)),
+                             _DSML_PARAM_END)
         return value
     raw, end = value
     if flag[0] == 'string="true"':
@@ -202,7 +223,8 @@ def _scan_dsml_param(s: str, pos: int, types_of) -> tuple[str, Any, int] | str:
     return (name, parsed, end) if ok else FAIL
 
 
-def _scan_dsml_invoke(s: str, pos: int, props: dict) -> tuple[tuple[str, list], int] | str:
+def _scan_dsml_invoke(s: str, pos: int, props: dict,
+                      progress: _Progress | None = None) -> tuple[tuple[str, list], int] | str:
     """One invoke whose opening ``<｜DSML｜invoke`` ends before `pos`: ``name="N">``, its
     parameters, ``</｜DSML｜invoke>`` -> ((name, [(key, value)]), end)."""
     pos = _ws1(s, pos)
@@ -222,13 +244,17 @@ def _scan_dsml_invoke(s: str, pos: int, props: dict) -> tuple[tuple[str, list], 
         return schema_types(schema.get(key)) if isinstance(schema, dict) else set()
 
     args: list[tuple[str, Any]] = []
+    if progress is not None:
+        progress.calls.append([name, args, False])
     while True:
         tag = _match(s, _skip_ws(s, pos), (_DSML_PARAM, _DSML_INVOKE_END))
         if isinstance(tag, str):
             return tag
         if tag[0] == _DSML_INVOKE_END:
+            if progress is not None:
+                progress.calls[-1][2] = True
             return (name, args), tag[1]
-        param = _scan_dsml_param(s, tag[1], types_of)
+        param = _scan_dsml_param(s, tag[1], types_of, progress)
         if isinstance(param, str):
             return param
         key, value, pos = param
@@ -237,7 +263,7 @@ def _scan_dsml_invoke(s: str, pos: int, props: dict) -> tuple[tuple[str, list], 
         args.append((key, value))
 
 
-def scan_dsml_block(s: str, props: dict) -> tuple[list, int] | str:
+def scan_dsml_block(s: str, props: dict, progress: _Progress | None = None) -> tuple[list, int] | str:
     """The body of a ``<｜DSML｜tool_calls>`` block (`s` starts right after that tag) up to and
     including ``</｜DSML｜tool_calls>`` -> (calls, end), or NEED / FAIL. A block without any
     invoke is not a tool call (FAIL)."""
@@ -249,7 +275,7 @@ def scan_dsml_block(s: str, props: dict) -> tuple[list, int] | str:
             return tag
         if tag[0] == DSML_BLOCK_END:
             return (calls, tag[1]) if calls else FAIL
-        invoke = _scan_dsml_invoke(s, tag[1], props)
+        invoke = _scan_dsml_invoke(s, tag[1], props, progress)
         if isinstance(invoke, str):
             return invoke
         call, pos = invoke
@@ -280,7 +306,7 @@ def _glm_key(s: str, pos: int) -> tuple[str, int] | str:
     return (key, end + len(_GLM_KEY_END)) if key and "<" not in key else FAIL
 
 
-def scan_glm_call(s: str, props: dict) -> tuple[list, int] | str:
+def scan_glm_call(s: str, props: dict, progress: _Progress | None = None) -> tuple[list, int] | str:
     """The body of one ``<tool_call>`` (`s` starts right after it) up to and including
     ``</tool_call>`` -> ([(name, [(key, value)])], end), or NEED / FAIL."""
     named = _glm_name(s)
@@ -289,11 +315,15 @@ def scan_glm_call(s: str, props: dict) -> tuple[list, int] | str:
     name, pos = named
     schema = props.get(name, {})
     args: list[tuple[str, Any]] = []
+    if progress is not None:
+        progress.calls.append([name, args, False])
     while True:
         tag = _match(s, _skip_ws(s, pos), (_GLM_KEY, GLM_CALL_END))
         if isinstance(tag, str):
             return tag
         if tag[0] == GLM_CALL_END:
+            if progress is not None:
+                progress.calls[-1][2] = True
             return [(name, args)], tag[1]
         keyed = _glm_key(s, tag[1])
         if isinstance(keyed, str):
@@ -302,13 +332,15 @@ def scan_glm_call(s: str, props: dict) -> tuple[list, int] | str:
         opened = _match(s, _skip_ws(s, pos), (_GLM_VALUE,))
         if isinstance(opened, str):
             return opened
+        types = schema_types(schema.get(key)) if isinstance(schema, dict) else set()
         value = _until(s, opened[1], _GLM_VALUE_END)
         if isinstance(value, str):
+            if progress is not None:
+                progress.open = (key, s[opened[1]:], _keeps_text(types), _GLM_VALUE_END)
             return value
         raw, pos = value
         if any(key == k for k, _ in args):
             return FAIL
-        types = schema_types(schema.get(key)) if isinstance(schema, dict) else set()
         args.append((key, coerce_text(raw, types)))
 
 
@@ -325,6 +357,23 @@ def _argument_fragments(args: list[tuple[str, Any]]) -> list[str]:
     return ["{" + parts[0]] + [", " + p for p in parts[1:]] + ["}"]
 
 
+def _streamed_arguments(args: list[tuple[str, Any]], closed: bool, open_value, final: bool) -> str:
+    """The arguments JSON of a call being written, as far as it is known: whole once the call is
+    closed; else its complete parameters and, when the value being written stays text
+    (`_Progress.open`), that text so far (less a possible start of its closing tag, unless the
+    output ended). Always a prefix of the JSON the finished call will have."""
+    whole = "".join(_argument_fragments(args))
+    if closed:
+        return whole
+    text = "{" + whole[1:-1] if args else "{"
+    if open_value is not None and open_value[2]:
+        key, raw, _, close = open_value
+        raw = raw if final else raw[:len(raw) - _tag_overlap(raw, (close,))]
+        text += (", " if args else "") + json.dumps(key, ensure_ascii=False) + ': "' + \
+            json.dumps(raw, ensure_ascii=False)[1:-1]
+    return text
+
+
 class OutputParser:
     """One choice's output, fed text as it is decoded.
 
@@ -336,10 +385,18 @@ class OutputParser:
     ids). A caller that feeds every text with its ids then gets the reasoning ended by that token
     only, the event structured output waits for (`grammar_after`): a model that writes ``</``,
     ``think``, ``>`` as three pieces is still reasoning, and so is the grammar still waiting. A
-    feed without ids falls back to the text for the rest of the output."""
+    feed without ids falls back to the text for the rest of the output.
+
+    `forced`: the output is constrained to tool calls (tool_choice "required" or a named tool, by
+    the grammar), so tool-call markup is a call from its first token: a call's id and name go
+    out as soon as its name is read and its arguments as they are written (a value that stays
+    text character by character, others whole), never taken back. A call the output ends
+    inside (the token limit, a stop sequence) keeps the arguments streamed so far, which are
+    then not complete JSON; markup that turns invalid after a call's name (the grammar rules it
+    out) ends the block there, its calls as streamed."""
 
     def __init__(self, family: str, *, tools: list[dict] | None = None,
-                 in_reasoning: bool = False, end_token: int | None = None, decode=None):
+                 in_reasoning: bool = False, end_token: int | None = None, decode=None, forced: bool = False):
         if family not in FAMILIES:
             raise ValueError(f"unknown output family {family!r}; use one of {FAMILIES}")
         self.family = family
@@ -360,6 +417,9 @@ class OutputParser:
         self._ids: list[int] = []  # ids fed until end_token came
         self._end_at: int | None = None  # where end_token's text starts in the output
         self._fed = 0  # characters fed so far: _buf is the output from _fed - len(_buf) on
+        self._forced = forced and self._tools_on
+        self._live: list[list] = []  # forced: the open block's calls streamed so far [id, name, sent, recorded]
+        self._live_base = 0
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -477,10 +537,13 @@ class OutputParser:
         once it cannot be valid (or the output ends first), its opening tag is content and the
         text after it is scanned again as content."""
         body = self._buf[len(self._block_start):]
+        progress = _Progress() if self._forced else None
         if self.family == "deepseek_v4":
-            result = scan_dsml_block(body, self._props)
+            result = scan_dsml_block(body, self._props, progress)
         else:
-            result = scan_glm_call(body, self._props)
+            result = scan_glm_call(body, self._props, progress)
+        if progress is not None and (progress.calls or self._live):
+            return self._stream_block(out, progress, result, body, final)
         if result == NEED and not final:
             return False
         if isinstance(result, str):
@@ -495,6 +558,39 @@ class OutputParser:
         self._buf, self._pending_ws, self._mode = body, "", "content"
         return True
 
+    def _stream_block(self, out: Delta, progress: _Progress, result, body: str, final: bool) -> bool:
+        """A forced block whose first call's name has been read: stream what is new in each call
+        (its id and name once, then its arguments' JSON as far as it is known); record a call
+        once it closes. When the block ends (complete, invalid, or the output ended inside it),
+        the calls not yet recorded are recorded as they stand."""
+        done = result != NEED or final
+        if not self._live:
+            self._live_base = len(self._calls)  # the index of the block's first call
+        for j, (name, args, closed) in enumerate(progress.calls):
+            index = self._live_base + j
+            if j == len(self._live):
+                call_id = "call_" + secrets.token_hex(12)
+                out.tool_calls.append((index, call_id, name, ""))
+                self._live.append([call_id, name, "", False])
+            live = self._live[j]
+            is_last = j == len(progress.calls) - 1
+            target = _streamed_arguments(args, closed, progress.open if is_last else None,
+                                         final and result == NEED)
+            if target.startswith(live[2]) and len(target) > len(live[2]):
+                out.tool_calls.append((index, None, None, target[len(live[2]):]))
+                live[2] = target
+            if (closed or done) and not live[3]:
+                self._calls.append(ToolCall(id=live[0], name=live[1], arguments=live[2]))
+                live[3] = True
+        if not done:
+            return False
+        self._live, self._pending_ws, self._mode = [], "", "content"
+        if isinstance(result, str):  # the output ended inside the block, or it turned invalid
+            self._buf, self._after_block = "", False
+            return True
+        self._buf, self._after_block = body[result[1]:], True
+        return True
+
     def _emit_call(self, out: Delta, name: str, args: list[tuple[str, Any]]) -> None:
         index = len(self._calls)
         call_id = "call_" + secrets.token_hex(12)
@@ -506,11 +602,12 @@ class OutputParser:
 
 def parse_output(family: str, text: str, *, tools: list[dict] | None = None, in_reasoning: bool = False,
                  token_ids: list[int] | None = None, end_token: int | None = None,
-                 decode=None) -> tuple[str | None, str, list[ToolCall]]:
+                 decode=None, forced: bool = False) -> tuple[str | None, str, list[ToolCall]]:
     """A whole output -> (reasoning or None when there was no reasoning, content, tool calls).
     It is the streaming parser fed everything at once, so both ways agree by construction.
     With `token_ids` (the output's), `end_token` and `decode`: the reasoning ends at that token."""
-    parser = OutputParser(family, tools=tools, in_reasoning=in_reasoning, end_token=end_token, decode=decode)
+    parser = OutputParser(family, tools=tools, in_reasoning=in_reasoning, end_token=end_token, decode=decode,
+                          forced=forced)
     first, last = parser.feed(text, token_ids), parser.finish()
     reasoning = first.reasoning + last.reasoning if parser.reasoning_started else None
     return reasoning, first.content + last.content, parser.tool_calls

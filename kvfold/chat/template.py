@@ -22,6 +22,8 @@ the release's behaviour, which encodes the whole rendered string.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -35,6 +37,12 @@ FAMILY_OF_MODEL = {"glm5_next": "glm", "deepseek_v4": "deepseek_v4"}  # registry
 # chat_template_kwargs option: encode markers in message contents as control tokens (the release's
 # and transformers' behaviour); off by default, so text from users and tools stays text
 ALLOW_CONTROL_TOKENS = "allow_control_tokens_in_content"
+
+
+def raw_placeholder() -> str:
+    """A string standing for token ids in a message's text (`ChatTemplate.prompt`'s `raw`):
+    private-use characters no marker holds, and a nonce no request can guess."""
+    return f"\ue002{secrets.token_hex(12)}\ue003"
 
 
 class Prompt(NamedTuple):
@@ -104,12 +112,23 @@ class ChatTemplate:
         return cls(tokenizer)
 
     def prompt(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None,
-               options: dict[str, Any] | None = None) -> Prompt:
+               options: dict[str, Any] | None = None, raw: dict[str, list[int]] | None = None) -> Prompt:
         """`messages` rendered and encoded. Markers (added tokens' text) in any string of the
         request stay text (`kvfold.chat.content`) unless options[ALLOW_CONTROL_TOKENS] is True,
-        which encodes the rendered string whole, as the release and transformers do."""
+        which encodes the rendered string whole, as the release and transformers do.
+        `raw`: placeholder string -> token ids: wherever the format wrote a placeholder (put in a
+        message's text by the caller; private-use characters and a random nonce, see
+        `raw_placeholder`), the prompt holds those ids verbatim, the text on either side encoded
+        on its own (as the tokenizer encodes text between markers)."""
         rendered, guard = self._render(messages, tools, options)
-        ids = guard.encode(rendered) if guard is not None else self.tokenizer.encode(rendered)
+        encode = guard.encode if guard is not None else self.tokenizer.encode
+        if raw:
+            pieces = re.split("(" + "|".join(re.escape(k) for k in raw) + ")", rendered)
+            ids = [i for k, piece in enumerate(pieces)
+                   for i in (raw[piece] if k % 2 else encode(piece) if piece else [])]
+            rendered = "".join(self.tokenizer.decode(raw[p]) if k % 2 else p for k, p in enumerate(pieces))
+        else:
+            ids = encode(rendered)
         if self.kind == "plain" and self.tokenizer.bos_id is not None:
             ids = [self.tokenizer.bos_id] + ids
         text = guard.restore(rendered) if guard is not None else rendered

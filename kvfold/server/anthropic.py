@@ -14,7 +14,8 @@ with ANTHROPIC_BASE_URL) talk to kvfold. The request is translated into a chat r
 - `max_tokens` over what the context leaves after the prompt (Claude Code asks for 32000) is
   cut to what fits, and the reply then ends with stop_reason "max_tokens" there; a prompt that
   leaves no room at all is a 400 naming `messages`.
-The routes are left out of /openapi.json, which documents the OpenAI-compatible API.
+Both routes are in /openapi.json (`openapi.anthropic_generation`, `openapi.anthropic_count_tokens`),
+with their request models and their errors in Anthropic's shape.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from . import openapi as doc
 from .anthropic_format import MessageFormat, ThinkingSigner
 from .anthropic_schemas import CountTokensRequest, MessagesRequest, check_block_types
 from .anthropic_translate import render
@@ -47,12 +49,12 @@ def add_anthropic_api(app: FastAPI) -> None:
     app.include_router(router)
 
 
-@router.post("/v1/messages", include_in_schema=False)
+@router.post("/v1/messages", **doc.anthropic_generation())
 async def messages(request: Request) -> Response:
     return await _answer(request, _messages)
 
 
-@router.post("/v1/messages/count_tokens", include_in_schema=False)
+@router.post("/v1/messages/count_tokens", **doc.anthropic_count_tokens())
 async def count_tokens(request: Request) -> Response:
     return await _answer(request, _count_tokens)
 

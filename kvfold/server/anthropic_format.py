@@ -53,14 +53,15 @@ class ThinkingSigner:
         secret = os.environ.get("KVFOLD_THINKING_SECRET")
         return cls(secret.encode() if secret else secrets.token_bytes(32))
 
-    def sign(self, thinking: str) -> str:
-        # the domain tag keeps these MACs apart from any other use of the same secret
-        mac = hmac.new(self._key, b"kvfold thinking\0" + thinking.encode("utf-8"), hashlib.sha256).digest()
+    def sign(self, thinking: str, domain: bytes = b"kvfold thinking") -> str:
+        # the domain tag keeps these MACs apart from any other use of the same secret (the
+        # Responses API's encrypted reasoning signs under its own domain with this key)
+        mac = hmac.new(self._key, domain + b"\0" + thinking.encode("utf-8"), hashlib.sha256).digest()
         return SIGNATURE_PREFIX + base64.urlsafe_b64encode(mac).decode("ascii").rstrip("=")
 
-    def verify(self, thinking: str, signature: str) -> bool:
+    def verify(self, thinking: str, signature: str, domain: bytes = b"kvfold thinking") -> bool:
         # constant time: the time taken must not tell how much of a forged signature was right
-        return hmac.compare_digest(self.sign(thinking).encode(), signature.encode("utf-8"))
+        return hmac.compare_digest(self.sign(thinking, domain).encode(), signature.encode("utf-8"))
 
 
 class BlockWriter:
@@ -97,7 +98,7 @@ class BlockWriter:
             block["signature"] = self.signer.sign(block["thinking"])
             events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         elif block["type"] == "tool_use":
-            block["input"] = json.loads(self._input) if self._input else {}  # the parser's JSON object
+            block["input"] = _input_object(self._input)
             self._input = ""
         events.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
         return events
@@ -124,6 +125,16 @@ class BlockWriter:
 
     def _delta(self, delta: dict[str, Any]) -> tuple[str, dict]:
         return "content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+
+def _input_object(text: str) -> dict[str, Any]:
+    """A tool_use block's `input`: the parser's arguments JSON object; {} when the output ended
+    inside a forced call, whose arguments (streamed as written) are then not complete JSON."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def usage(last: RequestOutput | None, prompt_tokens: int) -> dict[str, int]:

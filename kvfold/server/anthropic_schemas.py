@@ -177,10 +177,10 @@ class CountTokensRequest(_Strict):
 
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
-    max_tokens: int
+    max_tokens: int = Field(json_schema_extra={"minimum": 1})
     stream: bool | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": ANTHROPIC_MAX_TEMPERATURE})
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None

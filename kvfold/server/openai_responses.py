@@ -10,7 +10,11 @@ Errors have OpenAI's shape (the app's handlers); the API key is the other /v1 ro
   it, input_items lists its input items, and `previous_response_id` continues its conversation
   (its input and output items, then the new input; not its instructions). An unknown, deleted,
   evicted or unstored id is a 404 (code "previous_response_not_found" for previous_response_id,
-  "not_found" for the routes with an id).
+  "not_found" for the routes with an id). Another model's response: the store is the server's
+  own, so an id from a server of another model is unknown here (404 previous_response_not_found),
+  a `model` field other than the served one is a 404 model_not_found before the id is looked up,
+  and a stored record made by another model name (a store outliving its server) is a 404
+  previous_response_not_found naming that model. A refused request stores nothing.
 - Exact resumption: a stored response keeps the state its prefill left at its prompt's last block
   boundary (`kvfold.engine.checkpoint`); the next turn restores it and prefills the rest (that
   prompt's last partial block, the previous output, the new input), so its output is
@@ -23,7 +27,10 @@ Errors have OpenAI's shape (the app's handlers); the API key is the other /v1 ro
 - Streams are server-sent events, each `event:` named, `data` carrying its `sequence_number`:
   response.created, response.in_progress, the output events, then response.completed (or
   response.incomplete when max_output_tokens cut it, response.failed on an engine error).
-The routes are left out of /openapi.json.
+- `include: ["reasoning.encrypted_content"]`: each reasoning item carries its token ids, signed
+  with the key of the Messages API's thinking signatures (`openai_responses_format.seal`); sent
+  back in `input`, such an item renders to exactly those ids (`openai_responses_translate`).
+The routes are in /openapi.json, POST /v1/responses with its request model (`ResponsesRequest`).
 """
 from __future__ import annotations
 
@@ -39,9 +46,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.checkpoint import Checkpoint
 from ..engine.response_store import ResponseStore, StoredResponse
+from . import openapi as doc
 from .context import ServerContext, server_context
-from .openai_responses_format import OutputWriter, response_object, usage
-from .openai_responses_schemas import ResponsesRequest, items, new_id
+from .anthropic_format import ThinkingSigner
+from .openai_responses_format import OutputWriter, response_object, seal, usage
+from .openai_responses_schemas import ENCRYPTED, ResponsesRequest, items, new_id
 from .openai_responses_translate import render, reworded
 from .responses import collect
 from .routes import chat_parser, chat_sampling
@@ -57,6 +66,8 @@ def add_responses_api(app: FastAPI, store_bytes: int = DEFAULT_STORE_BYTES) -> N
     """Serve the Responses API on `app`, storing responses in up to `store_bytes`."""
     app.state.responses = ResponseStore(store_bytes)
     app.state.responses_background = set()  # running background tasks (a reference keeps each alive)
+    if getattr(app.state, "thinking_signer", None) is None:  # the Messages API's key when it is served
+        app.state.thinking_signer = ThinkingSigner.for_server()
     app.include_router(router)
 
 
@@ -136,6 +147,11 @@ async def _turn(request: Request, ctx: ServerContext, req: ResponsesRequest) -> 
         if prev is None:
             raise ApiError(404, f"Previous response with id {req.previous_response_id!r} not found.",
                            param="previous_response_id", code="previous_response_not_found")
+        made_by = prev.body.get("model")
+        if made_by != ctx.model_name:  # (a store outliving its server: another model's conversation)
+            raise ApiError(404, f"Previous response with id {req.previous_response_id!r} not found: it was made "
+                           f"by model {made_by!r}; this server serves {ctx.model_name!r}",
+                           param="previous_response_id", code="previous_response_not_found")
         if prev.running is not None:
             raise ApiError(400, f"previous response {req.previous_response_id!r} is still in progress",
                            param="previous_response_id")
@@ -145,21 +161,24 @@ async def _turn(request: Request, ctx: ServerContext, req: ResponsesRequest) -> 
     new = items(req.input)
     paths = [("previous_response_id", it) for it in history] + \
         [("input" if isinstance(req.input, str) else f"input.{i}", it) for i, it in enumerate(new)]
-    chat, ids, reasoning = render(ctx, req, paths)
+    signer: ThinkingSigner = request.app.state.thinking_signer
+    chat, ids, reasoning = render(ctx, req, paths, signer)
     max_tokens = chat.max_completion_tokens or max(1, ctx.engine.max_seq_len - len(ids))
     params = chat_sampling(ctx, chat, reasoning, max_tokens, req.logprobs)
     ck = Checkpoint(*prev.checkpoint, capture=req.stores) if prev is not None and prev.checkpoint \
         else Checkpoint(capture=req.stores)
     rec = StoredResponse(new_id("resp"), {}, new, history)
+    sealer = (lambda out_ids: seal(signer, ctx.model_name, out_ids)) if ENCRYPTED in (req.include or ()) else None
     turn = Turn(ctx, store, req, rec, len(ids), chat_parser(ctx, chat, reasoning)(),
-                OutputWriter(ctx.tokenizer, req.logprobs is not None, reasoning), ck)
+                OutputWriter(ctx.tokenizer, req.logprobs is not None, reasoning, req.split_name, sealer), ck)
+    # too long for the context: max_output_tokens when the client set it, unless the input alone fills it
+    limit = "max_output_tokens" if req.max_output_tokens and len(ids) < ctx.engine.max_seq_len else "input"
     with reworded():
-        (turn.stream,) = await ctx.start(ids, params, length_param="max_output_tokens" if req.max_output_tokens
-                                         else "input", checkpoint=ck)
+        (turn.stream,) = await ctx.start(ids, params, length_param=limit, checkpoint=ck)
     return turn
 
 
-@router.post("/v1/responses", include_in_schema=False)
+@router.post("/v1/responses", **doc.responses_create())
 async def create_response(request: Request) -> Response:
     ctx = server_context(request)
     ctx.check_auth(request)
@@ -233,7 +252,7 @@ def _stored(request: Request, rid: str) -> StoredResponse:
     return rec
 
 
-@router.get("/v1/responses/{response_id}", include_in_schema=False)
+@router.get("/v1/responses/{response_id}", **doc.responses_by_id(doc.ResponseObject))
 async def retrieve_response(request: Request, response_id: str) -> Response:
     rec = _stored(request, response_id)
     if request.query_params.get("stream", "false").lower() == "true":
@@ -242,7 +261,7 @@ async def retrieve_response(request: Request, response_id: str) -> Response:
     return JSONResponse(rec.running.body() if rec.running is not None else rec.body)
 
 
-@router.delete("/v1/responses/{response_id}", include_in_schema=False)
+@router.delete("/v1/responses/{response_id}", **doc.responses_by_id(doc.ResponseDeleted))
 async def delete_response(request: Request, response_id: str) -> Response:
     rec = _stored(request, response_id)
     if rec.running is not None:
@@ -251,7 +270,7 @@ async def delete_response(request: Request, response_id: str) -> Response:
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-@router.post("/v1/responses/{response_id}/cancel", include_in_schema=False)
+@router.post("/v1/responses/{response_id}/cancel", **doc.responses_by_id(doc.ResponseObject))
 async def cancel_response(request: Request, response_id: str) -> Response:
     rec = _stored(request, response_id)
     if not rec.body.get("background"):
@@ -261,7 +280,7 @@ async def cancel_response(request: Request, response_id: str) -> Response:
     return JSONResponse(rec.body)
 
 
-@router.get("/v1/responses/{response_id}/input_items", include_in_schema=False)
+@router.get("/v1/responses/{response_id}/input_items", **doc.responses_by_id(doc.InputItemList))
 async def input_items(request: Request, response_id: str) -> Response:
     rec = _stored(request, response_id)
     q = request.query_params

@@ -6,6 +6,14 @@
   `message` item with one `output_text` part, each tool call a `function_call` item (`call_id`
   the parser's "call_..." id, `arguments` its JSON text), in the order the parser emits them;
   text after a call opens a new message item.
+- `include: ["reasoning.encrypted_content"]` gives each reasoning item an `encrypted_content`
+  (`seal`): the token ids the model produced in it and the served model's name, signed with the
+  server's HMAC key (`ThinkingSigner`, $KVFOLD_THINKING_SECRET, under a domain of its own). A
+  reasoning item's ids are those of the engine outputs up to and including the one whose text
+  the parser gave as reasoning (tokens whose text it held back, a marker's first bytes, join the
+  next reasoning text, or are dropped when text or a call comes, as the closing </think> is).
+  They are sealed only when they decode to the item's text exactly; an item whose output also
+  held text or a call (one engine output carrying both) gets none.
 - Logprobs (when asked for) ride with the text delta of the engine output that carried their
   tokens; tokens whose text never reaches a message (reasoning, tool-call markup) have none in
   the output, and the ones left when a message closes (its end-of-turn token) join it.
@@ -17,12 +25,50 @@
 """
 from __future__ import annotations
 
+import base64
 import copy
-from typing import Any
+import json
+from typing import Any, Callable
 
 from ..chat.parsers import Delta
 from ..engine import RequestOutput
+from .anthropic_format import ThinkingSigner
 from .openai_responses_schemas import ResponsesRequest, new_id
+from .schemas import ApiError
+
+ENCRYPTED_PREFIX = "kvfold-rs1"
+ENCRYPTED_DOMAIN = b"kvfold responses reasoning"
+
+
+def seal(signer: ThinkingSigner, model: str, ids: list[int]) -> str:
+    """A reasoning item's `encrypted_content`: its token ids and the model's name, signed (not
+    secret: the ids are the reasoning the response shows anyway, the signature makes them
+    unforgeable)."""
+    payload = base64.urlsafe_b64encode(json.dumps({"model": model, "ids": [int(i) for i in ids]},
+                                                  separators=(",", ":")).encode()).decode("ascii").rstrip("=")
+    return f"{ENCRYPTED_PREFIX}.{payload}.{signer.sign(payload, ENCRYPTED_DOMAIN)}"
+
+
+def unseal(signer: ThinkingSigner, model: str, blob: str, param: str) -> list[int]:
+    """The token ids of an `encrypted_content` this server's key signed for `model`; anything else
+    (not kvfold's, tampered with, signed with another key or for another model) is a 400 naming
+    `param`."""
+    parts = blob.split(".") if isinstance(blob, str) else []
+    if len(parts) != 3 or parts[0] != ENCRYPTED_PREFIX:
+        raise ApiError(400, f"{param}: not an encrypted_content written by kvfold", param=param)
+    if not signer.verify(parts[1], parts[2], ENCRYPTED_DOMAIN):
+        raise ApiError(400, f"{param}: its signature does not verify (altered, or signed by a server with another "
+                       "key: see $KVFOLD_THINKING_SECRET)", param=param)
+    try:
+        body = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+        made_by, ids = body["model"], body["ids"]
+        assert isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    except Exception:
+        raise ApiError(400, f"{param}: malformed encrypted_content", param=param) from None
+    if made_by != model:
+        raise ApiError(400, f"{param}: this reasoning was written by model {made_by!r}; this server serves {model!r}",
+                       param=param)
+    return ids
 
 
 def _entry(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
@@ -38,8 +84,14 @@ def logprob_entries(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]]:
 class OutputWriter:
     """Parser deltas of one response -> its output items (`items`) and the events building them."""
 
-    def __init__(self, tokenizer: Any, logprobs: bool, in_reasoning: bool):
-        self.tokenizer, self.logprobs = tokenizer, logprobs
+    def __init__(self, tokenizer: Any, logprobs: bool, in_reasoning: bool, split_name=None,
+                 seal: Callable[[list[int]], str] | None = None):
+        """`seal`: ids -> a reasoning item's encrypted_content (None: items get none)."""
+        self.tokenizer, self.logprobs, self.seal = tokenizer, logprobs, seal
+        self._ids: dict[str, list[int] | None] = {}  # reasoning item id -> its token ids (None: not exact)
+        self._unclaimed: list[int] = []  # ids whose text no delta has given yet
+        # a called name -> (namespace or None, name): a `namespace` tool's function is NAMESPACE.NAME
+        self.split_name = split_name or (lambda name: (None, name))
         self.items: list[dict[str, Any]] = []
         self.reasoning_tokens = 0
         self._open: dict[str, Any] | None = None
@@ -52,16 +104,22 @@ class OutputWriter:
         if self.logprobs:
             self._pending += logprob_entries(self.tokenizer, out)
         events: list[dict[str, Any]] = []
+        self._unclaimed += out.new_token_ids
         for delta in deltas:
             if delta.reasoning:
                 self._thinking = not self._answered
                 events += self._text("reasoning", delta.reasoning)
+                self._claim(delta)
+            elif delta.content or delta.tool_calls:
+                self._unclaimed = []
             if delta.content:
                 events += self._text("message", delta.content)
             for _, call_id, name, fragment in delta.tool_calls:
                 if call_id is not None:
+                    namespace, name = self.split_name(name)
                     events += self._start({"id": new_id("fc"), "type": "function_call", "status": "in_progress",
-                                           "call_id": call_id, "name": name, "arguments": ""})
+                                           "call_id": call_id, "name": name, "arguments": "",
+                                           **({"namespace": namespace} if namespace else {})})
                 if fragment:
                     self._open["arguments"] += fragment
                     events.append(self._event("response.function_call_arguments.delta", delta=fragment))
@@ -71,12 +129,25 @@ class OutputWriter:
             self.reasoning_tokens += len(out.new_token_ids)
         return events
 
+    def _claim(self, delta: Delta) -> None:
+        """The unclaimed ids are the open reasoning item's; a delta that also holds text or calls
+        leaves its ids unsplittable: the item gets no encrypted_content."""
+        ids = self._ids.setdefault(self._open["id"], [])
+        if ids is not None:
+            self._ids[self._open["id"]] = None if delta.content or delta.tool_calls else ids + self._unclaimed
+        self._unclaimed = []
+
     def close(self, status: str = "completed") -> list[dict[str, Any]]:
         """Close the open item (`status`: its final status, "incomplete" when the output was cut)."""
         item, self._open = self._open, None
         if item is None:
             return []
         events = []
+        if item["type"] == "reasoning" and self.seal is not None:
+            ids = self._ids.get(item["id"])
+            if ids is not None and self.tokenizer is not None and \
+                    self.tokenizer.decode(ids) == item["content"][0]["text"]:
+                item["encrypted_content"] = self.seal(ids)
         if item["type"] == "function_call":
             events.append(self._event("response.function_call_arguments.done", item, arguments=item["arguments"]))
         else:

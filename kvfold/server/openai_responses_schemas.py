@@ -14,7 +14,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from .schemas import ApiError, _Strict, parse
 
@@ -23,6 +23,7 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
               "message.input_image.image_url", "computer_call_output.output.image_url",
               "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED = "reasoning.encrypted_content"
 
 
 def new_id(prefix: str) -> str:
@@ -55,10 +56,10 @@ class FunctionCallItem(_Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
-    namespace: str | None = None
+    namespace: str | None = None  # a `namespace` tool's function: rendered as NAMESPACE.NAME
     caller: dict[str, Any] | None = None
     async_: bool | None = Field(None, alias="async")
-    _only: ClassVar[dict[str, tuple]] = {"namespace": (None,), "async_": (None, False)}
+    _only: ClassVar[dict[str, tuple]] = {"async_": (None, False)}
 
 
 class FunctionCallOutputItem(_Strict):
@@ -68,9 +69,8 @@ class FunctionCallOutputItem(_Strict):
     id: str | None = None
     status: str | None = None
     name: str | None = None
-    namespace: str | None = None
+    namespace: str | None = None  # the result goes by call_id: its name and namespace are labels
     caller: dict[str, Any] | None = None
-    _only: ClassVar[dict[str, tuple]] = {"namespace": (None,)}
 
 
 class SummaryPart(_Strict):
@@ -88,9 +88,8 @@ class ReasoningItem(_Strict):
     summary: list[SummaryPart] = Field(default_factory=list)
     content: list[ReasoningPart] | None = None
     id: str | None = None
-    encrypted_content: str | None = None  # kvfold writes none, and reads none it did not write
+    encrypted_content: str | None = None  # kvfold's own (`openai_responses_format.seal`): checked when rendered
     status: str | None = None
-    _only: ClassVar[dict[str, tuple]] = {"encrypted_content": (None,)}
 
 
 _ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
@@ -113,11 +112,15 @@ def normalized(item: Any) -> dict[str, Any]:
         out.update(role=item.role, content=content, status="completed")
     elif kind == "function_call":
         out.update(call_id=item.call_id, name=item.name, arguments=item.arguments, status="completed")
+        if item.namespace is not None:
+            out["namespace"] = item.namespace
     elif kind == "function_call_output":
         out.update(call_id=item.call_id, output=_text(item.output), status="completed")
     else:
         out.update(summary=[p.model_dump() for p in item.summary],
                    content=[p.model_dump() for p in item.content] if item.content is not None else None)
+        if item.encrypted_content is not None:
+            out["encrypted_content"] = item.encrypted_content
     return out
 
 
@@ -171,6 +174,36 @@ class FunctionTool(_Strict):
         fn = {k: v for k, v in (("name", self.name), ("description", self.description),
                                 ("parameters", self.parameters), ("strict", self.strict)) if v is not None}
         return {"type": "function", "function": fn}
+
+
+class NamespaceTool(_Strict):
+    """A group of function tools (Codex CLI sends its sub-agent tools as one): each is offered to
+    the model as NAMESPACE.NAME, and a call of one comes back with `namespace` and its own name."""
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+HOSTED_IGNORED = ("web_search",)  # hosted tools accepted and not offered to the model (docs/serving.md)
+
+
+def flat_tools(tools: Any) -> Any:
+    """`tools` with each `namespace` tool replaced by its functions, named NAMESPACE.NAME, and the
+    hosted tools of HOSTED_IGNORED left out (kvfold runs none: the model is not told of them)."""
+    if not isinstance(tools, list):
+        return tools
+    flat = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in HOSTED_IGNORED:
+            continue
+        if kind == "namespace":
+            group = prefixed(lambda: parse(NamespaceTool, tool), f"tools.{i}")
+            flat += [{**t.model_dump(exclude_none=True), "name": f"{group.name}.{t.name}"} for t in group.tools]
+        else:
+            flat.append(tool)
+    return flat
 
 
 class NamedFunction(_Strict):
@@ -261,6 +294,23 @@ class ResponsesRequest(_Strict):
         "service_tier": (None, "auto", "default"), "truncation": (None, "disabled"), "conversation": (None,),
         "prompt": (None,), "context_management": (None,), "moderation": (None,), "image": (None,),
         "access_programs": (None,)}
+
+    _namespaces: set[str] = PrivateAttr(default_factory=set)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _flat_tools(cls, data: Any, handler):
+        """`namespace` and ignored hosted tools out of `tools` (`flat_tools`); the namespaces kept."""
+        if not (isinstance(data, dict) and isinstance(data.get("tools"), list)):
+            return handler(data)
+        req = handler({**data, "tools": flat_tools(data["tools"])})
+        req._namespaces = {t["name"] for t in data["tools"] if isinstance(t, dict) and t.get("type") == "namespace"}
+        return req
+
+    def split_name(self, name: str) -> tuple[str | None, str]:
+        """A called function's (namespace, name): NAMESPACE.NAME of a `namespace` tool's function."""
+        ns, dot, inner = name.partition(".")
+        return (ns, inner) if dot and ns in self._namespaces else (None, name)
 
     @model_validator(mode="after")
     def _check(self):

@@ -9,28 +9,36 @@ format (`routes.chat_ids`), so both routes share the prompt, sampling and output
   in a row) is one assistant message: reasoning as its reasoning_content (the reasoning_text
   parts, else the summary), text as content, calls as tool_calls; a `function_call_output` is a
   tool message. So a response's `output` sent back as input renders as its turn did.
-- Function tools and `tool_choice` map to chat's; `text.format` is chat's `response_format`;
-  `max_output_tokens` is `max_completion_tokens`; logprobs come with `include`
-  "message.output_text.logprobs" or `top_logprobs`.
-- `reasoning.effort`: "none" turns the format's reasoning mode off, any other level on, at the
-  depth chat's `reasoning_effort` maps it to (`kvfold.chat.dsv4_encoding.reasoning_mode` for
-  DeepSeek-V4; a Jinja template gets `enable_thinking` and `reasoning_effort`); absent leaves the
-  format's default. The plain template has no reasoning mode: only "none" is accepted there.
+- A reasoning item's `encrypted_content` (written with `include: ["reasoning.encrypted_content"]`,
+  `openai_responses_format.seal`) is its reasoning, in place of its text: the token ids must be
+  signed with this server's key for the served model (else a 400 naming
+  `input.N.encrypted_content`). They are not re-tokenized: the reasoning_content handed to the
+  chat format is a placeholder (`kvfold.chat.template.raw_placeholder`), and wherever the format
+  writes it the prompt holds those ids verbatim (`ChatTemplate.prompt`'s `raw`), so the prompt
+  has exactly the tokens the model produced, even ids no text encodes back to (a partial UTF-8
+  character, which the tiny model writes). The text on either side is encoded on its own, as it
+  is anyway where the format puts its markers around the reasoning (DeepSeek-V4: `</think>`
+  after it), and with the byte tokenizer.
 A chat-side refusal is reworded in the request's terms (`messages.3` -> `input.2`, ...).
 """
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from .context import ServerContext
+from ..chat.template import raw_placeholder
+from .anthropic_format import ThinkingSigner
+from .openai_responses_format import unseal
 from .openai_responses_schemas import ResponsesRequest
 from .routes import chat_ids
 from .schemas import ApiError, ChatCompletionRequest, parse
 
 
-def chat_messages(items: list[tuple[str, dict]], instructions: str | None) -> tuple[list[dict], list[str]]:
-    """The chat messages of (path, item) pairs, and for each message the path it comes from."""
+def chat_messages(items: list[tuple[str, dict]], instructions: str | None,
+                  unsealed: Callable[[str, str], str] | None = None) -> tuple[list[dict], list[str]]:
+    """The chat messages of (path, item) pairs, and for each message the path it comes from;
+    `unsealed(blob, param)`: an encrypted_content's reasoning text (None: refused)."""
     out: list[dict[str, Any]] = []
     origin: list[str] = []
     if instructions is not None:
@@ -54,14 +62,20 @@ def chat_messages(items: list[tuple[str, dict]], instructions: str | None) -> tu
             turn = {"role": "assistant", "content": ""}
             out.append(turn)
             origin.append(path)
-        if kind == "reasoning":
+        if kind == "reasoning" and item.get("encrypted_content") is not None:
+            param = f"{path}.encrypted_content"
+            if unsealed is None:
+                raise ApiError(400, f"{param}: not accepted here", param=param)
+            turn["reasoning_content"] = unsealed(item["encrypted_content"], param)
+        elif kind == "reasoning":
             parts = item["content"] if item["content"] is not None else item["summary"]
             turn["reasoning_content"] = "".join(p["text"] for p in parts)
         elif kind == "message":
             turn["content"] += "".join(p["text"] for p in item["content"])
         else:
             turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                "name": item["name"], "arguments": item["arguments"]}})
+                "name": f"{item['namespace']}.{item['name']}" if item.get("namespace") else item["name"],
+                "arguments": item["arguments"]}})
     return out, origin
 
 
@@ -116,17 +130,25 @@ def _reasoning(ctx: ServerContext, req: ResponsesRequest) -> dict[str, Any]:
     return {}  # "none" is what the plain template does anyway
 
 
-def render(ctx: ServerContext, req: ResponsesRequest, items: list[tuple[str, dict]]
-           ) -> tuple[ChatCompletionRequest, list[int], bool]:
+def render(ctx: ServerContext, req: ResponsesRequest, items: list[tuple[str, dict]],
+           signer: ThinkingSigner | None = None) -> tuple[ChatCompletionRequest, list[int], bool]:
     """(chat request, prompt ids, whether the prompt opens a reasoning block) of the request's
-    conversation: `items` are (path, item) pairs, the earlier turns' first."""
-    messages, origin = chat_messages(items, req.instructions)
+    conversation: `items` are (path, item) pairs, the earlier turns' first; `signer` checks
+    reasoning items' encrypted_content (None: such an item is refused)."""
+    raw: dict[str, list[int]] = {}
+
+    def unsealed(blob: str, param: str) -> str:  # the ids stand in the text as a placeholder
+        ids = unseal(signer, ctx.model_name, blob, param)
+        key = raw_placeholder()
+        raw[key] = ids
+        return key
+    messages, origin = chat_messages(items, req.instructions, unsealed if signer is not None else None)
     if not messages or all(m["role"] == "system" for m in messages):
         raise ApiError(400, "input: there is nothing to respond to (give input, or previous_response_id and input)",
                        param="input")
     with reworded(origin):
         chat = parse(ChatCompletionRequest, chat_body(ctx, req, messages))
-        ids, reasoning = chat_ids(ctx, chat)
+        ids, reasoning = chat_ids(ctx, chat, raw)
     return chat, ids, reasoning
 
 

@@ -195,23 +195,29 @@ def chat_parser(ctx: ServerContext, req: ChatCompletionRequest, reasoning: bool)
     """A factory of the parser that reads a chat choice back (reasoning, content, tool calls).
     Where "</think>" is one token, a caller that feeds the parser the ids with their text gets the
     reasoning ended by that token, the event structured output starts on (`chat_sampling`), not by
-    the text "</think>" written in pieces."""
+    the text "</think>" written in pieces. Under a forced tool choice the parser streams calls as
+    they are written."""
     family, tools = ctx.template.family, tool_dicts(req.tools) if req.calls_tools else None
     end = ctx.tokenizer.encode("</think>") if ctx.tokenizer is not None else []
     end_token, decode = (end[0], ctx.tokenizer.decode) if len(end) == 1 else (None, None)
-    return lambda: OutputParser(family, tools=tools, in_reasoning=reasoning, end_token=end_token, decode=decode)
+    # a call the grammar forces streams its arguments as they are written (docs/serving.md)
+    forced = req.forced_tools() is not None
+    return lambda: OutputParser(family, tools=tools, in_reasoning=reasoning, end_token=end_token, decode=decode,
+                                forced=forced)
 
 
-def chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[int], bool]:
+def chat_ids(ctx: ServerContext, req: ChatCompletionRequest | TokenizeRequest,
+             raw: dict[str, list[int]] | None = None) -> tuple[list[int], bool]:
     """The chat messages rendered in the model's chat format, and whether the rendered prompt
     opens a reasoning block; messages the format cannot express, or a template that refuses
-    them, are a 400."""
+    them, are a 400. `raw`: placeholders in the messages' text standing for token ids
+    (`ChatTemplate.prompt`)."""
     if ctx.template is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template", param="messages")
     messages = [m.as_dict() for m in req.messages]
     tools = tool_dicts(req.tools)
     try:
-        prompt = ctx.template.prompt(messages, tools, req.render_options())  # markers in contents stay text
+        prompt = ctx.template.prompt(messages, tools, req.render_options(), raw)  # markers in contents stay text
         return prompt.ids, prompt.opens_reasoning
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param=exc.param or "messages") from None
