@@ -58,30 +58,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from .coercion import coerce_json, coerce_text, schema_types, tool_properties
+from .coercion import tool_properties
+from .tool_markup import (DSML_BLOCK_START, GLM_CALL_START, NEED, ScanProgress, scan_dsml_block, scan_glm_call,
+                          tag_overlap)
 
 FAMILIES = ("deepseek_v4", "glm", "plain")
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-
-_DSML = "｜DSML｜"
-DSML_BLOCK_START = f"<{_DSML}tool_calls>"
-DSML_BLOCK_END = f"</{_DSML}tool_calls>"
-_DSML_INVOKE = f"<{_DSML}invoke"
-_DSML_INVOKE_END = f"</{_DSML}invoke>"
-_DSML_PARAM = f"<{_DSML}parameter"
-_DSML_PARAM_END = f"</{_DSML}parameter>"
-
-GLM_CALL_START = "<tool_call>"
-GLM_CALL_END = "</tool_call>"
-_GLM_KEY, _GLM_KEY_END = "<arg_key>", "</arg_key>"
-_GLM_VALUE, _GLM_VALUE_END = "<arg_value>", "</arg_value>"
-
-# The scanners below answer NEED (the text so far is a viable prefix: wait for more) or FAIL
-# (no continuation can be valid).
-NEED = "need"
-FAIL = "fail"
 
 
 @dataclass
@@ -102,248 +86,6 @@ class Delta:
     tool_calls: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------- scanning helpers
-
-
-def _tag_overlap(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`: the
-    part of the text that must be held back because it may be the start of a tag."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
-
-
-def _match(s: str, pos: int, literals: tuple[str, ...]) -> tuple[str, int] | str:
-    """Which of `literals` starts at `pos` -> (literal, end); NEED if the text runs out inside a
-    possible match; FAIL if none can match."""
-    rest = s[pos:]
-    for lit in literals:
-        if rest.startswith(lit):
-            return lit, pos + len(lit)
-    return NEED if any(lit.startswith(rest) for lit in literals) else FAIL
-
-
-def _skip_ws(s: str, pos: int) -> int:
-    while pos < len(s) and s[pos].isspace():
-        pos += 1
-    return pos
-
-
-def _ws1(s: str, pos: int) -> int | str:
-    """At least one whitespace character (between a tag name and its attribute)."""
-    if pos >= len(s):
-        return NEED
-    return _skip_ws(s, pos) if s[pos].isspace() else FAIL
-
-
-_NOT_IN_NAMES = set('<>"{}[]')
-
-
-def _bad_name_chars(name: str) -> bool:
-    """Function and parameter names are identifiers (OpenAI's are [a-zA-Z0-9_-]; MCP adds dots
-    and slashes): whitespace or JSON/markup punctuation in one means this is not a tool call."""
-    return any(c.isspace() or c in _NOT_IN_NAMES for c in name)
-
-
-def _quoted_name(s: str, pos: int, prefix: str, *, strict: bool) -> tuple[str, int] | str:
-    """`prefix` (e.g. ``name="``) then a non-empty name, then ``"``. `strict` (function names)
-    also refuses whitespace and punctuation; a parameter name may hold anything but ``"``."""
-    m = _match(s, pos, (prefix,))
-    if isinstance(m, str):
-        return m
-    start = m[1]
-    end = s.find('"', start)
-    name = s[start:] if end == -1 else s[start:end]
-    if strict and _bad_name_chars(name):
-        return FAIL
-    if end == -1:
-        return NEED
-    return (name, end + 1) if name else FAIL
-
-
-def _until(s: str, pos: int, close: str) -> tuple[str, int] | str:
-    """Raw text up to `close` -> (text, end after close); NEED while `close` has not come."""
-    end = s.find(close, pos)
-    return NEED if end == -1 else (s[pos:end], end + len(close))
-
-
-# ---------------------------------------------------------------- DSML (DeepSeek-V4)
-
-
-class _Progress:
-    """How far a scan of tool-call markup got, for streaming a forced call as it is written:
-    `calls` [name, complete (key, value) pairs, closed], and the value being written when the
-    text ran out (`open`: key, raw text so far, whether it stays that text, its closing tag)."""
-
-    def __init__(self):
-        self.calls: list[list] = []
-        self.open: tuple[str, str, bool, str] | None = None
-
-
-def _keeps_text(types: set[str]) -> bool:
-    """Whether `coerce_text` returns a value's raw text whatever it turns out to be (so the text
-    can stream before the value ends): a string parameter, or one without type information, that
-    cannot be null."""
-    return (not types or "string" in types) and "null" not in types
-
-
-def _scan_dsml_param(s: str, pos: int, types_of, progress: _Progress | None = None) -> tuple[str, Any, int] | str:
-    """One ``<｜DSML｜parameter name="P" string="true|false">VALUE</｜DSML｜parameter>`` whose
-    opening ``<｜DSML｜parameter`` ends before `pos` -> (name, coerced value, end)."""
-    pos = _ws1(s, pos)
-    if isinstance(pos, str):
-        return pos
-    named = _quoted_name(s, pos, 'name="', strict=False)
-    if isinstance(named, str):
-        return named
-    name, pos = named
-    pos = _ws1(s, pos)
-    if isinstance(pos, str):
-        return pos
-    flag = _match(s, pos, ('string="true"', 'string="false"'))
-    if isinstance(flag, str):
-        return flag
-    gt = _match(s, _skip_ws(s, flag[1]), (">",))
-    if isinstance(gt, str):
-        return gt
-    value = _until(s, gt[1], _DSML_PARAM_END)
-    if isinstance(value, str):
-        if progress is not None:
-            progress.open = (name, s[gt[1]:], flag[0] == 'string="true"' and _keeps_text(types_of(name)),
-                             _DSML_PARAM_END)
-        return value
-    raw, end = value
-    if flag[0] == 'string="true"':
-        return name, coerce_text(raw, types_of(name)), end
-    ok, parsed = coerce_json(raw, types_of(name))
-    return (name, parsed, end) if ok else FAIL
-
-
-def _scan_dsml_invoke(s: str, pos: int, props: dict,
-                      progress: _Progress | None = None) -> tuple[tuple[str, list], int] | str:
-    """One invoke whose opening ``<｜DSML｜invoke`` ends before `pos`: ``name="N">``, its
-    parameters, ``</｜DSML｜invoke>`` -> ((name, [(key, value)]), end)."""
-    pos = _ws1(s, pos)
-    if isinstance(pos, str):
-        return pos
-    named = _quoted_name(s, pos, 'name="', strict=True)
-    if isinstance(named, str):
-        return named
-    name, pos = named
-    gt = _match(s, _skip_ws(s, pos), (">",))
-    if isinstance(gt, str):
-        return gt
-    pos = gt[1]
-    schema = props.get(name, {})
-
-    def types_of(key: str) -> set[str]:
-        return schema_types(schema.get(key)) if isinstance(schema, dict) else set()
-
-    args: list[tuple[str, Any]] = []
-    if progress is not None:
-        progress.calls.append([name, args, False])
-    while True:
-        tag = _match(s, _skip_ws(s, pos), (_DSML_PARAM, _DSML_INVOKE_END))
-        if isinstance(tag, str):
-            return tag
-        if tag[0] == _DSML_INVOKE_END:
-            if progress is not None:
-                progress.calls[-1][2] = True
-            return (name, args), tag[1]
-        param = _scan_dsml_param(s, tag[1], types_of, progress)
-        if isinstance(param, str):
-            return param
-        key, value, pos = param
-        if any(key == k for k, _ in args):
-            return FAIL  # a duplicate parameter (the release encoder refuses one too)
-        args.append((key, value))
-
-
-def scan_dsml_block(s: str, props: dict, progress: _Progress | None = None) -> tuple[list, int] | str:
-    """The body of a ``<｜DSML｜tool_calls>`` block (`s` starts right after that tag) up to and
-    including ``</｜DSML｜tool_calls>`` -> (calls, end), or NEED / FAIL. A block without any
-    invoke is not a tool call (FAIL)."""
-    calls: list[tuple[str, list]] = []
-    pos = 0
-    while True:
-        tag = _match(s, _skip_ws(s, pos), (_DSML_INVOKE, DSML_BLOCK_END))
-        if isinstance(tag, str):
-            return tag
-        if tag[0] == DSML_BLOCK_END:
-            return (calls, tag[1]) if calls else FAIL
-        invoke = _scan_dsml_invoke(s, tag[1], props, progress)
-        if isinstance(invoke, str):
-            return invoke
-        call, pos = invoke
-        calls.append(call)
-
-
-# ---------------------------------------------------------------- GLM
-
-
-def _glm_name(s: str) -> tuple[str, int] | str:
-    """The function name: the text before the first ``<``, stripped; one word, not empty."""
-    lt = s.find("<")
-    words = (s if lt == -1 else s[:lt]).split()
-    if len(words) > 1 or (words and _bad_name_chars(words[0])):
-        return FAIL
-    if lt == -1:
-        return NEED
-    return (words[0], lt) if words else FAIL
-
-
-def _glm_key(s: str, pos: int) -> tuple[str, int] | str:
-    """An argument key up to ``</arg_key>``: stripped, not empty, no ``<`` in it."""
-    end = s.find(_GLM_KEY_END, pos)
-    if end == -1:
-        lt = s.find("<", pos)
-        return FAIL if lt != -1 and not _GLM_KEY_END.startswith(s[lt:]) else NEED
-    key = s[pos:end].strip()
-    return (key, end + len(_GLM_KEY_END)) if key and "<" not in key else FAIL
-
-
-def scan_glm_call(s: str, props: dict, progress: _Progress | None = None) -> tuple[list, int] | str:
-    """The body of one ``<tool_call>`` (`s` starts right after it) up to and including
-    ``</tool_call>`` -> ([(name, [(key, value)])], end), or NEED / FAIL."""
-    named = _glm_name(s)
-    if isinstance(named, str):
-        return named
-    name, pos = named
-    schema = props.get(name, {})
-    args: list[tuple[str, Any]] = []
-    if progress is not None:
-        progress.calls.append([name, args, False])
-    while True:
-        tag = _match(s, _skip_ws(s, pos), (_GLM_KEY, GLM_CALL_END))
-        if isinstance(tag, str):
-            return tag
-        if tag[0] == GLM_CALL_END:
-            if progress is not None:
-                progress.calls[-1][2] = True
-            return [(name, args)], tag[1]
-        keyed = _glm_key(s, tag[1])
-        if isinstance(keyed, str):
-            return keyed
-        key, pos = keyed
-        opened = _match(s, _skip_ws(s, pos), (_GLM_VALUE,))
-        if isinstance(opened, str):
-            return opened
-        types = schema_types(schema.get(key)) if isinstance(schema, dict) else set()
-        value = _until(s, opened[1], _GLM_VALUE_END)
-        if isinstance(value, str):
-            if progress is not None:
-                progress.open = (key, s[opened[1]:], _keeps_text(types), _GLM_VALUE_END)
-            return value
-        raw, pos = value
-        if any(key == k for k, _ in args):
-            return FAIL
-        args.append((key, coerce_text(raw, types)))
-
-
 # ---------------------------------------------------------------- the streaming parser
 
 
@@ -360,7 +102,7 @@ def _argument_fragments(args: list[tuple[str, Any]]) -> list[str]:
 def _streamed_arguments(args: list[tuple[str, Any]], closed: bool, open_value, final: bool) -> str:
     """The arguments JSON of a call being written, as far as it is known: whole once the call is
     closed; else its complete parameters and, when the value being written stays text
-    (`_Progress.open`), that text so far (less a possible start of its closing tag, unless the
+    (`ScanProgress.open`), that text so far (less a possible start of its closing tag, unless the
     output ended). Always a prefix of the JSON the finished call will have."""
     whole = "".join(_argument_fragments(args))
     if closed:
@@ -368,7 +110,7 @@ def _streamed_arguments(args: list[tuple[str, Any]], closed: bool, open_value, f
     text = "{" + whole[1:-1] if args else "{"
     if open_value is not None and open_value[2]:
         key, raw, _, close = open_value
-        raw = raw if final else raw[:len(raw) - _tag_overlap(raw, (close,))]
+        raw = raw if final else raw[:len(raw) - tag_overlap(raw, (close,))]
         text += (", " if args else "") + json.dumps(key, ensure_ascii=False) + ': "' + \
             json.dumps(raw, ensure_ascii=False)[1:-1]
     return text
@@ -493,7 +235,7 @@ class OutputParser:
             self._buf = self._buf[i + len(tag):] if tag == THINK_END else self._buf[i:]
             self._mode = "content"
             return True
-        keep = 0 if final else _tag_overlap(self._buf, tags)
+        keep = 0 if final else tag_overlap(self._buf, tags)
         if here is not None and self._end_token is not None and not final:
             keep = max(keep, len(self._buf) - here)  # the token's text has begun: hold it back
         out.reasoning += self._buf[:len(self._buf) - keep]
@@ -526,7 +268,7 @@ class OutputParser:
         if final:
             out.content, self._buf = out.content + self._buf, ""
             return False
-        safe = self._buf[:len(self._buf) - _tag_overlap(self._buf, (self._block_start,))]
+        safe = self._buf[:len(self._buf) - tag_overlap(self._buf, (self._block_start,))]
         kept = safe.rstrip()
         out.content += kept
         self._buf = self._buf[len(kept):]
@@ -537,7 +279,7 @@ class OutputParser:
         once it cannot be valid (or the output ends first), its opening tag is content and the
         text after it is scanned again as content."""
         body = self._buf[len(self._block_start):]
-        progress = _Progress() if self._forced else None
+        progress = ScanProgress() if self._forced else None
         if self.family == "deepseek_v4":
             result = scan_dsml_block(body, self._props, progress)
         else:
@@ -558,7 +300,7 @@ class OutputParser:
         self._buf, self._pending_ws, self._mode = body, "", "content"
         return True
 
-    def _stream_block(self, out: Delta, progress: _Progress, result, body: str, final: bool) -> bool:
+    def _stream_block(self, out: Delta, progress: ScanProgress, result, body: str, final: bool) -> bool:
         """A forced block whose first call's name has been read: stream what is new in each call
         (its id and name once, then its arguments' JSON as far as it is known); record a call
         once it closes. When the block ends (complete, invalid, or the output ended inside it),
