@@ -121,3 +121,16 @@ def flat_rows(rows: dict):
     import torch
     return torch.cat([t.flatten() for k in sorted(rows) if k != "positions"
                       for t in (rows[k] if isinstance(rows[k], tuple) else (rows[k],))])
+
+
+def wait_engine_idle(engine, timeout: float = 30.0) -> None:
+    """Until nothing is live, running or queued in `engine` (a cancelled or refused request's
+    state goes between steps); fails after `timeout` seconds with the metrics."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        m = engine.metrics()
+        if m["live_states"] == 0 and m["running"] == 0 and m["queue_depth"] == 0:
+            return
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)

@@ -10,7 +10,6 @@ server of model A stored is unknown to a server of model B (404 previous_respons
 record made by another model name in a store that outlived its server is a 404
 previous_response_not_found naming that model.
 """
-import time
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ import kvfold
 from kvfold.chat.template import ChatTemplate
 from kvfold.server.app import create_app
 
-from helpers import serving
+from helpers import serving, wait_engine_idle
 
 CONTEXT = 256
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -40,15 +39,8 @@ def two(tiny):
         yield (url_a, a), (url_b, b)
 
 
-def idle(app, timeout=20.0) -> None:
-    engine = app.state.engine.engine
-    deadline = time.monotonic() + timeout
-    while True:
-        m = engine.metrics()
-        if m["live_states"] == 0 and m["running"] == 0 and m["queue_depth"] == 0:
-            return
-        assert time.monotonic() < deadline, m
-        time.sleep(0.02)
+def idle(app) -> None:
+    wait_engine_idle(app.state.engine.engine)
 
 
 def anthropic_error(server, body, path="/v1/messages", status=400) -> str:

@@ -10,14 +10,13 @@ Each operation runs as its own Hypothesis test over `operation.as_strategy` (30 
 operation and mode, derandomized: the same requests every run). Schemathesis's own pytest
 integration is not used: its lazy-fixture loader touches a pytest private (`Node._nodeid`) that
 pytest 9 no longer has."""
-import time
 
 import pytest
 
 import kvfold
 from kvfold.server.app import create_app
 
-from helpers import serving
+from helpers import serving, wait_engine_idle
 
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -53,17 +52,6 @@ def live_url(live):
     return live[0]
 
 
-def wait_idle(engine, timeout=30.0) -> None:
-    """Nothing live, running or queued (a cancelled stream's state goes between steps)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = engine.metrics()
-        if m["live_states"] == 0 and m["running"] == 0 and m["queue_depth"] == 0:
-            return
-        assert time.monotonic() < deadline, m
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def api_schema(live_url):
     return schemathesis.openapi.from_url(live_url + "/openapi.json")
@@ -94,4 +82,4 @@ def test_operation_holds_to_the_document(api_schema, live, method, path, mode):
             assert len(store) == stored, "a refused request stored a response"
 
     run()
-    wait_idle(app.state.engine.engine)
+    wait_engine_idle(app.state.engine.engine)
