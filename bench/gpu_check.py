@@ -195,8 +195,8 @@ def batched_vs_alone(dev, ids) -> dict:
 
 
 def check_triton(device: torch.device) -> dict:
-    from kvfold.numerics import triton_ops
-    if not triton_ops.available(device):
+    from kvfold.numerics.backend import KernelSet, triton_available
+    if not triton_available(device):
         return {"skipped": f"triton cannot run on {device} (not installed, or CPU without TRITON_INTERPRET=1)"}
     model = Dsv4Model(tiny_config(sliding_window=8, compress_ratios=(0, 4, 8, 4), index_topk=2,
                                   num_nextn_predict_layers=0), dtype=torch.float32, device=device)
@@ -210,8 +210,8 @@ def check_triton(device: torch.device) -> dict:
         return torch.cat([model.forward(ids[:32], st)] + [model.forward(ids[i:i + 1], st) for i in range(32, 40)])
 
     want = run()
-    with triton_ops.use_triton():
-        got = run()
+    model.set_kernels(KernelSet(triton=True))
+    got = run()
     # a query's index scores over its first entries: the same bits whatever the call's entry count
     from kvfold.numerics import triton_kernels
     g = torch.Generator().manual_seed(0)
@@ -230,33 +230,34 @@ def check_invariant_graphs(dtype: torch.dtype, device: torch.device, lengths=(5,
     bounds 256 and 512 (prompts of `lengths`), must be the same bits alone and beside others
     (`torch.equal`). The prompts are prefilled by the default path, the same bits every time."""
     from kvfold.engine.graphs import DecodeGraphs
-    from kvfold.numerics import triton_ops
-    if not triton_ops.available(device):
+    from kvfold.numerics.backend import KernelSet, triton_available
+    if not triton_available(device):
         return {"skipped": f"triton cannot run on {device}"}
     _, model = tiny_pair("deepseek_v4", dtype, device)
-    with triton_ops.use_triton():
+    model.set_kernels(KernelSet(triton=True))
+    model.set_batch_invariant(True)
+    if model.graph_unsupported() is not None:
+        return {"skipped": model.graph_unsupported()}
+    seen, equal, captured = {}, True, 0
+    for members in ((0,), (1,), (0, 1), (1, 2, 0)):
+        pool = model.new_page_pool(16)
+        arena = model.new_decode_arena(3, 512, pool)
+        states = {m: model.new_state(capacity=512, pages=pool, arena=arena) for m in members}
+        model.set_batch_invariant(False)
+        model.set_kernels(KernelSet(triton=False))
+        for m in members:
+            model.forward(prompt(model, lengths[m], seed=m), states[m])
+        model.set_kernels(KernelSet(triton=True))
         model.set_batch_invariant(True)
-        if model.graph_unsupported() is not None:
-            return {"skipped": model.graph_unsupported()}
-        seen, equal, captured = {}, True, 0
-        for members in ((0,), (1,), (0, 1), (1, 2, 0)):
-            pool = model.new_page_pool(16)
-            arena = model.new_decode_arena(3, 512, pool)
-            states = {m: model.new_state(capacity=512, pages=pool, arena=arena) for m in members}
-            model.set_batch_invariant(False)
-            with triton_ops.use_triton(False):
-                for m in members:
-                    model.forward(prompt(model, lengths[m], seed=m), states[m])
-            model.set_batch_invariant(True)
-            graphs = DecodeGraphs(model, arena, 4)
-            for step in range(3):
-                logits, streams = graphs.step([((step * 11 + m) % 50 + 2, states[m]) for m in members], hidden=True)
-                for i, m in enumerate(members):
-                    got = (logits[i].cpu(), streams[i].cpu())
-                    if (m, step) in seen:
-                        equal &= torch.equal(got[0], seen[m, step][0]) and torch.equal(got[1], seen[m, step][1])
-                    seen[m, step] = got
-            captured += graphs.captures - len(graphs.capture_errors)
+        graphs = DecodeGraphs(model, arena, 4)
+        for step in range(3):
+            logits, streams = graphs.step([((step * 11 + m) % 50 + 2, states[m]) for m in members], hidden=True)
+            for i, m in enumerate(members):
+                got = (logits[i].cpu(), streams[i].cpu())
+                if (m, step) in seen:
+                    equal &= torch.equal(got[0], seen[m, step][0]) and torch.equal(got[1], seen[m, step][1])
+                seen[m, step] = got
+        captured += graphs.captures - len(graphs.capture_errors)
     model.set_batch_invariant(False)
     return {"alone_equals_batched": equal, "graphs_captured": captured, "capture_errors": graphs.capture_errors}
 
@@ -298,7 +299,7 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
         context = graphs.context_bucket(max(st.pos for st in twin) + 1)  # the same shapes as the replayed step
         plans = [st.graph_inputs(1) for st in twin]  # GLM-5.3: each state's KDA plan
         eager, eager_streams = model.decode_graph_step(
-            arenas[1], torch.tensor(toks, device=device), torch.tensor([st.pos for st in twin], device=device),
+            model.backend(graphs.batch_invariant), arenas[1], torch.tensor(toks, device=device), torch.tensor([st.pos for st in twin], device=device),
             torch.tensor([st.slot for st in twin], device=device), context,
             torch.tensor(plans, device=device) if plans[0] else None)
         for st in twin:
@@ -484,19 +485,20 @@ def graph_cells(args, model, batch: int, context: int) -> dict:
     """The cell's step as graph decode (`graph_*`), and on CUDA with the Triton kernels reading
     keys and experts in place (`graph_triton_*`; the interpreter's times would mean nothing),
     outside the invariant mode, and with it (`graph_invariant_*`: the fixed-order row kernels)."""
-    from kvfold.numerics import triton_ops
-    out, invariant = {}, model.batch_invariant  # (on for fp32 CPU models: graph decode runs without it)
+    from kvfold.numerics.backend import KernelSet, triton_available
+    out, invariant, kernels_before = {}, model.batch_invariant, model.kernels  # (invariant: on for fp32 CPU models)
     try:
-        on_gpu = model.device.type == "cuda" and triton_ops.available(model.device)
+        on_gpu = model.device.type == "cuda" and triton_available(model.device)
         variants = [("graph_", False, False)]
         if on_gpu:
             variants += [("graph_triton_", True, False), ("graph_invariant_", True, True)]
         for prefix, kernels, inv in variants:
+            model.set_kernels(KernelSet(triton=kernels))
             model.set_batch_invariant(inv)
-            with triton_ops.use_triton(kernels):
-                got = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
+            got = run_check(lambda: decode_cell(model, batch, context, args.steps, graphs=True))
             out.update({prefix + k: v for k, v in got.items() if k in ("step_ms", "tok_s", "error")})
     finally:
+        model.set_kernels(kernels_before)
         model.set_batch_invariant(invariant)
     return out
 

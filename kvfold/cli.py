@@ -79,7 +79,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         "generate ... --tp N; rank 0 prints")
     _add_model_args(g)
 
-    i = sub.add_parser("inspect", help="print the layer schedule and state sizes of a model")
+    i = sub.add_parser("inspect", help="print the layer schedule, state sizes and kernels of a model")
     i.add_argument("model", help=_MODEL_HELP)
     _add_model_args(i)
 
@@ -269,6 +269,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     out.write(f"fixed state per sequence: {_fmt_bytes(fixed)} (buffers that do not grow with length)\n")
     for n in (4096, 131072, 1048576):
         out.write(f"state at {n} tokens: {_fmt_bytes(fixed + per_tok * n)}\n")
+    _write_kernels(out, model)
     directory = checkpoint_dir(args.model)
     if directory is not None:
         from .models.deepseek_v4.checkpoint import checkpoint_dtype_breakdown
@@ -277,6 +278,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for name, (count, nbytes) in checkpoint_dtype_breakdown(directory).items():
             out.write(f"  {name:<8} {count:>7} tensors  {_fmt_bytes(nbytes):>12}\n")
     return 0
+
+
+def _write_kernels(out, model) -> None:
+    """Each op's implementation in the model's own mode, and why (numerics/backend.py)."""
+    ops = model.backend()
+    out.write(f"kernels ({model.device.type}, {str(model.dtype).removeprefix('torch.')}, numerics {model.numerics}, "
+              f"batch-invariant {'on' if ops.batch_invariant else 'off'}):\n")
+    for op, impl, why in ops.describe():
+        out.write(f"  {op:<17} {impl:<58} {why}\n")
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:

@@ -89,8 +89,9 @@ def _native_facts() -> dict[str, Any]:
     """The kernels as native.py builds them: its ISA setting, compiler and flags; then a load."""
     from .errors import NativeAbiError
     from .numerics import native
+    from .numerics.backend import KernelSet
     setting = os.environ.get("KVFOLD_NATIVE_ISA", "native")
-    facts: dict[str, Any] = {"enabled": native._enabled, "isa_setting": setting, "isa_error": None,
+    facts: dict[str, Any] = {"enabled": KernelSet.from_env().native, "isa_setting": setting, "isa_error": None,
                              "compiler": None, "compiler_found": False, "build": None, "loaded": False,
                              "library": None, "error": None}
     try:

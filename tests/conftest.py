@@ -2,7 +2,7 @@ import os
 
 # Triton's interpreter (tests/test_triton_ops.py runs the Triton kernels on the CPU): triton.jit
 # reads this when it decorates a kernel, so it is set before anything imports triton. The kernels
-# stay off everywhere else (kvfold.numerics.triton_ops.use_triton is off by default).
+# stay off everywhere else (a model runs them only where its KernelSet turns them on: backend.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest

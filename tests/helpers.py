@@ -2,6 +2,8 @@ from contextlib import contextmanager
 
 import torch
 
+from kvfold.numerics.backend import Backend, KernelSet, build_backend
+
 
 def random_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
@@ -94,8 +96,8 @@ class KdaReadoutGains:
 
     def _record(self, attn, args, out) -> None:
         from kvfold.models.glm5.kda import kda_recurrent
-        x, _, s0 = args
-        q, k, v, g, beta = (t.double() for t in attn.recurrence_inputs(x, out[1].full))
+        x, _, s0, ops = args
+        q, k, v, g, beta = (t.double() for t in attn.recurrence_inputs(x, out[1].full, ops))
         o, _, states = kda_recurrent(q, k, v, g, beta, s0.double(), keep_states=True)
         scale = torch.stack(states).abs().amax((-2, -1)) * q.abs().sum(-1)  # [T, H]
         self.calls.append((scale / (o.pow(2).mean(-1) + attn.o_norm.eps).sqrt()).amax(-1))  # [T]
@@ -134,3 +136,14 @@ def wait_engine_idle(engine, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, m
         time.sleep(0.02)
+
+
+def ops_for(device: str = "cpu", dtype: torch.dtype = torch.float32, *, invariant: bool = False,
+            numerics: str = "hf", native: bool = True, triton: bool = False, rows_on_cpu: bool = False) -> Backend:
+    """The Backend a model of this device, dtype and numerics would get in that batch-invariant mode,
+    with these kernel families: how tests call an op alone, as a model would (numerics/backend.py)."""
+    return build_backend(device, dtype, numerics, invariant,
+                         KernelSet(native=native, triton=triton, triton_rows_on_cpu=rows_on_cpu))
+
+
+TORCH_OPS = ops_for(native=False)  # every op its torch reference (fp32, CPU)

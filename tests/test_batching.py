@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from bounds import matmul_bound
-from helpers import flat_rows, fp32_paths_bound, random_ids
+from helpers import flat_rows, fp32_paths_bound, ops_for, random_ids
 from kvfold.errors import CapacityError, ConfigError
-from kvfold.numerics.rows import invariant_mm, batch_invariant_scope, row_mm, swiglu
+from kvfold.numerics import native
+from kvfold.numerics.rows import invariant_mm as _invariant_mm, row_mm, swiglu
 
 
 pytestmark = pytest.mark.batch_invariance
@@ -51,6 +52,13 @@ def batch_invariance(model, on):
 def invariant(tiny):
     with batch_invariance(tiny, True):
         yield tiny
+
+
+INVARIANT = ops_for(invariant=True)  # an fp32 CPU model's kernels in batch-invariant mode
+
+
+def invariant_mm(x, w):
+    return _invariant_mm(native.library(), x, w)
 
 
 def fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
@@ -110,18 +118,16 @@ def test_invariant_matmul_gives_a_row_the_same_bits_in_any_batch_and_thread_coun
 def test_row_mm_takes_the_invariant_kernel_only_inside_invariant_rows():
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(9, 77, generator=g), torch.randn(12, 77, generator=g)
-    assert torch.equal(row_mm(x, w), torch.nn.functional.linear(x, w))
-    with batch_invariant_scope():
-        assert torch.equal(row_mm(x, w), invariant_mm(x, w))
+    assert torch.equal(row_mm(ops_for(), x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(row_mm(INVARIANT, x, w), invariant_mm(x, w))
 
 
 def test_invariant_swiglu_is_per_row_and_matches_the_formula():
     g = torch.Generator().manual_seed(4)
     gu = torch.randn(40, 2, 33, generator=g) * 6
     want = torch.nn.functional.silu(gu[:, 0].clamp(max=5.0)) * gu[:, 1].clamp(-5.0, 5.0)
-    with batch_invariant_scope():
-        got = swiglu(gu[:, 0], gu[:, 1], 5.0)
-        assert torch.equal(torch.cat([swiglu(gu[i:i + 1, 0], gu[i:i + 1, 1], 5.0) for i in range(40)]), got)
+    got = swiglu(INVARIANT, gu[:, 0], gu[:, 1], 5.0)
+    assert torch.equal(torch.cat([swiglu(INVARIANT, gu[i:i + 1, 0], gu[i:i + 1, 1], 5.0) for i in range(40)]), got)
     assert (got - want).abs().max() <= 4 * torch.finfo(torch.float32).eps * want.abs().max()
 
 
@@ -136,20 +142,23 @@ def test_a_row_takes_the_same_moe_bits_alone_in_a_few_rows_and_in_a_batch(invari
     n = NATIVE_MOE_ROWS + 3
     x = torch.randn(n, hidden, generator=g)
     tokens = torch.randint(0, invariant.config.vocab_size, (n,), generator=g)
-    with batch_invariant_scope(), threads(n_threads):
+    ops = invariant.backend()
+    with threads(n_threads):
         for layer in invariant.model.layers[:2]:  # layer 0: hash routing, layer 1: biased top-k
             moe = layer.mlp
-            batched = moe(x, tokens)  # more rows than the native call takes: the grouped path
-            few = moe._native_rows(x[:7], tokens[:7])
+            batched = moe(x, tokens, ops)  # more rows than the native call takes: the grouped path
+            few = moe._native_rows(x[:7], tokens[:7], ops)
             assert few is not None and torch.equal(few, batched[:7])
             for i in range(n):
-                one = moe._native_rows(x[i:i + 1], tokens[i:i + 1])
+                one = moe._native_rows(x[i:i + 1], tokens[i:i + 1], ops)
                 assert one is not None and torch.equal(one, batched[i:i + 1])
 
 
 def attention_halves(model, n_rows: int, seed: int = 0):
     """For every layer: the fused native halves (project_rows, output_rows) and the per-op path
-    (Attention.project; de-rotation, wo_a, wo_b) on the same n_rows rows, as flat tensors."""
+    (Attention.project; de-rotation, wo_a, wo_b) on the same n_rows rows, as flat tensors, with
+    the model's kernels in batch-invariant mode."""
+    ops = model.backend(True)
     from kvfold.models.deepseek_v4.config import SLIDING
     from kvfold.models.deepseek_v4.native_attention import output_rows, project_rows
     from kvfold.numerics import apply_rope
@@ -160,14 +169,15 @@ def attention_halves(model, n_rows: int, seed: int = 0):
     for layer in model.model.layers:
         attn = layer.self_attn
         table = model.rope_main if attn.kind == SLIDING else model.rope_compress
-        cos, sin = table.cos_sin(positions)
+        cos, sin = table.cos_sin(ops, positions)
         first = int(positions[0]) if n_rows == 1 else None  # a lone row gives its position as an int
         o = torch.randn(n_rows, attn.n_heads, attn.head_dim, generator=g)
-        fused, per_op = project_rows(attn, x, positions, cos, sin), attn.project(x, positions, first, cos, sin)
+        fused = project_rows(ops, attn, x, positions, cos, sin)
+        per_op = attn.project(x, positions, first, cos, sin, ops)
         assert fused is not None and set(fused) == set(per_op)
-        rotated = apply_rope(o, cos, sin, inverse=True)
-        y = attn.o_b_proj(attn.o_a_proj(rotated.reshape(n_rows, attn.o_groups, -1)))
-        pairs.append((torch.cat([flat_rows(fused), output_rows(attn, o, cos, sin).flatten()]),
+        rotated = apply_rope(ops, o, cos, sin, inverse=True)
+        y = attn.o_b_proj(attn.o_a_proj(rotated.reshape(n_rows, attn.o_groups, -1), ops), ops)
+        pairs.append((torch.cat([flat_rows(fused), output_rows(ops, attn, o, cos, sin).flatten()]),
                       torch.cat([flat_rows(per_op), y.flatten()])))
     return pairs
 
@@ -176,7 +186,7 @@ def attention_halves(model, n_rows: int, seed: int = 0):
 def test_fused_attention_halves_give_the_per_op_bits_in_batch_invariant_mode(invariant, n_threads):
     """native_attention.h composes the per-op path's native kernels in its order: the same bits,
     for every layer kind, one decode row, a few verify rows and a prefill chunk past NATIVE_ROWS."""
-    with batch_invariant_scope(), threads(n_threads), torch.inference_mode():
+    with threads(n_threads), torch.inference_mode():
         for n_rows in (1, 5, 40):
             for fused, per_op in attention_halves(invariant, n_rows):
                 assert torch.equal(fused, per_op)
@@ -191,7 +201,7 @@ def test_fused_attention_halves_follow_a_replaced_weight_or_submodule():
     model = kvfold.load_model("tiny-random")
     attn = model.model.layers[1].self_attn
     g = torch.Generator().manual_seed(9)
-    with batch_invariant_scope(), torch.inference_mode():
+    with torch.inference_mode():
         before = attention_halves(model, 3)[1][0]
         attn.q_a_proj.weight = nn.Parameter(torch.randn(attn.q_a_proj.weight.shape, generator=g))
         kv = Linear(attn.kv_proj.weight.shape[1], attn.kv_proj.weight.shape[0], torch.float32)
@@ -490,8 +500,8 @@ def test_a_batch_is_one_pass_over_the_weights(tiny, monkeypatch):
     calls = []
     fused, fused_block = attention.project_rows, model.block_row
 
-    def counted(attn, x, *args):
-        rows = fused(attn, x, *args)
+    def counted(ops, attn, x, *args):
+        rows = fused(ops, attn, x, *args)
         if rows is not None:
             calls.append(x.shape[0])
         return rows

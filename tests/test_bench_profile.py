@@ -5,7 +5,7 @@ import pytest
 
 import kvfold
 from kvfold.bench import profile as P
-from kvfold.numerics import native
+from kvfold.numerics.backend import KernelSet
 from kvfold.bench.configs import ensure_checkpoint
 from kvfold.models.deepseek_v4.attention import Attention
 from kvfold.layers.basic import Norm
@@ -15,9 +15,9 @@ from kvfold.layers.basic import Norm
 def test_profile_breakdown_has_every_category_and_adds_up(tmp_path, native_on):
     model = kvfold.load_model(str(ensure_checkpoint("tiny-bench", tmp_path / "cache", 0)))
     before = (Attention._attend, Attention.forward, Norm.forward, model.lm_head.forward)
+    model.set_kernels(KernelSet(native=native_on))
     model.set_batch_invariant(native_on)  # the mode rests on the native kernels
-    with native.use_native(native_on):
-        res = P.profile_decode(model, context=24, steps=2, warmup=1)
+    res = P.profile_decode(model, context=24, steps=2, warmup=1)
     cats = res["categories"]
     assert set(cats) == set(P.CATEGORIES) | {P.OTHER}
     assert all(v >= 0 for v in cats.values())

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvfold.numerics import native
+from kvfold.numerics.backend import KernelSet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_check  # noqa: E402  (the GPU run's tiny models: the same weights it copies to a device)
@@ -52,9 +52,10 @@ class DevicelessFactories(TorchFunctionMode):
 def test_the_torch_path_makes_every_tensor_on_the_model_s_device(family):
     model, _ = gpu_check.tiny_pair(family, torch.float32, torch.device("cpu"))
     model.set_batch_invariant(False)  # the numerics a GPU model runs: torch's kernels, no native.c
+    model.set_kernels(KernelSet(native=False))
     ids = gpu_check.prompt(model, 90)
     lint = DevicelessFactories()
-    with native.use_native(False), torch.inference_mode(), lint:
+    with torch.inference_mode(), lint:
         st = model.new_state(capacity=160, max_rewind=4)
         model.forward(ids[:70], st)
         for t in ids[70:75]:
@@ -70,10 +71,11 @@ def test_the_engine_drives_a_model_without_making_tensors_off_its_device():
     from kvfold import Engine, SamplingParams
     model, _ = gpu_check.tiny_pair("deepseek_v4", torch.float32, torch.device("cpu"))
     model.set_batch_invariant(False)
+    model.set_kernels(KernelSet(native=False))
     lint = DevicelessFactories(MOVED_AT_ONCE | ON_THE_HOST)
     params = [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1), SamplingParams(max_tokens=6),
               SamplingParams(max_tokens=6, temperature=1.0, top_k=5, seed=2, logprobs=2, logit_bias={5: 2.0})]
-    with native.use_native(False), lint:
+    with lint:
         engine = Engine(model, max_seq_len=256, max_running=4, batch_invariant=False)
         outs = engine.generate([gpu_check.prompt(model, 20, seed) for seed in range(3)], params)
     assert [len(o.token_ids) for o in outs] == [6, 6, 6]
@@ -88,8 +90,9 @@ def test_graph_decode_makes_every_tensor_on_the_model_s_device(family):
     model, _ = gpu_check.tiny_pair(family, torch.float32, torch.device("cpu"))
     model.set_batch_invariant(False)
     model.tokenizer = __import__("kvfold").load_model("tiny-random").tokenizer
+    model.set_kernels(KernelSet(native=False))
     lint = DevicelessFactories(MOVED_AT_ONCE | ON_THE_HOST | GRAPH_INPUTS)
-    with native.use_native(False), lint:
+    with lint:
         engine = Engine(model, max_seq_len=256, max_running=3, batch_invariant=False, decode_graphs=True)
         outs = engine.generate([gpu_check.prompt(model, 20 + 7 * seed, seed) for seed in range(3)],
                                SamplingParams(max_tokens=6, ignore_eos=True))

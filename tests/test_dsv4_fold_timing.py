@@ -25,18 +25,19 @@ def test_entry_is_the_pooled_window_normed_and_rotated_at_its_first_position(tin
     layer_idx = cfg.layer_types.index(CSA)
     attn = tiny.model.layers[layer_idx].self_attn
     comp, r = attn.compressor, cfg.compress_ratios[layer_idx]
+    ops = tiny.backend(batch_invariant=False)  # the model's kernels, outside batch-invariant mode
     x = torch.randn(3 * r, cfg.hidden_size)
     st = tiny.new_state(capacity=64).layers[layer_idx].compressor
     for p in range(3 * r):  # token by token through the state
-        comp.step(x[p:p + 1], p, st, tiny.rope_compress)
+        comp.step(x[p:p + 1], p, st, tiny.rope_compress, ops)
     kv = x @ comp.kv_proj.weight.t()
     sc = x @ comp.gate_proj.weight.t() + comp.position_bias[torch.arange(3 * r) % r]
     pad_kv = torch.cat([torch.zeros(r, kv.shape[1]), kv])
     pad_sc = torch.cat([torch.full((r, kv.shape[1]), float("-inf")), sc])
-    pooled = pool_windows(pad_kv, pad_sc, r, overlap=True)
-    normed = comp.kv_norm(pooled)
-    cos, sin = tiny.rope_compress.cos_sin(torch.arange(3) * r)
-    want = apply_rope(normed, cos, sin)
+    pooled = pool_windows(ops, pad_kv, pad_sc, r, overlap=True)
+    normed = comp.kv_norm(pooled, ops)
+    cos, sin = tiny.rope_compress.cos_sin(ops, torch.arange(3) * r)
+    want = apply_rope(ops, normed, cos, sin)
     assert torch.allclose(st.pool[:3], want, atol=1e-5)
 
 
@@ -44,8 +45,9 @@ def test_hash_layer_routes_by_token_id_whatever_the_hidden_state(tiny):
     moe = tiny.model.layers[0].mlp
     assert moe.gate.is_hash
     tokens = torch.tensor([5, 5, 17])
-    _, ids_a = moe.gate(torch.randn(3, tiny.config.hidden_size), tokens)
-    _, ids_b = moe.gate(torch.randn(3, tiny.config.hidden_size), tokens)
+    ops = tiny.backend(batch_invariant=False)  # the torch router: ids in tid2eid's order
+    _, ids_a = moe.gate(torch.randn(3, tiny.config.hidden_size), tokens, ops)
+    _, ids_b = moe.gate(torch.randn(3, tiny.config.hidden_size), tokens, ops)
     assert torch.equal(ids_a, ids_b) and torch.equal(ids_a, moe.gate.tid2eid[tokens])
 
 

@@ -7,7 +7,6 @@ from kvfold import Engine, SamplingParams
 from kvfold.errors import ConfigError
 from kvfold.models.base import CausalLM
 from kvfold.numerics import native
-from kvfold.numerics.rows import in_batch_invariant_scope
 
 from helpers import random_ids
 
@@ -24,7 +23,7 @@ def modes_seen(monkeypatch):
         return out
 
     def run(self, batch, last_only):
-        self._last_mode = in_batch_invariant_scope()
+        self._last_mode = batch.ops.batch_invariant  # the Backend the call was handed
         return type(self)._run_rows_real(self, batch, last_only)
 
     monkeypatch.setattr(CausalLM, "_forward_rows", spy)

@@ -12,6 +12,8 @@ from kvfold.errors import CapacityError, ConfigError, FreedStateError
 from kvfold.decoding.generate import GenerationResult, generate
 from kvfold.tokenizer import ByteTokenizer
 
+from helpers import ops_for
+
 EOS = 257
 VOCAB = 258
 
@@ -246,6 +248,8 @@ def test_cli_inspect(monkeypatch, capsys):
     model.num_parameters = lambda: 1234567
     model.state_bytes_per_token = lambda kv_dtype=None: 48.0 if kv_dtype == "fp8" else 96.5
     model.fixed_state_bytes = lambda: 3 * 1024 * 1024
+    model.dtype, model.numerics = torch.float32, "hf"
+    model.backend = lambda: ops_for(native=False)
     patch_loader(monkeypatch, model)
     assert cli.main(["inspect", "tiny-random"]) == 0
     out = capsys.readouterr().out
@@ -257,6 +261,7 @@ def test_cli_inspect(monkeypatch, capsys):
     assert "fixed state per sequence: 3.00 MiB" in out
     # 3 MiB + 96.5 B * 4096 = 3 MiB + 386 KiB
     assert "state at 4096 tokens: 3.38 MiB" in out
+    assert re.search(r"^\s+rms_norm\s+torch \(.*\)\s+native.c is off", out, re.M)  # each op's kernel, and why
 
 
 @pytest.mark.parametrize("kw", [dict(max_new_tokens=-1), dict(max_new_tokens=2.5), dict(temperature=float("inf")),

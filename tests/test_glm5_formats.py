@@ -108,7 +108,7 @@ def test_bf16_mhc_collapse_rounds_once_like_transformers(bf16_models):
     streams = torch.randn(140, TEXT["hc_mult"], TEXT["hidden_size"], generator=g).bfloat16()
     with torch.no_grad():
         post, comb, want = hc(streams[None])
-    got, got_post, got_comb = ours.collapse(streams)
+    got, got_post, got_comb = ours.collapse(streams, model.backend())
     assert got.dtype == torch.bfloat16
     differ = got != want[0]
     step = (want[0].float().abs() * 2.0 ** -7)  # one bf16 step at each value (within a factor 2)

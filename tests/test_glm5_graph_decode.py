@@ -10,9 +10,8 @@ from kvfold.engine.graphs import DecodeGraphs
 from kvfold.errors import ConfigError
 from kvfold.models.glm5.config import glm5_config_from_dict
 from kvfold.models.glm5.model import Glm5Model
-from kvfold.numerics import native
 
-from helpers import KdaReadoutGains, random_ids, rows_within_paths_bound
+from helpers import KdaReadoutGains, ops_for, random_ids, rows_within_paths_bound
 from test_gpu_check import _script
 from test_graph_decode import _Trace, forward_and_graph_runs
 
@@ -116,7 +115,8 @@ def test_a_glm_graph_step_issues_the_same_ops_on_the_same_buffers_and_never_sync
     extras = torch.zeros(3, 4, dtype=torch.long)
     persistent = arena.tensors() + list(glm.parameters()) + list(glm.buffers()) + [tokens, positions, slots, extras]
     traces = []
-    with native.use_native(False), torch.inference_mode():
+    ops = ops_for(native=False)  # the torch path a GPU model takes
+    with torch.inference_mode():
         for rows in ([0, 1, 2], [2, 0, 1], [1, None, 0], [0, 1, 2]):
             if len(traces) == 3:  # rewound: the next step replays from the base
                 for st in states:
@@ -129,7 +129,7 @@ def test_a_glm_graph_step_issues_the_same_ops_on_the_same_buffers_and_never_sync
                     extras[i] = torch.tensor(states[r].graph_inputs(1))
             trace = _Trace(persistent)
             with trace:
-                glm.decode_graph_step(arena, tokens, positions, slots, 256, extras)
+                glm.decode_graph_step(ops, arena, tokens, positions, slots, 256, extras)
             traces.append(trace)
             for r in rows:
                 if r is not None:

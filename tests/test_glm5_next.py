@@ -11,7 +11,7 @@ from kvfold import errors
 from kvfold.models.glm5.config import glm5_config_from_dict
 from kvfold.models.glm5 import state as g5s
 from kvfold.models.glm5.indexer_state import Glm5NextDsaState, dsa_blob_bytes
-from helpers import fp32_paths_bound, random_ids
+from helpers import TORCH_OPS, fp32_paths_bound, random_ids
 
 LAYERS = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"]
 INDEXERS = ["full", "full", "shared", "full", "full"]  # layer 2 reuses layer 1's selection
@@ -150,8 +150,8 @@ def test_kda_chunked_form_is_as_accurate_as_the_recurrence():
     from kvfold.models.glm5.kda import kda_chunked, kda_recurrent, l2norm
     gen = torch.Generator().manual_seed(0)
     t, h, d = 256, 2, 8
-    q = l2norm(torch.randn(t, h, d, generator=gen)) * d ** -0.5
-    k = l2norm(torch.randn(t, h, d, generator=gen))
+    q = l2norm(TORCH_OPS, torch.randn(t, h, d, generator=gen)) * d ** -0.5
+    k = l2norm(TORCH_OPS, torch.randn(t, h, d, generator=gen))
     v = torch.randn(t, h, d, generator=gen)
     g = -5 * torch.sigmoid(torch.randn(t, h, d, generator=gen))
     beta = torch.sigmoid(torch.randn(t, h, generator=gen))

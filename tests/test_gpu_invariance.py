@@ -1,6 +1,7 @@
 """Batch invariance as CUDA runs it: the Triton fixed-order row kernels (kvfold/numerics/triton_rows.py),
-here in Triton's interpreter on the CPU with native.c off (`fixed_rows_on_cpu`), so that every
-token-parallel op takes them and every per-sequence op takes torch's kernels, as on a GPU.
+here in Triton's interpreter on the CPU with native.c off (`KernelSet(native=False,
+triton_rows_on_cpu=True)`), so that every token-parallel op takes them and every per-sequence op
+takes torch's kernels, as on a GPU.
 
 Each kernel is checked against float64 within the rounding of the sums it computes, and for
 giving a row the same bits in any batch; then both model families, fp32 and bf16, batched
@@ -9,12 +10,11 @@ request alone and under load; and DeepSeek-V4's graph decode with the Triton ker
 sequence's bits in any bucket, and an engine's request under load with prompts arriving
 while it decodes.
 """
-import contextlib
 import inspect
 
 import pytest
 import torch
-from helpers import fp32_paths_bound
+from helpers import fp32_paths_bound, ops_for
 from test_gpu_check import _script
 
 from kvfold.errors import ConfigError
@@ -24,23 +24,19 @@ from kvfold.models.deepseek_v4.tiny import init_random_, tiny_config
 from kvfold.models.glm5.config import glm5_config_from_dict
 from kvfold.models.glm5.model import Glm5Model
 from kvfold.numerics import hc as hc_math
-from kvfold.numerics import native, triton_ops
+from kvfold.numerics import native
 from kvfold.numerics import triton_rows as R
-from kvfold.numerics.rows import (
-    invariance_by_default,
-    invariance_unsupported,
-    batch_invariant_scope,
-    route_rows,
-)
+from kvfold.numerics.backend import KernelSet, invariance_by_default, invariance_unsupported
+from kvfold.numerics.rows import route_rows
 
 EPS = torch.finfo(torch.float32).eps
 
-
-@contextlib.contextmanager
-def cuda_path():
-    """Batch-invariant mode as on CUDA: Triton's row kernels, native.c off."""
-    with native.use_native(False), triton_ops.fixed_rows_on_cpu():
-        yield
+# batch-invariant mode as on CUDA: Triton's row kernels, native.c off (a model's `set_kernels`)
+CUDA_PATH = KernelSet(native=False, triton_rows_on_cpu=True)
+# and with the Triton sequence kernels on too (graph decode's batch-invariant step)
+CUDA_PATH_TRITON = KernelSet(native=False, triton=True, triton_rows_on_cpu=True)
+# the ops themselves, as such a model runs them in batch-invariant mode
+CUDA_OPS = ops_for(invariant=True, native=False, rows_on_cpu=True)
 
 
 def gen(seed):
@@ -190,14 +186,12 @@ def test_fixed_routing_picks_native_routings_experts_with_their_weights(case):
     if case == "no_renorm":
         kw["renorm"] = False
     scoring = case if case in ("softmax", "sigmoid", "sqrtsoftplus") else "sigmoid"
-    with batch_invariant_scope():
-        want_w, want_ids = route_rows(x, w, scoring, k, 2.5, **kw)  # native.c's kv_route
-        with cuda_path():
-            got_w, got_ids = route_rows(x, w, scoring, k, 2.5, **kw)
-            if case != "hash":  # (the hash case's rows are its table's: nothing to batch)
-                def routed(a):
-                    return torch.cat([r.double() for r in route_rows(a, w, scoring, k, 2.5, **kw)], 1)
-                assert_rows_alone(routed, x)
+    want_w, want_ids = route_rows(ops_for(invariant=True), x, w, scoring, k, 2.5, **kw)  # native.c's kv_route
+    got_w, got_ids = route_rows(CUDA_OPS, x, w, scoring, k, 2.5, **kw)
+    if case != "hash":  # (the hash case's rows are its table's: nothing to batch)
+        def routed(a):
+            return torch.cat([r.double() for r in route_rows(CUDA_OPS, a, w, scoring, k, 2.5, **kw)], 1)
+        assert_rows_alone(routed, x)
     assert torch.equal(got_ids, want_ids)  # random scores: no two within the rounding of each other
     # two fp32 evaluations of the scores (their H-term dots, one exp) then float64 weights
     assert ((got_w - want_w).abs() <= 4 * (h + 8) * EPS * want_w.abs()).all()
@@ -205,8 +199,8 @@ def test_fixed_routing_picks_native_routings_experts_with_their_weights(case):
 
 def test_fixed_routing_refuses_a_bad_table_with_a_clear_error():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
-    with batch_invariant_scope(), cuda_path(), pytest.raises(ValueError, match="out of range"):
-        route_rows(x, w, "sigmoid", 2, 1.0, tid2eid=torch.full((3, 2), 9), token_ids=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="out of range"):
+        route_rows(CUDA_OPS, x, w, "sigmoid", 2, 1.0, tid2eid=torch.full((3, 2), 9), token_ids=torch.tensor([0, 1]))
 
 
 def test_the_row_kernels_hold_no_atomics_and_no_shape_chosen_tiles():
@@ -267,20 +261,20 @@ def test_each_sequence_gets_its_alone_bits_in_any_batch_on_the_cuda_path(family,
     feeds = [[(i + j * 5) % (v - 2) for j in range(n)] for i, n in enumerate((3, 1, 1, 6))]
     model.set_batch_invariant(False)
     default = [model.forward(f, st, last_only=False) for f, st in zip(feeds, prefilled(model, prompts))]
-    with cuda_path():
-        alone_states = prefilled(model, prompts)
+    model.set_kernels(CUDA_PATH)
+    alone_states = prefilled(model, prompts)
+    model.set_batch_invariant(True)
+    alone = [model.forward(f, st, last_only=False) for f, st in zip(feeds, alone_states)]
+    for members in ([0, 1, 2, 3], [3, 1]):
+        model.set_batch_invariant(False)
+        states = prefilled(model, [prompts[i] for i in members])
         model.set_batch_invariant(True)
-        alone = [model.forward(f, st, last_only=False) for f, st in zip(feeds, alone_states)]
-        for members in ([0, 1, 2, 3], [3, 1]):
-            model.set_batch_invariant(False)
-            states = prefilled(model, [prompts[i] for i in members])
-            model.set_batch_invariant(True)
-            with monkeypatch.context() as m:
-                refuse_torch_row_ops(m)
-                got = model.forward_batch([(feeds[i], st) for i, st in zip(members, states)], last_only=False)
-            for i, lg, st in zip(members, got, states):
-                assert torch.equal(lg, alone[i]), f"sequence {i} in batch {members}"
-                assert st.snapshot() == alone_states[i].snapshot()
+        with monkeypatch.context() as m:
+            refuse_torch_row_ops(m)
+            got = model.forward_batch([(feeds[i], st) for i, st in zip(members, states)], last_only=False)
+        for i, lg, st in zip(members, got, states):
+            assert torch.equal(lg, alone[i]), f"sequence {i} in batch {members}"
+            assert st.snapshot() == alone_states[i].snapshot()
     model.set_batch_invariant(False)
     # and the mode computes the same model as the default path, within two paths' rounding
     for a, b in zip(alone, default):
@@ -288,25 +282,25 @@ def test_each_sequence_gets_its_alone_bits_in_any_batch_on_the_cuda_path(family,
 
 
 def test_the_mode_is_asked_for_off_the_cpu_and_refused_where_it_cannot_hold():
-    cuda = torch.device("cuda")
-    assert invariance_unsupported(torch.float32, cuda) is None  # triton is installed (the dev extra)
-    assert invariance_unsupported(torch.bfloat16, cuda) is None
-    assert "fp32 and bf16" in invariance_unsupported(torch.float16, cuda)
-    assert not invariance_by_default(torch.float32, cuda)
-    assert invariance_by_default(torch.float32, torch.device("cpu")) == native.available()
-    assert "fp32" in invariance_unsupported(torch.bfloat16, torch.device("cpu"))  # native.c: fp32 only
+    cuda, cpu, kernels = torch.device("cuda"), torch.device("cpu"), KernelSet()
+    assert invariance_unsupported(cuda, torch.float32, kernels) is None  # triton is installed (the dev extra)
+    assert invariance_unsupported(cuda, torch.bfloat16, kernels) is None
+    assert "fp32 and bf16" in invariance_unsupported(cuda, torch.float16, kernels)
+    assert not invariance_by_default(cuda, torch.float32, kernels)
+    assert invariance_by_default(cpu, torch.float32, kernels) == native.available()
+    assert "fp32" in invariance_unsupported(cpu, torch.bfloat16, kernels)  # native.c: fp32 only
     model = v4_model(torch.bfloat16)
     assert not model.batch_invariant  # a bf16 CPU model starts without it
-    with cuda_path():
-        model.set_batch_invariant(True)  # the Triton kernels take bf16
-        with pytest.raises(ConfigError, match="set_batch_invariant\\(False\\)"):
-            model.set_numerics("reference")
-        assert model.numerics == "hf" and model.batch_invariant
-        model.set_batch_invariant(False)
+    model.set_kernels(CUDA_PATH)
+    model.set_batch_invariant(True)  # the Triton kernels take bf16
+    with pytest.raises(ConfigError, match="set_batch_invariant\\(False\\)"):
         model.set_numerics("reference")
-        with pytest.raises(ConfigError, match="numerics='hf'"):
-            model.set_batch_invariant(True)
-        assert not model.batch_invariant
+    assert model.numerics == "hf" and model.batch_invariant
+    model.set_batch_invariant(False)
+    model.set_numerics("reference")
+    with pytest.raises(ConfigError, match="numerics='hf'"):
+        model.set_batch_invariant(True)
+    assert not model.batch_invariant
 
 
 def engine_case(lengths, max_tokens):
@@ -348,12 +342,12 @@ def test_an_engine_requests_tokens_and_logprobs_do_not_depend_on_the_load_on_the
     (a longer prefill and decodes in the same steps), gets the same tokens and float32 logprobs."""
     from kvfold import Engine
     model, target, others = engine_case((21, 2), max_tokens=3)
-    with cuda_path():
-        solo = Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0)
-        assert solo.batch_invariant
-        alone = run_engine(solo, target)
-        loaded = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), target,
-                            now=others)
+    model.set_kernels(CUDA_PATH)
+    solo = Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0)
+    assert solo.batch_invariant
+    alone = run_engine(solo, target)
+    loaded = run_engine(Engine(model, max_seq_len=64, batch_invariant=True, prefix_cache_bytes=0), target,
+                        now=others)
     assert len(alone[0]) == 4 and len(alone[1]) == 4
     assert loaded == alone  # the tokens, and the float32 logprobs each with its top 3
 
@@ -370,26 +364,27 @@ def test_a_graph_decode_step_gives_a_row_the_same_bits_in_any_batch_and_bucket_o
                "c": [(5 * j) % v for j in range(41)]}
     seen: dict = {}
     for members in (["a"], ["b"], ["a", "b"], ["b", "c", "a"]):
-        model.set_batch_invariant(False)  # prefills: the default path, the same bits for every copy
+        model.set_kernels(KernelSet())  # prefills: the default path, the same bits for every copy
+        model.set_batch_invariant(False)
         pool = model.new_page_pool(16)
         arena = model.new_decode_arena(3, 512, pool)
         states = {}
         for name in members:
             states[name] = model.new_state(capacity=512, pages=pool, arena=arena)
             model.forward(prompts[name], states[name])
-        with cuda_path(), triton_ops.use_triton():
-            model.set_batch_invariant(True)
-            graphs = DecodeGraphs(model, arena, 4)
-            for step in range(2):
-                pairs = [((step * 11 + len(name)) % v, states[name]) for name in members]
-                logits, streams = graphs.step(pairs, hidden=True)
-                for i, name in enumerate(members):
-                    key = (name, step)
-                    if key in seen:
-                        assert torch.equal(logits[i], seen[key][0]), (key, members)
-                        assert torch.equal(streams[i], seen[key][1]), (key, members)
-                    else:
-                        seen[key] = (logits[i], streams[i])
+        model.set_kernels(CUDA_PATH_TRITON)
+        model.set_batch_invariant(True)
+        graphs = DecodeGraphs(model, arena, 4)
+        for step in range(2):
+            pairs = [((step * 11 + len(name)) % v, states[name]) for name in members]
+            logits, streams = graphs.step(pairs, hidden=True)
+            for i, name in enumerate(members):
+                key = (name, step)
+                if key in seen:
+                    assert torch.equal(logits[i], seen[key][0]), (key, members)
+                    assert torch.equal(streams[i], seen[key][1]), (key, members)
+                else:
+                    seen[key] = (logits[i], streams[i])
         model.set_batch_invariant(False)
     assert len(seen) == 6
 
@@ -398,18 +393,18 @@ def test_graph_decode_keeps_batch_invariance_only_where_its_kernels_are_per_row(
     from kvfold import Engine
     model = v4_model(torch.float32)
     model.set_batch_invariant(False)
-    with cuda_path():
-        with pytest.raises(ConfigError, match="batch invariance only with the Triton kernels"):
-            Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
-        assert not model.batch_invariant  # refused: the mode as it was
-        with triton_ops.use_triton():
-            engine = Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
-            assert engine.graphs is not None and engine.graphs.batch_invariant
-            assert not model.batch_invariant  # the engine's mode is its own
-        glm = glm_model(torch.float32)
-        with triton_ops.use_triton():
-            glm.set_batch_invariant(True)
-            assert "promise no batch invariance" in glm.graph_unsupported()
+    model.set_kernels(CUDA_PATH)
+    with pytest.raises(ConfigError, match="batch invariance only with the Triton kernels"):
+        Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
+    assert not model.batch_invariant  # refused: the mode as it was
+    model.set_kernels(CUDA_PATH_TRITON)
+    engine = Engine(model, max_seq_len=256, decode_graphs=True, batch_invariant=True)
+    assert engine.graphs is not None and engine.graphs.batch_invariant
+    assert not model.batch_invariant  # the engine's mode is its own
+    glm = glm_model(torch.float32)
+    glm.set_kernels(CUDA_PATH_TRITON)
+    glm.set_batch_invariant(True)
+    assert "promise no batch invariance" in glm.graph_unsupported()
 
 
 def test_a_graph_engine_requests_bits_do_not_depend_on_the_load_on_the_cuda_path():
@@ -420,11 +415,11 @@ def test_a_graph_engine_requests_bits_do_not_depend_on_the_load_on_the_cuda_path
     from kvfold import Engine
     model, target, late = engine_case((9, 4), max_tokens=2)
     runs = []
-    with cuda_path(), triton_ops.use_triton():
-        for arrivals in ((), late):
-            engine = Engine(model, max_seq_len=64, max_running=3, decode_graphs=True, batch_invariant=True,
-                            prefix_cache_bytes=0)
-            runs.append((run_engine(engine, target, late=arrivals), engine.metrics()))
+    model.set_kernels(CUDA_PATH_TRITON)
+    for arrivals in ((), late):
+        engine = Engine(model, max_seq_len=64, max_running=3, decode_graphs=True, batch_invariant=True,
+                        prefix_cache_bytes=0)
+        runs.append((run_engine(engine, target, late=arrivals), engine.metrics()))
     model.set_batch_invariant(False)
     (alone, m_alone), (loaded, m_loaded) = runs
     assert len(alone[0]) == 4 and loaded == alone

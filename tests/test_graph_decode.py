@@ -13,10 +13,10 @@ import kvfold
 from kvfold import Engine, SamplingParams
 from kvfold.engine.graphs import DecodeGraphs, buckets_for
 from kvfold.errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
-from kvfold.numerics import native, topk_lower_index
+from kvfold.numerics import topk_lower_index
 from kvfold.state.arena import ArenaFullError
 
-from helpers import fp32_paths_bound, random_ids
+from helpers import fp32_paths_bound, ops_for, random_ids
 from test_engine import long_ids
 
 CAP, REWIND = 512, 2
@@ -142,7 +142,8 @@ def test_a_graph_step_issues_the_same_ops_on_the_same_buffers_at_every_cursor_an
     tokens, positions, slots = (torch.zeros(4, dtype=torch.long) for _ in range(3))
     persistent += [tokens, positions, slots]
     traces = []
-    with native.use_native(False), torch.inference_mode():
+    ops = ops_for(native=False)  # the torch path a GPU model takes
+    with torch.inference_mode():
         for rows in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2], [0, 2, 3, None]):
             for i, r in enumerate(rows):
                 tokens[i] = 7 * i + 1
@@ -150,7 +151,7 @@ def test_a_graph_step_issues_the_same_ops_on_the_same_buffers_at_every_cursor_an
                 slots[i] = arena.scratch if r is None else states[r].slot
             trace = _Trace(persistent)
             with trace:
-                model.decode_graph_step(arena, tokens, positions, slots)
+                model.decode_graph_step(ops, arena, tokens, positions, slots)
             traces.append(trace)
             for r in rows:
                 if r is not None:

@@ -8,18 +8,16 @@ import sys
 
 import pytest
 import torch
+from helpers import TORCH_OPS, ops_for
 
 from kvfold.numerics import apply_rope, native, rms_norm, unweighted_rms_norm
+from kvfold.numerics.backend import KernelError
 from kvfold.numerics.hc import hc_collapse, hc_expand, hc_head, hc_head_weights, hc_weights, weighted_streams
 from kvfold.numerics.native_abi import IndexQuery
 
 
 EPS = torch.finfo(torch.float32).eps
-
-
-def torch_path(fn, *args):
-    with native.use_native(False):
-        return fn(*args)
+NATIVE = ops_for()  # an fp32 CPU model's ops: native.c wherever it has the kernel (numerics/backend.py)
 
 
 def test_native_kernels_build_on_a_machine_with_a_c_compiler():
@@ -35,8 +33,8 @@ def test_rms_norm_native_matches_torch(shape):
     # halved by the reciprocal square root, then the mean, + eps, 1/sqrt (one ulp) and the two
     # products, one rounding each; two sides, so (d/2 + 5) eps apart, relative to each output
     d = shape[-1]
-    for got, want in ((rms_norm(x, w, 1e-6), torch_path(rms_norm, x, w, 1e-6)),
-                      (unweighted_rms_norm(x, 1e-6), torch_path(unweighted_rms_norm, x, 1e-6))):
+    for got, want in ((rms_norm(NATIVE, x, w, 1e-6), rms_norm(TORCH_OPS, x, w, 1e-6)),
+                      (unweighted_rms_norm(NATIVE, x, 1e-6), unweighted_rms_norm(TORCH_OPS, x, 1e-6))):
         assert ((got - want).abs() <= (d / 2 + 5) * EPS * want.abs()).all()
 
 
@@ -44,7 +42,7 @@ def test_rope_native_matches_torch_and_inverts():
     from kvfold.numerics import RopeTable
     g = torch.Generator().manual_seed(1)
     table = RopeTable(32, 10000.0)
-    cos, sin = table.cos_sin(torch.arange(100, 107))
+    cos, sin = table.cos_sin(NATIVE, torch.arange(100, 107))
     for x in (torch.randn(7, 4, 128, generator=g), torch.randn(7, 64, generator=g)):
         # an output a c -+ b s rounds two products and a sum: within 2u (|a| + |b|) <= 2 eps m,
         # m = max|x|, on each side; |y_a| + |y_b| <= sqrt(2) |(a, b)| <= 2m, so the inverse too. Back
@@ -52,11 +50,11 @@ def test_rope_native_matches_torch_and_inverts():
         # table's cos^2 + sin^2 - 1 (each within an ulp: 2 eps m): 7 eps m. A wrong pair, angle or
         # sign moves an output by O(m).
         m = x.abs().max().item()
-        y = apply_rope(x, cos, sin)
-        assert (y - torch_path(apply_rope, x, cos, sin)).abs().max().item() <= 4 * EPS * m
+        y = apply_rope(NATIVE, x, cos, sin)
+        assert (y - apply_rope(TORCH_OPS, x, cos, sin)).abs().max().item() <= 4 * EPS * m
         assert torch.equal(y[..., :-32], x[..., :-32])  # the nope dims are copied, not touched
-        back = apply_rope(y, cos, sin, inverse=True)
-        assert (back - torch_path(apply_rope, y, cos, sin, True)).abs().max().item() <= 4 * EPS * m
+        back = apply_rope(NATIVE, y, cos, sin, inverse=True)
+        assert (back - apply_rope(TORCH_OPS, y, cos, sin, True)).abs().max().item() <= 4 * EPS * m
         assert (back - x).abs().max().item() <= 7 * EPS * m
 
 
@@ -70,8 +68,8 @@ def _hc_params(hc: int, d: int, seed: int = 2):
 @pytest.mark.parametrize("hc", [2, 4])
 def test_hc_collapse_native_matches_the_weights_then_the_weighted_sum(hc):
     streams, fn, base, scale = _hc_params(hc, 64)
-    x, post, comb = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    pre, post_t, comb_t = torch_path(hc_weights, streams, fn, base, scale, 20, 1e-6, 1e-6)
+    x, post, comb = hc_collapse(NATIVE, streams, fn, base, scale, 20, 1e-6, 1e-6)
+    pre, post_t, comb_t = hc_weights(TORCH_OPS, streams, fn, base, scale, 20, 1e-6, 1e-6)
     assert torch.allclose(post, post_t, atol=1e-5)
     assert torch.allclose(comb, comb_t, atol=1e-5)
     assert torch.allclose(x, weighted_streams(pre, streams), atol=1e-5)
@@ -84,12 +82,12 @@ def test_hc_head_and_expand_native_match_torch():
     hc, d = 4, 64
     streams, fn, base, scale = _hc_params(hc, d, seed=3)
     fn_h, base_h, scale_h = fn[:hc].contiguous(), base[:hc].contiguous(), scale[:1].contiguous()
-    got = hc_head(streams, fn_h, base_h, scale_h, 1e-6, 1e-6)
-    pre = torch_path(hc_head_weights, streams, fn_h, base_h, scale_h, 1e-6, 1e-6)
+    got = hc_head(NATIVE, streams, fn_h, base_h, scale_h, 1e-6, 1e-6)
+    pre = hc_head_weights(TORCH_OPS, streams, fn_h, base_h, scale_h, 1e-6, 1e-6)
     assert torch.allclose(got, weighted_streams(pre, streams), atol=1e-5)
     y = torch.randn(3, d)
-    _, post, comb = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    assert torch.allclose(hc_expand(streams, y, post, comb), torch_path(hc_expand, streams, y, post, comb),
+    _, post, comb = hc_collapse(NATIVE, streams, fn, base, scale, 20, 1e-6, 1e-6)
+    assert torch.allclose(hc_expand(NATIVE, streams, y, post, comb), hc_expand(TORCH_OPS, streams, y, post, comb),
                           atol=1e-5)
 
 
@@ -100,23 +98,34 @@ def test_native_rows_are_bit_identical_alone_or_in_any_batch():
     streams = torch.randn(37, hc, d, generator=g)
     _, fn, base, scale = _hc_params(hc, d)
     w = torch.randn(d, generator=g)
-    x_all, post_all, comb_all = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
-    norm_all = rms_norm(streams[:, 0].contiguous(), w, 1e-6)
+    x_all, post_all, comb_all = hc_collapse(NATIVE, streams, fn, base, scale, 20, 1e-6, 1e-6)
+    norm_all = rms_norm(NATIVE, streams[:, 0].contiguous(), w, 1e-6)
     for i in (0, 5, 36):
-        x1, post1, comb1 = hc_collapse(streams[i:i + 1], fn, base, scale, 20, 1e-6, 1e-6)
+        x1, post1, comb1 = hc_collapse(NATIVE, streams[i:i + 1], fn, base, scale, 20, 1e-6, 1e-6)
         assert torch.equal(x1[0], x_all[i]) and torch.equal(post1[0], post_all[i])
         assert torch.equal(comb1[0], comb_all[i])
-        assert torch.equal(rms_norm(streams[i:i + 1, 0].contiguous(), w, 1e-6)[0], norm_all[i])
+        assert torch.equal(rms_norm(NATIVE, streams[i:i + 1, 0].contiguous(), w, 1e-6)[0], norm_all[i])
 
 
-def test_non_fp32_or_strided_inputs_take_the_torch_path():
+def test_strided_inputs_run_native_and_inputs_the_kernel_cannot_read_are_refused():
+    """The kernel chosen at set-up serves every call (numerics/backend.py): strided fp32 rows are
+    made contiguous and run native.c (the bits of the contiguous rows); a bf16 tensor handed to an
+    fp32 model's native rms_norm is a bug, refused with KernelError, never a silent torch
+    fallback; a bf16 model's Backend chooses torch for rms_norm."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 128, generator=g)
     w = torch.randn(128, generator=g)
     strided = x[:, ::2]
-    assert torch.allclose(rms_norm(strided, w[:64], 1e-6), torch_path(rms_norm, strided, w[:64], 1e-6))
+    assert NATIVE.rms_norm.kind == "native"
+    got = rms_norm(NATIVE, strided, w[:64], 1e-6)
+    assert torch.equal(got, rms_norm(NATIVE, strided.contiguous(), w[:64], 1e-6))
+    assert torch.allclose(got, rms_norm(TORCH_OPS, strided, w[:64], 1e-6))
     xb = x.bfloat16()
-    assert torch.equal(rms_norm(xb, w, 1e-6), torch_path(rms_norm, xb, w, 1e-6))
+    with pytest.raises(KernelError):
+        rms_norm(NATIVE, xb, w, 1e-6)
+    bf16_ops = ops_for(dtype=torch.bfloat16)
+    assert bf16_ops.rms_norm.kind == "torch"
+    assert torch.equal(rms_norm(bf16_ops, xb, w, 1e-6), rms_norm(TORCH_OPS, xb, w, 1e-6))
 
 
 def _fresh_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -125,18 +134,26 @@ def _fresh_python(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_kvfold_native_0_turns_the_kernels_off():
-    r = _fresh_python("from kvfold.numerics import native; print(native.available())", KVFOLD_NATIVE="0")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+    """KVFOLD_NATIVE=0 is read once, into a loaded model's KernelSet (`KernelSet.from_env`): the
+    model then runs torch everywhere; without it, the same model runs native.c."""
+    code = "import kvfold; print(kvfold.load_model('tiny-random').backend().rms_norm.kind)"
+    off = _fresh_python(code, KVFOLD_NATIVE="0")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.strip() == "torch"
+    on = _fresh_python(code, KVFOLD_NATIVE="1")
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.strip() == "native"
 
 
 def test_a_failed_build_warns_once_and_the_model_still_runs(tmp_path):
     code = ("import warnings, torch\n"
             "warnings.simplefilter('always')\n"
             "from kvfold.numerics import native, rms_norm\n"
+            "from kvfold.numerics.backend import KernelSet, build_backend\n"
             "with warnings.catch_warnings(record=True) as caught:\n"
-            "    y = rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
-            "    y = rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)\n"
+            "    for _ in range(2):  # two models' set-up: one warning\n"
+            "        ops = build_backend('cpu', torch.float32, 'hf', False, KernelSet())\n"
+            "        y = rms_norm(ops, torch.ones(2, 8), torch.ones(8), 1e-6)\n"
             "print(native.available(), len(caught), 'native CPU kernels unavailable' in str(caught[0].message),"
             " bool(torch.allclose(y, torch.ones(2, 8), atol=1e-5)))\n")
     r = _fresh_python(code, CC="/bin/false", KVFOLD_CACHE_DIR=str(tmp_path))
@@ -158,11 +175,11 @@ def test_one_row_moe_native_matches_the_torch_experts(scoring):
             for token in (3, 200):
                 x = torch.randn(1, cfg.hidden_size, generator=g)
                 ids = torch.tensor([token])
-                got = moe(x, ids)
-                want = torch_path(moe, x, ids)
+                got = moe(x, ids, NATIVE)
+                want = moe(x, ids, TORCH_OPS)
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (layer, token)
                 # and the native path really ran: the torch path is a different computation
-                assert moe._native_rows(x, ids) is not None
+                assert moe._native_rows(x, ids, NATIVE) is not None
 
 
 def _reference_attend(q, keys_w, keys_c, sinks):
@@ -193,22 +210,23 @@ def test_decode_attention_native_matches_the_softmax_with_sink():
     pool = KvRows(40, d, torch.float32, "cpu")
     pool.data.copy_(torch.randn(40, d, generator=g))
     # HCA: the first n entries
-    got = _native_attend_one(q, [local], pool, None, 9, sinks, "heavily_compressed_attention")
+    got = _native_attend_one(NATIVE, q, [local], pool, None, 9, sinks, "heavily_compressed_attention")
     want = _reference_attend(q[0], local, pool.data[:9], sinks)
     assert (got[0] - want).abs().max().item() <= _attend_bound(q[0], local, pool.data[:9])
     # CSA: picked entries, -1 = none
     sel = torch.tensor([[3, 8, 21, -1, -1]])
-    got = _native_attend_one(q, [local], pool, sel, 5, sinks, "compressed_sparse_attention")
+    got = _native_attend_one(NATIVE, q, [local], pool, sel, 5, sinks, "compressed_sparse_attention")
     want = _reference_attend(q[0], local, pool.data[[3, 8, 21]], sinks)
     assert (got[0] - want).abs().max().item() <= _attend_bound(q[0], local, pool.data[[3, 8, 21]])
     # the window alone
-    got = _native_attend_one(q, [local], None, None, 0, sinks, "sliding_attention")
+    got = _native_attend_one(NATIVE, q, [local], None, None, 0, sinks, "sliding_attention")
     want = _reference_attend(q[0], local, local[:0], sinks)
     assert (got[0] - want).abs().max().item() <= _attend_bound(q[0], local, local[:0])
     # the window in three runs (a wrapped ring and the new row) reads as the one buffer, bit for bit
     runs = [local[:6].clone(), local[6:16].clone(), local[16:].clone()]
-    got = _native_attend_one(q, runs, pool, sel, 5, sinks, "compressed_sparse_attention")
-    assert torch.equal(got, _native_attend_one(q, [local], pool, sel, 5, sinks, "compressed_sparse_attention"))
+    got = _native_attend_one(NATIVE, q, runs, pool, sel, 5, sinks, "compressed_sparse_attention")
+    one_run = _native_attend_one(NATIVE, q, [local], pool, sel, 5, sinks, "compressed_sparse_attention")
+    assert torch.equal(got, one_run)
 
 
 def test_indexer_topk_native_keeps_the_tie_rule():
@@ -247,22 +265,22 @@ def test_compressor_pooling_native_matches_torch(overlap):
     if overlap:  # window 0's missing predecessor: kv 0, score -inf (as the compressor pads it)
         kv[:r] = 0
         sc[:r] = float("-inf")
-    got = pool_windows(kv, sc, r, overlap)
+    got = pool_windows(NATIVE, kv, sc, r, overlap)
     assert got.shape == (n_w, c)
     # each side within (2 n_slots + 4) eps max|kv| of exact (tests/test_triton_ops.py's pooling bound)
     n_slots = 2 * r if overlap else r
     bound = 2 * (2 * n_slots + 4) * EPS * kv.abs().max()
-    assert (got - torch_path(pool_windows, kv, sc, r, overlap)).abs().max() <= bound
+    assert (got - pool_windows(TORCH_OPS, kv, sc, r, overlap)).abs().max() <= bound
     # rows alone: each window's entry does not depend on the other windows of the call
     w = 1
     span = slice(w * r, (w + 2) * r) if overlap else slice(w * r, (w + 1) * r)
-    assert torch.equal(pool_windows(kv[span].contiguous(), sc[span].contiguous(), r, overlap)[0], got[w])
+    assert torch.equal(pool_windows(NATIVE, kv[span].contiguous(), sc[span].contiguous(), r, overlap)[0], got[w])
 
 
 def test_invariant_collapse_is_native_per_row_at_any_thread_count():
     """In batch-invariant mode every row takes the native collapse, whatever the row count and the
     number of torch threads (a path chosen by size would let a row's bits depend on its batch)."""
-    from kvfold.numerics.rows import batch_invariant_scope
+    ops = ops_for(invariant=True)
     g = torch.Generator().manual_seed(10)
     streams = torch.randn(64, 4, 512, generator=g)
     _, fn, base, scale = _hc_params(4, 512, seed=10)
@@ -270,9 +288,8 @@ def test_invariant_collapse_is_native_per_row_at_any_thread_count():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            with batch_invariant_scope():
-                whole = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
-                rows = [hc_collapse(streams[i:i + 1], fn, base, scale, 20, 1e-6, 1e-6) for i in range(64)]
+            whole = hc_collapse(ops, streams, fn, base, scale, 20, 1e-6, 1e-6)
+            rows = [hc_collapse(ops, streams[i:i + 1], fn, base, scale, 20, 1e-6, 1e-6) for i in range(64)]
             for part, got in enumerate(whole):
                 assert torch.equal(got, torch.cat([r[part] for r in rows]))
     finally:
@@ -284,7 +301,8 @@ _MM_PROBE = ("import hashlib, torch\n"
              "from kvfold.numerics.rows import invariant_mm\n"
              "g = torch.Generator().manual_seed(0)\n"
              "x, w = torch.randn(9, 203, generator=g), torch.randn(7, 203, generator=g)\n"
-             "print(native.available(), hashlib.sha256(invariant_mm(x, w).numpy().tobytes()).hexdigest())\n")
+             "y = invariant_mm(native.library(), x, w)\n"
+             "print(native.available(), hashlib.sha256(y.numpy().tobytes()).hexdigest())\n")
 
 
 def test_a_compiler_without_march_native_still_builds_the_kernels_with_the_same_bits(tmp_path):

@@ -6,49 +6,54 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfold.numerics import apply_rope, rms_norm
+from helpers import TORCH_OPS, ops_for
+
+from kvfold.numerics import apply_rope, native, rms_norm
+from kvfold.numerics.backend import KernelSet
 from kvfold.numerics.hc import hc_collapse, hc_expand, hc_head
 from kvfold.numerics.native_abi import SIGNATURES
 
-from test_native import _hc_params, _reference_attend, torch_path
+from test_native import NATIVE, _hc_params, _reference_attend
+
+INVARIANT = ops_for(invariant=True)  # batch-invariant mode on the CPU: native.c's fixed-order kernels
 
 # ---- one table: every native kernel against the torch reference it stands for --------------------
 def _case_rms_norm(g):
     x, w = torch.randn(5, 96, generator=g) * 3, torch.randn(96, generator=g)
-    return rms_norm(x, w, 1e-6), torch_path(rms_norm, x, w, 1e-6)
+    return rms_norm(NATIVE, x, w, 1e-6), rms_norm(TORCH_OPS, x, w, 1e-6)
 
 
 def _case_rope(g):
     from kvfold.numerics import RopeTable
-    cos, sin = RopeTable(32, 10000.0).cos_sin(torch.arange(40, 45))
+    cos, sin = RopeTable(32, 10000.0).cos_sin(NATIVE, torch.arange(40, 45))
     x = torch.randn(5, 3, 64, generator=g)
-    return apply_rope(x, cos, sin), torch_path(apply_rope, x, cos, sin)
+    return apply_rope(NATIVE, x, cos, sin), apply_rope(TORCH_OPS, x, cos, sin)
 
 
 def _case_hc_collapse(g):
     streams, fn, base, scale = _hc_params(4, 64, seed=int(torch.randint(0, 99, (1,), generator=g)))
-    got = torch.cat([t.flatten() for t in hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)])
-    want = torch.cat([t.flatten() for t in torch_path(hc_collapse, streams, fn, base, scale, 20, 1e-6, 1e-6)])
+    got = torch.cat([t.flatten() for t in hc_collapse(NATIVE, streams, fn, base, scale, 20, 1e-6, 1e-6)])
+    want = torch.cat([t.flatten() for t in hc_collapse(TORCH_OPS, streams, fn, base, scale, 20, 1e-6, 1e-6)])
     return got, want
 
 
 def _case_hc_head(g):
     streams, fn, base, scale = _hc_params(4, 64, seed=11)
     args = (streams, fn[:4].contiguous(), base[:4].contiguous(), scale[:1].contiguous(), 1e-6, 1e-6)
-    return hc_head(*args), torch_path(hc_head, *args)
+    return hc_head(NATIVE, *args), hc_head(TORCH_OPS, *args)
 
 
 def _case_hc_expand(g):
     streams, fn, base, scale = _hc_params(4, 64, seed=12)
-    _, post, comb = hc_collapse(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    _, post, comb = hc_collapse(NATIVE, streams, fn, base, scale, 20, 1e-6, 1e-6)
     y = torch.randn(3, 64, generator=g)
-    return hc_expand(streams, y, post, comb), torch_path(hc_expand, streams, y, post, comb)
+    return hc_expand(NATIVE, streams, y, post, comb), hc_expand(TORCH_OPS, streams, y, post, comb)
 
 
 def _case_pool_windows(g):
     from kvfold.numerics import pool_windows
     kv, sc = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
-    return pool_windows(kv, sc, 4, True), torch_path(pool_windows, kv, sc, 4, True)
+    return pool_windows(NATIVE, kv, sc, 4, True), pool_windows(TORCH_OPS, kv, sc, 4, True)
 
 
 def _tiny_moe(layer, seed):
@@ -65,72 +70,63 @@ def _case_moe_rows(g):
     moe, cfg = _tiny_moe(1, 3)
     x, ids = torch.randn(5, cfg.hidden_size, generator=g), torch.tensor([5, 0, 77, 5, 300])
     with torch.inference_mode():
-        return moe._native_rows(x, ids), torch_path(moe, x, ids)
+        return moe._native_rows(x, ids, NATIVE), moe(x, ids, TORCH_OPS)
 
 
 def _case_route(g):
-    from kvfold.numerics.rows import batch_invariant_scope
     moe, cfg = _tiny_moe(1, 4)
     x, ids = torch.randn(9, cfg.hidden_size, generator=g), torch.randint(0, 200, (9,), generator=g)
-    with batch_invariant_scope():
-        w, e = moe.gate(x, ids)
-    w_t, e_t = moe.gate(x, ids)
+    w, e = moe.gate(x, ids, INVARIANT)
+    w_t, e_t = moe.gate(x, ids, TORCH_OPS)
     order = e_t.argsort(dim=1)  # the reference keeps routing order; the kernel ascends
     assert torch.equal(e, e_t.gather(1, order))
     return w, w_t.gather(1, order)
 
 
 def _case_swiglu(g):
-    from kvfold.numerics.rows import batch_invariant_scope, swiglu
+    from kvfold.numerics.rows import swiglu
     gate, up = torch.randn(7, 40, generator=g) * 5, torch.randn(7, 40, generator=g) * 5
-    with batch_invariant_scope():
-        got = swiglu(gate, up, 4.0)
-    return got, swiglu(gate, up, 4.0)
+    return swiglu(INVARIANT, gate, up, 4.0), swiglu(TORCH_OPS, gate, up, 4.0)
 
 
 def _case_unary(g):
-    from kvfold.numerics.rows import batch_invariant_scope, unary
+    from kvfold.numerics.rows import unary
     x = torch.randn(7, 45, generator=g) * 12  # past softplus's linear threshold of 20 too
-    ops = ("sigmoid", "silu", "softplus", "cos", "sin")
-    with batch_invariant_scope():
-        got = torch.stack([unary(op, x) for op in ops])
-    return got, torch.stack([unary(op, x) for op in ops])
+    names = ("sigmoid", "silu", "softplus", "cos", "sin")
+    got = torch.stack([unary(INVARIANT, name, x) for name in names])
+    return got, torch.stack([unary(TORCH_OPS, name, x) for name in names])
 
 
 def _case_l2norm(g):
-    from kvfold.numerics.rows import batch_invariant_scope, l2norm
+    from kvfold.numerics.rows import l2norm
     x = torch.randn(5, 3, 37, generator=g)
-    with batch_invariant_scope():
-        got = l2norm(x)
-    return got, l2norm(x)
+    return l2norm(INVARIANT, x), l2norm(TORCH_OPS, x)
 
 
 def test_invariant_elementwise_rows_do_not_move_with_the_call_length():
     """A row's sigmoid / silu / softplus / cos / sin / L2 norm is the same bits whether 1 or 40
     rows share the call, at any offset: native.c computes each element on its own (where a
     vectorised loop's tail, which moves with the call's length, would take other code)."""
-    from kvfold.numerics.rows import batch_invariant_scope, l2norm, unary
+    from kvfold.numerics.rows import l2norm, unary
     x = torch.randn(40, 48, generator=torch.Generator().manual_seed(3)) * 6
-    fns = [lambda a, op=op: unary(op, a) for op in ("sigmoid", "silu", "softplus", "cos", "sin")] + [l2norm]
-    with batch_invariant_scope():
-        for fn in fns:
-            alone = torch.cat([fn(x[i:i + 1]) for i in range(40)])
-            for t in (3, 7, 40):
-                assert torch.equal(torch.cat([fn(x[a:a + t]) for a in range(0, 40, t)]), alone)
+    fns = [lambda a, op=op: unary(INVARIANT, op, a) for op in ("sigmoid", "silu", "softplus", "cos", "sin")]
+    fns.append(lambda a: l2norm(INVARIANT, a))
+    for fn in fns:
+        alone = torch.cat([fn(x[i:i + 1]) for i in range(40)])
+        for t in (3, 7, 40):
+            assert torch.equal(torch.cat([fn(x[a:a + t]) for a in range(0, 40, t)]), alone)
 
 
 def test_a_rope_tables_rows_do_not_move_with_the_other_positions_of_the_call():
     """In batch-invariant mode the cos / sin of a position are the same bits whatever other
     positions share the call (a batch's rows are one call), and within an ulp of float64's."""
     from kvfold.numerics import RopeTable
-    from kvfold.numerics.rows import batch_invariant_scope
     table = RopeTable(64, 10000.0)
     positions = torch.cat([torch.arange(0, 300), torch.arange(4000, 4017), torch.tensor([65000])])
-    with batch_invariant_scope():
-        cos, sin = table.cos_sin(positions)
-        for lo, hi in ((0, 1), (5, 12), (299, 318), (317, 318)):
-            c, s = table.cos_sin(positions[lo:hi])
-            assert torch.equal(c, cos[lo:hi]) and torch.equal(s, sin[lo:hi])
+    cos, sin = table.cos_sin(INVARIANT, positions)
+    for lo, hi in ((0, 1), (5, 12), (299, 318), (317, 318)):
+        c, s = table.cos_sin(INVARIANT, positions[lo:hi])
+        assert torch.equal(c, cos[lo:hi]) and torch.equal(s, sin[lo:hi])
     angle = torch.outer(positions.float(), table.inv_freq).double()  # the fp32 angles, exactly
     eps = torch.finfo(torch.float32).eps
     assert ((cos.double() - angle.cos()).abs() <= eps).all() and ((sin.double() - angle.sin()).abs() <= eps).all()
@@ -139,7 +135,7 @@ def test_a_rope_tables_rows_do_not_move_with_the_other_positions_of_the_call():
 def _case_matmul(g):
     from kvfold.numerics.rows import invariant_mm
     x, w = torch.randn(13, 70, generator=g), torch.randn(9, 70, generator=g)
-    return invariant_mm(x, w), x @ w.t()
+    return invariant_mm(native.library(), x, w), x @ w.t()
 
 
 def _case_matmul_weights(g):
@@ -147,7 +143,8 @@ def _case_matmul_weights(g):
     from kvfold.numerics.weights_mm import describe, native_mm
     x, w = torch.randn(3, 94, generator=g), torch.randn(11, 94, generator=g)
     packed, s = quantize_fp4_blocks(w)
-    return native_mm(x, *describe(packed, s, (1, 32), packed_fp4=True)), x @ dequant_fp4_blocks(packed, s).t()
+    return (native_mm(native.library(), x, *describe(packed, s, (1, 32), packed_fp4=True)),
+            x @ dequant_fp4_blocks(packed, s).t())
 
 
 def _case_attend_one(g):
@@ -156,7 +153,7 @@ def _case_attend_one(g):
     q, local, sinks = torch.randn(1, 4, 64, generator=g) * 0.3, torch.randn(17, 64, generator=g), torch.randn(4)
     pool = KvRows(40, 64, torch.float32, "cpu")
     pool.data.copy_(torch.randn(40, 64, generator=g))
-    got = _native_attend_one(q, [local[:5], local[5:16], local[16:]], pool, None, 9, sinks,
+    got = _native_attend_one(NATIVE, q, [local[:5], local[5:16], local[16:]], pool, None, 9, sinks,
                              "heavily_compressed_attention")
     return got[0], _reference_attend(q[0], local, pool.data[:9], sinks)
 
@@ -169,7 +166,7 @@ def _case_index_topk_one(g):
     pool = KvRows(50, 32, torch.float32, "cpu")
     pool.data.copy_(torch.randn(50, 32, generator=g))
     scores = (w[0][None, :] * torch.relu(pool.data @ q[0].t())).sum(-1)
-    return _native_topk_one(q, w, 4, 32, pool, 50, 16).float(), topk_lower_index(scores[None], 16).float()
+    return _native_topk_one(NATIVE, q, w, 4, 32, pool, 50, 16).float(), topk_lower_index(scores[None], 16).float()
 
 
 def _tiny_attention(seed):
@@ -183,7 +180,7 @@ def _tiny_attention(seed):
     attn.config = cfg
     init_random_(attn, seed=seed)
     positions = torch.tensor([0, 3, 4, 31, 32, 97, 1000])
-    cos, sin = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn).cos_sin(positions)
+    cos, sin = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn).cos_sin(NATIVE, positions)
     return attn, cfg, positions, cos, sin
 
 
@@ -193,7 +190,8 @@ def _case_attn_project(g):
     attn, cfg, positions, cos, sin = _tiny_attention(5)
     x = torch.randn(7, cfg.hidden_size, generator=g)
     with torch.inference_mode():
-        got, want = project_rows(attn, x, positions, cos, sin), torch_path(attn.project, x, positions, None, cos, sin)
+        got = project_rows(NATIVE, attn, x, positions, cos, sin)
+        want = attn.project(x, positions, None, cos, sin, TORCH_OPS)
     assert set(got) == set(want)
     return flat_rows(got), flat_rows(want)
 
@@ -203,11 +201,11 @@ def _case_attn_output(g):
     attn, cfg, _, cos, sin = _tiny_attention(6)
     o = torch.randn(7, attn.n_heads, attn.head_dim, generator=g)
 
-    def per_op(o):
-        rotated = apply_rope(o, cos, sin, inverse=True)
-        return attn.o_b_proj(attn.o_a_proj(rotated.reshape(7, attn.o_groups, -1)))
+    def per_op(o, ops):
+        rotated = apply_rope(ops, o, cos, sin, inverse=True)
+        return attn.o_b_proj(attn.o_a_proj(rotated.reshape(7, attn.o_groups, -1), ops), ops)
     with torch.inference_mode():
-        return output_rows(attn, o, cos, sin), torch_path(per_op, o)
+        return output_rows(NATIVE, attn, o, cos, sin), per_op(o, TORCH_OPS)
 
 
 def _case_attn_sequence_one(g):
@@ -218,6 +216,7 @@ def _case_attn_sequence_one(g):
     from kvfold.models.deepseek_v4.native_attention import sequence_row
     model = kvfold.load_model("tiny-random")
     model.set_batch_invariant(False)
+    ops = model.backend()
     ids = torch.randint(0, model.config.vocab_size, (63,), generator=g).tolist()
     with torch.inference_mode():
         st = model.new_state(capacity=128)
@@ -227,10 +226,10 @@ def _case_attn_sequence_one(g):
         attn = model.model.layers[1].self_attn
         x = torch.randn(1, model.config.hidden_size, generator=g)
         positions = torch.tensor([63])
-        cos, sin = model.rope_compress.cos_sin(positions)
-        rows = attn.project(x, positions, 63, cos, sin)
-        got = sequence_row(attn, st.layers[1], 63, rows, lambda a: a, model.rope_compress)
-        want = torch_path(attn._one_sequence, Segment(0, 1, 63, twin), lambda a: a, rows, model.rope_compress)
+        cos, sin = model.rope_compress.cos_sin(ops, positions)
+        rows = attn.project(x, positions, 63, cos, sin, ops)
+        got = sequence_row(ops, attn, st.layers[1], 63, rows, lambda a: a, model.rope_compress)
+        want = attn._one_sequence(Segment(0, 1, 63, twin), lambda a: a, rows, model.rope_compress, TORCH_OPS)
     return got, want
 
 
@@ -264,19 +263,19 @@ def _case_block_decode_rows(g):
     model.set_batch_invariant(False)
     tokens = torch.randint(0, model.config.vocab_size, (len(DECODE_ROW_PROMPTS),), generator=g)
 
-    def batch(states):
+    def batch(states, ops):
         positions = torch.tensor(DECODE_ROW_PROMPTS)
         b = RowBatch(tokens, positions, [Segment(r, r + 1, p, st) for r, (p, st) in
-                                         enumerate(zip(DECODE_ROW_PROMPTS, states))])
-        b.rope[SLIDING] = (model.rope_main, *model.rope_main.cos_sin(b.positions))
-        b.rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(b.positions))
+                                         enumerate(zip(DECODE_ROW_PROMPTS, states))], ops)
+        b.rope[SLIDING] = (model.rope_main, *model.rope_main.cos_sin(ops, b.positions))
+        b.rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(ops, b.positions))
         return b
     with torch.inference_mode():
         states, twins = zip(*_prefilled_pairs(model, g, DECODE_ROW_PROMPTS))
         block = model.model.layers[1]
         streams = torch.randn(len(states), model.config.hc_mult, model.config.hidden_size, generator=g)
-        got = block_row(block, streams, batch(states))
-        want = torch_path(block.forward, streams, batch(twins))
+        got = block_row(block, streams, batch(states, model.backend()))
+        want = block.forward(streams, batch(twins, TORCH_OPS))
     return got, want
 
 
@@ -300,7 +299,8 @@ def _case_model_decode_rows(g):
         finally:
             model_module.model_row = fused
         model.set_batch_invariant(False)  # the torch path's mode (it needs no native kernels)
-        want = torch.cat([torch_path(model.forward, [t], twin) for t, twin in zip(tokens, twins)])
+        model.set_kernels(KernelSet(native=False))
+        want = torch.cat([model.forward([t], twin) for t, twin in zip(tokens, twins)])
     assert used and used[0] is not None  # the rows took the one native call
     return got, want
 
@@ -352,15 +352,16 @@ def test_matrices_sharing_one_parallel_region_keep_each_output_s_bits():
     init_random_(moe, seed=22)
     g = torch.Generator().manual_seed(23)
     positions = torch.tensor([97])
-    cos, sin = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn).cos_sin(positions)
+    cos, sin = RopeTable(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.compress_yarn).cos_sin(NATIVE, positions)
     x = torch.randn(1, cfg.hidden_size, generator=g)
     o = torch.randn(1, attn.n_heads, attn.head_dim, generator=g)
     ids = torch.tensor([41])
 
     def run():
         with torch.inference_mode():
-            return torch.cat([flat_rows(project_rows(attn, x, positions, cos, sin)),
-                              output_rows(attn, o, cos, sin).flatten(), moe._native_rows(x, ids).flatten()])
+            return torch.cat([flat_rows(project_rows(NATIVE, attn, x, positions, cos, sin)),
+                              output_rows(NATIVE, attn, o, cos, sin).flatten(),
+                              moe._native_rows(x, ids, NATIVE).flatten()])
 
     before = torch.get_num_threads()
     try:
@@ -372,8 +373,8 @@ def test_matrices_sharing_one_parallel_region_keep_each_output_s_bits():
         torch.set_num_threads(before)
     assert torch.equal(shared, alone)
     with torch.inference_mode():
-        want = torch.cat([flat_rows(torch_path(attn.project, x, positions, int(positions[0]), cos, sin)),
-                          torch_path(lambda: attn.o_b_proj(attn.o_a_proj(
-                              apply_rope(o, cos, sin, inverse=True).reshape(1, attn.o_groups, -1)))).flatten(),
-                          torch_path(moe, x, ids).flatten()])
+        rotated = apply_rope(TORCH_OPS, o, cos, sin, inverse=True).reshape(1, attn.o_groups, -1)
+        want = torch.cat([flat_rows(attn.project(x, positions, int(positions[0]), cos, sin, TORCH_OPS)),
+                          attn.o_b_proj(attn.o_a_proj(rotated, TORCH_OPS), TORCH_OPS).flatten(),
+                          moe(x, ids, TORCH_OPS).flatten()])
     assert (shared - want).abs().max().item() <= 256 * torch.finfo(torch.float32).eps * want.abs().max().item()

@@ -3,9 +3,12 @@ import math
 
 import pytest
 import torch
+from helpers import ops_for
 
 from kvfold.models.deepseek_v4.config import YarnParams
 from kvfold.numerics import apply_rope, pool_windows, rope_inv_freq, topk_lower_index
+
+OPS = ops_for()  # an fp32 CPU model's ops (native.c's rope and pooling)
 
 
 def test_topk_ties_go_to_the_lower_index_and_come_back_ascending():
@@ -38,19 +41,19 @@ def test_rope_rotates_interleaved_pairs_of_trailing_dims_and_inverse_undoes_it()
     pos = torch.tensor([0, 1, 7]).float()
     freqs = pos[:, None] * inv[None]
     cos, sin = freqs.cos(), freqs.sin()
-    y = apply_rope(x, cos, sin)
+    y = apply_rope(OPS, x, cos, sin)
     assert torch.equal(y[..., :6], x[..., :6])
     # pair (x[6], x[7]) as a complex number times e^{i p f_0}
     z = torch.complex(x[..., 6], x[..., 7]) * torch.exp(1j * freqs[:, None, 0])
     assert torch.allclose(y[..., 6], z.real, atol=1e-6) and torch.allclose(y[..., 7], z.imag, atol=1e-6)
-    assert torch.allclose(apply_rope(y, cos, sin, inverse=True), x, atol=1e-6)
+    assert torch.allclose(apply_rope(OPS, y, cos, sin, inverse=True), x, atol=1e-6)
 
 
 def test_overlapping_pool_reads_previous_ca_and_own_cb_per_channel():
     r, c = 4, 3
     kv = torch.randn(2 * r, 2 * c)
     sc = torch.randn(2 * r, 2 * c)
-    got = pool_windows(kv, sc, r, overlap=True)[0]
+    got = pool_windows(OPS, kv, sc, r, overlap=True)[0]
     for d in range(c):
         slots_kv = torch.cat([kv[:r, d], kv[r:, c + d]])
         slots_sc = torch.cat([sc[:r, d], sc[r:, c + d]])
@@ -63,8 +66,8 @@ def test_window_zero_uses_only_its_own_slots():
     kv = torch.randn(2 * r, 2 * c)
     sc = torch.randn(2 * r, 2 * c)
     kv[:r], sc[:r] = 0.0, float("-inf")  # positions before 0
-    got = pool_windows(kv, sc, r, overlap=True)[0]
-    alone = pool_windows(kv[r:, c:], sc[r:, c:], r, overlap=False)[0]
+    got = pool_windows(OPS, kv, sc, r, overlap=True)[0]
+    alone = pool_windows(OPS, kv[r:, c:], sc[r:, c:], r, overlap=False)[0]
     assert torch.allclose(got, alone)
 
 
@@ -72,7 +75,7 @@ def test_window_zero_uses_only_its_own_slots():
 def test_non_overlapping_pool_is_softmax_weighted_mean_per_channel(n_w):
     r, c = 8, 5
     kv, sc = torch.randn(n_w * r, c), torch.randn(n_w * r, c)
-    got = pool_windows(kv, sc, r, overlap=False)
+    got = pool_windows(OPS, kv, sc, r, overlap=False)
     want = (torch.softmax(sc.view(n_w, r, c), dim=1) * kv.view(n_w, r, c)).sum(1)
     assert torch.allclose(got, want, atol=1e-6)
 

@@ -50,10 +50,10 @@ def expert(x, w1, w3, w2, limit, weight=None):
     return F.linear(act_quant(h.to(BF16)), w2)
 
 
-def moe_release(moe, x, token_ids):
+def moe_release(moe, x, token_ids, ops):
     """model.py MoE.forward: y (fp32) += expert(x[idx], weights[idx]) for experts in ascending
     id; y += shared(x); y cast to bf16."""
-    weights, ids = moe.gate(x, token_ids)  # routing is the same code in both modes; not under test
+    weights, ids = moe.gate(x, token_ids, ops)  # routing is the same code in both modes; not under test
     inter = moe.experts.down_proj.shape[2]
     lim = moe.experts.limit
     y = torch.zeros(x.shape[0], x.shape[1], dtype=F32)
@@ -73,10 +73,11 @@ def test_moe_weights_before_the_down_projection_quantization_bit_identical(ref):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(12, ref.config.hidden_size, generator=g) * 2).to(BF16)
     tok = random_ids(12, ref.config.vocab_size, seed=4)
-    got = moe(x, tok)
-    assert torch.equal(got, moe_release(moe, x, tok))
+    ops = ref.backend()
+    got = moe(x, tok, ops)
+    assert torch.equal(got, moe_release(moe, x, tok, ops))
     # ... and the placement matters: the weight applied after w2 (kvfold's hf order) moves it
-    weights, ids = moe.gate(x, tok)
+    weights, ids = moe.gate(x, tok, ops)
     inter = moe.experts.down_proj.shape[2]
     after = torch.zeros(12, x.shape[1], dtype=F32)
     for t in range(12):
@@ -94,7 +95,7 @@ def test_the_shared_expert_clamps_as_the_later_release_does(ref):
     moe = ref.model.layers[1].mlp
     sh = moe.shared_experts
     x = (torch.randn(4, ref.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 40).to(BF16)
-    got = moe._shared_release(x)
+    got = moe._shared_release(x, ref.backend())
     assert torch.equal(got, expert(x, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight, sh.limit))
     gate = F.linear(act_quant(x), sh.gate_proj.weight).float()
     assert (gate > sh.limit).any()  # the clamp is exercised

@@ -17,7 +17,6 @@ from kvfold.models.deepseek_v4.moe import NATIVE_MOE_ROWS
 from kvfold.layers.moe import Experts
 from kvfold.numerics.quant import dequant_fp4_into, dequant_fp8_into, quantize_fp8_blocks, unpack_fp4
 from helpers import fp32_paths_bound
-from kvfold.numerics.rows import batch_invariant_scope
 from test_official_checkpoint import BF16_KEY, E8M0, FP8_KEY, IDS, logits, official_tensors, slice_of, tiny_v4, write_official
 
 
@@ -155,15 +154,15 @@ def test_experts_read_only_the_experts_a_batch_uses(both, monkeypatch):
     routed, read, decoded = {}, [], []
     real_mm, real_dequant = kvfold.layers.moe.weight_mm, QuantizedWeight.dequant
 
-    def spy_mm(x, w, index=None):
+    def spy_mm(ops, x, w, index=None):
         read.append((w, index))
-        return real_mm(x, w, index)
+        return real_mm(ops, x, w, index)
 
     def spy_dequant(self, dtype=None, index=None):
         decoded.append((self, index))
         return real_dequant(self, dtype, index)
 
-    def record(module, args):  # Experts.forward(x, weights, ids)
+    def record(module, args):  # Experts.forward(x, weights, ids, ops)
         routed.setdefault(module, []).append(set(args[2].flatten().tolist()))
 
     hooks = [m.register_forward_pre_hook(record) for m in q.modules() if isinstance(m, Experts)]
@@ -214,7 +213,7 @@ def test_fused_attention_halves_read_quantized_weights_with_the_per_op_bits(both
     projection native.c's format-reading matmul) bit for bit, and the dequantized model's."""
     from test_batching import attention_halves
     deq, q = both[torch.float32]
-    with batch_invariant_scope(), torch.inference_mode():
+    with torch.inference_mode():
         for n_rows in (1, 6):
             for (fused, per_op), (fused_deq, _) in zip(attention_halves(q, n_rows), attention_halves(deq, n_rows)):
                 assert torch.equal(fused, per_op) and torch.equal(fused, fused_deq)

@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from helpers import TORCH_OPS, ops_for
 
-from kvfold.numerics import native
 from kvfold.numerics import triton_kernels as T
-from kvfold.numerics import triton_ops
+from kvfold.numerics.backend import OPS, KernelSet, triton_available
 from kvfold.numerics.fold import pool_windows
 from kvfold.numerics.topk import topk_lower_index
 
@@ -23,10 +23,13 @@ def gen(seed):
 
 def test_they_are_off_unless_asked_for():
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    assert triton_ops.available("cpu") and triton_ops.available("cuda")
-    assert triton_ops.kernels_for("cpu") is None
-    with triton_ops.use_triton():
-        assert triton_ops.kernels_for("cpu") is T
+    assert triton_available(torch.device("cpu")) and triton_available(torch.device("cuda"))
+    assert not KernelSet().triton
+    with_triton = [op.name for op in OPS if op.triton]
+    assert with_triton
+    assert all(getattr(ops_for(), name).triton is None for name in with_triton)
+    on = ops_for(triton=True)
+    assert all(getattr(on, name).kind == "triton" and getattr(on, name).triton is T for name in with_triton)
 
 
 @pytest.mark.parametrize("ratio,overlap,c", [(4, True, 24), (4, True, 130), (8, False, 64), (16, False, 5)])
@@ -37,8 +40,7 @@ def test_pool_windows_is_the_torch_pooling(ratio, overlap, c):
     kv, score = torch.randn(rows, width, generator=gen(c)) * 3, torch.randn(rows, width, generator=gen(c + 1)) * 4
     if overlap:
         score[:ratio, :c] = float("-inf")  # positions before 0: the first window's missing slots
-    with native.use_native(False):
-        want = pool_windows(kv, score, ratio, overlap)
+    want = pool_windows(TORCH_OPS, kv, score, ratio, overlap)
     got = T.pool_windows(kv, score, ratio, overlap)
     # softmax weights within (n_slots + 3) eps relative of exact, summing to 1; the weighted sum adds
     # n_slots eps of its magnitude: each side within (2 n_slots + 4) eps * max|kv|, so twice that apart
@@ -163,8 +165,8 @@ def test_the_model_through_the_kernels_is_the_model():
         return torch.cat([model.forward(ids[:12], st)] + [model.forward(ids[i:i + 1], st) for i in range(12, 16)])
 
     want = run()
-    with triton_ops.use_triton():
-        got = run()
+    model.set_kernels(KernelSet(triton=True))
+    got = run()
     assert (got - want).abs().max() <= fp32_paths_bound(want, model.config.num_hidden_layers)
 
 
@@ -204,11 +206,11 @@ def test_a_graph_decode_step_through_the_kernels_is_the_torch_step():
             group.append(st)
     tokens = torch.tensor([5, 9])
     with torch.inference_mode():
-        want, _ = model.decode_graph_step(arenas[1], tokens, torch.tensor(lens),
+        want, _ = model.decode_graph_step(model.backend(), arenas[1], tokens, torch.tensor(lens),
                                           torch.tensor([s.slot for s in states[1]]))
-        with triton_ops.use_triton():
-            got, _ = model.decode_graph_step(arenas[0], tokens, torch.tensor(lens),
-                                             torch.tensor([s.slot for s in states[0]]))
+        model.set_kernels(KernelSet(triton=True))
+        got, _ = model.decode_graph_step(model.backend(), arenas[0], tokens, torch.tensor(lens),
+                                         torch.tensor([s.slot for s in states[0]]))
     assert (got - want).abs().max().item() <= fp32_paths_bound(want, model.config.num_hidden_layers)
 
 

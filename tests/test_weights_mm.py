@@ -18,6 +18,8 @@ from kvfold.numerics.quant import (dequant_fp4_blocks, dequant_fp8_blocks, quant
 from kvfold.numerics.rows import invariant_mm
 from kvfold.numerics.weights_mm import describe, native_mm, row_groups
 
+LIB = native.library()  # native.c: the kernels these tests check (None would fail every test, loudly)
+
 SHAPES = [(37, 300), (130, 1000), (5, 8), (3, 62), (9, 6), (64, 256)]  # tails, partial blocks, k < 8
 ROWS = [1, 2, 3, 4, 5, 8, 9, 33]  # a decode row; register tiles of 4 and 2 rows, and a last one; a panel
 
@@ -42,7 +44,7 @@ def test_fp8_outputs_are_the_fixed_order_dot_over_the_dequantized_weight(n, k, b
     found = describe(q, s, block)
     for m in ROWS:
         x = rows(m, k, m)
-        exactly(native_mm(x, *found), invariant_mm(x, dense))
+        exactly(native_mm(LIB, x, *found), invariant_mm(LIB, x, dense))
 
 
 @pytest.mark.parametrize("n,k", [s for s in SHAPES if s[1] % 2 == 0] + [(16, 80), (8, 34)])
@@ -52,7 +54,7 @@ def test_fp4_outputs_are_the_fixed_order_dot_over_the_dequantized_weight(n, k):
     found = describe(packed, s, (1, 32), packed_fp4=True)
     for m in ROWS:
         x = rows(m, k, m)
-        exactly(native_mm(x, *found), invariant_mm(x, dense))
+        exactly(native_mm(LIB, x, *found), invariant_mm(LIB, x, dense))
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -60,7 +62,7 @@ def test_bf16_outputs_are_the_fixed_order_dot_over_the_widened_weight(n, k):
     w = weights(n, k, 7 * n + k).bfloat16()
     for m in ROWS:
         x = rows(m, k, m)
-        exactly(native_mm(x, *describe(w)), invariant_mm(x, w.float()))
+        exactly(native_mm(LIB, x, *describe(w)), invariant_mm(LIB, x, w.float()))
 
 
 def test_stacked_experts_read_only_the_selected_matrix():
@@ -70,7 +72,7 @@ def test_stacked_experts_read_only_the_selected_matrix():
     found = describe(packed, s, (1, 32), packed_fp4=True)
     x = rows(3, 96, 0)
     for e in range(6):
-        exactly(native_mm(x, *found, index=e), invariant_mm(x, dense[e]))
+        exactly(native_mm(LIB, x, *found, index=e), invariant_mm(LIB, x, dense[e]))
 
 
 @pytest.mark.parametrize("groups,block", [(4, (128, 128)), (3, (8, 8)), (6, (16, 32))])
@@ -84,7 +86,7 @@ def test_row_groups_read_their_rows_with_their_blocks_scales(groups, block):
     x = rows(2, k, groups)
     for g, (desc, rows_, cols) in enumerate(parts):
         assert (rows_, cols) == (per, k)
-        exactly(native_mm(x, desc, per, k), invariant_mm(x, dense[g * per:(g + 1) * per]))
+        exactly(native_mm(LIB, x, desc, per, k), invariant_mm(LIB, x, dense[g * per:(g + 1) * per]))
     assert row_groups(describe(q, s, block), n + 1) is None
 
 
@@ -99,15 +101,15 @@ def test_every_fp8_code_and_extreme_scale_decodes_exactly():
     found = describe(codes.view(torch.float8_e4m3fn), exps, block)
     x = rows(9, 256, 5)
     for m in (1, 2, 3, 4, 9):
-        exactly(native_mm(x[:m], *found), invariant_mm(x[:m], dense))
+        exactly(native_mm(LIB, x[:m], *found), invariant_mm(LIB, x[:m], dense))
     # the finite ones value by value: a one-hot row picks one weight (0 * a NaN would spoil them all)
     finite = codes[:4].clone()
     finite[(finite & 0x7F) == 0x7F] = 0
     dense = dequant_fp8_blocks(finite.view(torch.float8_e4m3fn), exps[:4].contiguous(), block)
     eye = torch.eye(256)
     found = describe(finite.view(torch.float8_e4m3fn), exps[:4].contiguous(), block)
-    assert torch.equal(native_mm(eye, *found), dense.t())
-    assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(256)]), dense.t())
+    assert torch.equal(native_mm(LIB, eye, *found), dense.t())
+    assert torch.equal(torch.cat([native_mm(LIB, eye[i:i + 1], *found) for i in range(256)]), dense.t())
 
 
 def _every_finite_fp8_code(rows_per_exponent: int, exponents: list[int], block, subnormals: bool = True):
@@ -142,7 +144,7 @@ def test_fp8_scales_folded_into_a_decode_row_keep_every_product_exact():
             if special is not None:  # in a decode row (row 0), and in later rows of tiles of rows 1..
                 x[0, 5], x[0, 200], x[2, 5], x[3, 200] = special, -special, special, -special
             for picked in (x[:1], x[1:3], x[1:6]):  # a decode row; tiles of 2 rows, of 4 rows and 1
-                exactly(native_mm(picked, *found), invariant_mm(picked, dense))
+                exactly(native_mm(LIB, picked, *found), invariant_mm(LIB, picked, dense))
 
 
 def test_fp8_decode_rows_stay_exact_with_denormals_read_as_zero():
@@ -156,11 +158,11 @@ def test_fp8_decode_rows_stay_exact_with_denormals_read_as_zero():
     assert torch.set_flush_denormal(True)
     try:
         for m in (1, 2, 5):
-            exactly(native_mm(x[:m], *found), invariant_mm(x[:m], dense))
+            exactly(native_mm(LIB, x[:m], *found), invariant_mm(LIB, x[:m], dense))
     finally:
         torch.set_flush_denormal(False)
     for m in (1, 2, 5):
-        exactly(native_mm(x[:m], *found), invariant_mm(x[:m], dense))
+        exactly(native_mm(LIB, x[:m], *found), invariant_mm(LIB, x[:m], dense))
 
 
 def test_every_fp4_code_and_extreme_scale_decodes_exactly():
@@ -176,17 +178,17 @@ def test_every_fp4_code_and_extreme_scale_decodes_exactly():
     found = describe(packed, exps, (1, 32), packed_fp4=True)
     for m in (1, 2, 3, 4, 9):
         x = rows(m, 64, m)
-        got, want = native_mm(x, *found), invariant_mm(x, dense)
+        got, want = native_mm(LIB, x, *found), invariant_mm(LIB, x, dense)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: the NaN's sign too
     negative = torch.full((1, 16), 0x99, dtype=torch.uint8)  # 32 codes 9 (-0.5) under a NaN scale
     nan_scale = torch.tensor([[255]], dtype=torch.uint8)
-    got = native_mm(rows(1, 32, 7), *describe(negative, nan_scale, (1, 32), packed_fp4=True))
-    assert torch.equal(got.view(torch.int32), invariant_mm(rows(1, 32, 7), dequant_fp4_blocks(negative, nan_scale)
-                                                           ).view(torch.int32))
+    got = native_mm(LIB, rows(1, 32, 7), *describe(negative, nan_scale, (1, 32), packed_fp4=True))
+    want = invariant_mm(LIB, rows(1, 32, 7), dequant_fp4_blocks(negative, nan_scale))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     finite = dense[:4]  # one-hot rows pick one weight each (0 * inf or 0 * NaN would spoil a sum)
     found = describe(packed[:4].contiguous(), exps[:4].contiguous(), (1, 32), packed_fp4=True)
     eye = torch.eye(64)
-    assert torch.equal(torch.cat([native_mm(eye[i:i + 1], *found) for i in range(64)]), finite.t())
+    assert torch.equal(torch.cat([native_mm(LIB, eye[i:i + 1], *found) for i in range(64)]), finite.t())
 
 
 def test_fp4_zero_codes_keep_quant_py_s_sign_of_zero_even_after_an_underflow():
@@ -204,9 +206,9 @@ def test_fp4_zero_codes_keep_quant_py_s_sign_of_zero_even_after_an_underflow():
         packed = (codes[0::2] | (codes[1::2] << 4)).view(1, 18)
         dense = dequant_fp4_blocks(packed, scale)
         assert dense[0, 0].item() == 2.0 ** -128 and dense[0, 8].item() == 0
-        want = invariant_mm(x, dense)
+        want = invariant_mm(LIB, x, dense)
         assert want.item() == 0 and torch.signbit(want).item() == (scale.dtype == torch.float32)
-        got = native_mm(x, *describe(packed, scale, (1, 32), packed_fp4=True))
+        got = native_mm(LIB, x, *describe(packed, scale, (1, 32), packed_fp4=True))
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scale.dtype, got, want)
 
 
@@ -239,8 +241,8 @@ def test_fp4_decode_rows_keep_every_bit_when_the_thread_rounds_downward():
         for scale in (float_scales, exps):
             dense = dequant_fp4_blocks(packed, scale)
             for m in (1, 3):
-                got = native_mm(x[:m], *describe(packed, scale, (1, 32), packed_fp4=True))
-                want = invariant_mm(x[:m], dense)
+                got = native_mm(LIB, x[:m], *describe(packed, scale, (1, 32), packed_fp4=True))
+                want = invariant_mm(LIB, x[:m], dense)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (scale.dtype, m, got, want)
     finally:
         restore()
@@ -253,7 +255,7 @@ def test_float32_scales_multiply_as_stored():
     dense = dequant_fp8_blocks(q, fs, (8, 8))
     for m in (1, 4):
         x = rows(m, 200, m)
-        exactly(native_mm(x, *describe(q, fs, (8, 8))), invariant_mm(x, dense))
+        exactly(native_mm(LIB, x, *describe(q, fs, (8, 8))), invariant_mm(LIB, x, dense))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4", "bf16"])
@@ -273,9 +275,9 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count(fmt):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(native_mm(x, *found))
+            outs.append(native_mm(LIB, x, *found))
             for i in (0, 4, 8):
-                assert torch.equal(native_mm(x[i:i + 1], *found)[0], outs[-1][i])
+                assert torch.equal(native_mm(LIB, x[i:i + 1], *found)[0], outs[-1][i])
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
@@ -302,7 +304,7 @@ _PROBE = ("import hashlib, torch\n"
           "h = hashlib.sha256()\n"
           "for f in found:\n"
           "    for m in (1, 2, 5):\n"
-          "        h.update(native_mm(x[:m], *f).numpy().tobytes())\n"
+          "        h.update(native_mm(native.library(), x[:m], *f).numpy().tobytes())\n"
           "print(native.available(), h.hexdigest())\n")
 
 
@@ -338,15 +340,17 @@ def test_a_build_without_avx512_decodes_to_the_same_bits(tmp_path):
 
 
 def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
+    from helpers import ops_for
     from kvfold.layers.basic import NATIVE_ROWS, Linear
+    ops = ops_for(dtype=torch.bfloat16)  # a bf16 model on the CPU: its weight matmuls in native.c
     lin = Linear(136, 40, torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(weights(40, 136, 9).bfloat16())
     for m in (1, 3, NATIVE_ROWS):
         x = rows(m, 136, m).bfloat16()
-        got = lin(x)
+        got = lin(x, ops)
         assert got.dtype == torch.bfloat16
-        assert torch.equal(got, invariant_mm(x.float(), lin.weight.float()).bfloat16())
+        assert torch.equal(got, invariant_mm(LIB, x.float(), lin.weight.float()).bfloat16())
 
 
 def test_the_nan_code_scan_sees_every_chunk():
@@ -403,8 +407,8 @@ def test_fp8_decode_rows_stay_exact_where_a_tile_mixes_flagged_and_clean_blocks(
     x = rows(5, 384, 6)
     for m in (1, 2, 5):  # a decode row, a tile of two rows, tiles of four and one
         for e in range(2):
-            exactly(native_mm(x[:m], *found, index=e), invariant_mm(x[:m], dense[e]))
+            exactly(native_mm(LIB, x[:m], *found, index=e), invariant_mm(LIB, x[:m], dense[e]))
         flat_q, flat_s = q[0].contiguous(), s[0].contiguous()
         for desc, per, k in row_groups(describe(flat_q, flat_s, block), 8):
             first = (desc.data - flat_q.data_ptr()) // 384
-            exactly(native_mm(x[:m], desc, per, k), invariant_mm(x[:m], dense[0, first:first + per]))
+            exactly(native_mm(LIB, x[:m], desc, per, k), invariant_mm(LIB, x[:m], dense[0, first:first + per]))

@@ -161,7 +161,9 @@ def _machine_info() -> dict[str, Any]:
     import torch
     info["torch"] = torch.__version__
     from ..numerics import native
-    info["kvfold_native"] = native.available()  # the cells' processes build/load the same kernels
+    from ..numerics.backend import KernelSet
+    # the cells' processes build/load the same kernels, and read KVFOLD_NATIVE as this one does
+    info["kvfold_native"] = KernelSet.from_env().native and native.available()
     try:
         from importlib.metadata import version
         info["transformers"] = version("transformers")

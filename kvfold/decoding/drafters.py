@@ -103,13 +103,15 @@ class MtpDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, model, capacity: int, max_rewind: int, temperature: float = 0.0, top_p: float = 1.0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, ops=None):
+        """`ops`: the kernels the MTP block runs (a `model.backend(mode)`: an engine passes its own
+        mode's); None: the model's own mode."""
         if not model.supports_mtp:
             raise MtpUnavailableError(
                 "speculative='mtp' needs the checkpoint's multi-token-prediction layer, but this checkpoint "
                 "ships none (no mtp.* weights for DeepSeek-V4, no layers.<num_hidden_layers>.* for GLM-5.3); "
                 "use speculative='ngram' or a checkpoint that ships them")
-        self.model = model
+        self.model, self.ops = model, model.backend() if ops is None else ops
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         # draft steps (k - 1 of them) are undone by moving the cursor
         self.state = model.new_mtp_state(capacity=capacity, max_rewind=max(max_rewind, 1))
@@ -118,7 +120,7 @@ class MtpDrafter(Drafter):
         self._streams: torch.Tensor | None = None  # its output streams there [1, hc, d]
 
     def _run(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.mtp_step(hidden, next_ids, self.state)
+        return self.model.mtp_step(hidden, next_ids, self.state, self.ops)
 
     def update(self, hidden: torch.Tensor | None, start_pos: int, next_tokens: list[int]) -> None:
         if hidden is None or hidden.shape[0] != len(next_tokens):

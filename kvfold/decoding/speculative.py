@@ -41,14 +41,15 @@ def check_speculative(kind: Any, num_draft: int = 1) -> None:
 
 
 def make_drafter(kind: Any, model: Any, *, capacity: int, max_rewind: int, temperature: float,
-                 top_p: float, generator: torch.Generator) -> Drafter:
-    """A drafter by name ("mtp", "ngram"), or the given object if it already is one."""
+                 top_p: float, generator: torch.Generator, ops: Any = None) -> Drafter:
+    """A drafter by name ("mtp", "ngram"), or the given object if it already is one. `ops`: the
+    kernels an MTP drafter runs (None: the model's own mode)."""
     check_speculative(kind)
     if not isinstance(kind, str):
         return kind
     if kind == "ngram":
         return NgramDrafter()
-    return MtpDrafter(model, capacity, max_rewind, temperature, top_p, generator)
+    return MtpDrafter(model, capacity, max_rewind, temperature, top_p, generator, ops)
 
 
 # ---- acceptance ----------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class Engine:
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
             kv_page_bytes=kv_page_bytes, batch_invariant=batch_invariant, decode_graphs=decode_graphs)
-        self.spec = EngineSpeculation(model, speculative, num_draft) if speculative is not None else None
+        self.spec = None if speculative is None else EngineSpeculation(model, speculative, num_draft, batch_invariant)
         # under tensor parallelism rank 0 schedules and the other ranks follow (replicas.py)
         self._replicas = EngineReplicas(self, model.tp) if getattr(model, "tp", None) is not None else None
         self.heartbeat_s = HEARTBEAT_S if self._replicas is not None else None

@@ -16,9 +16,9 @@ change only what the inputs and the page tables hold, and the captured graphs st
 What could make a graph stale is a tensor it captured being replaced: a weight reassigned or
 loaded anew, the page pool's storage, the arena's rings. Before every replay `signature()` is
 compared with the one taken at capture: the address of every tensor the step reads, the
-model's numerics and batch-invariant mode, and whether the Triton kernels are on. A difference
+model's numerics and the kernels its Backend runs in the engine's mode (`Backend.key`). A difference
 recaptures that bucket and counts it in `recaptures`; a graph is never replayed on what it was
-not captured on. The step runs in the model's batch-invariant mode (`batch_invariant_scope`), which
+not captured on. The step gets the model's Backend for the engine's batch-invariant mode, which
 only DeepSeek-V4 with the Triton kernels keeps here (`graph_invariance_unsupported`).
 
 On the CPU nothing is captured: each step runs the same function eagerly on the same static
@@ -36,8 +36,6 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from ..errors import CapacityError, ConfigError, SharedPageWriteError, StateMismatchError
-from ..numerics import triton_ops
-from ..numerics.rows import batch_invariant_scope
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXT_MIN = 256
@@ -141,7 +139,7 @@ class DecodeGraphs:
                            for name in table]
         ptrs = [t.data_ptr() for t in self.arena.tensors() + getattr(m, "graph_tensors", list)()]
         ptrs += [None if table[name] is None else table[name].data_ptr() for table, name in self._slots]
-        return m.numerics, self.batch_invariant, triton_ops.switched_on(), tuple(ptrs)
+        return m.numerics, m.backend(self.batch_invariant).key(), tuple(ptrs)
 
     def check(self, pairs: list) -> None:
         """Every refusal of a step, before anything is written: each state must be live, in this
@@ -215,9 +213,10 @@ class DecodeGraphs:
         return tuple(out) if hidden else out[0]
 
     def _run(self, b: _Bucket) -> torch.Tensor:
-        with torch.inference_mode(), batch_invariant_scope(self.batch_invariant):
+        ops = self.model.backend(self.batch_invariant)  # the model's kernels in the engine's mode
+        with torch.inference_mode():
             tokens, positions, slots, extras = b.step_inputs()
-            return self.step_fn(self.arena, tokens, positions, slots, b.context, extras)
+            return self.step_fn(ops, self.arena, tokens, positions, slots, b.context, extras)
 
     def _ready(self, size: int, context: int, n_extras: int) -> _Bucket:
         """The bucket's graph, captured now if it never was or if what it captured has changed."""

@@ -25,7 +25,7 @@ from .sequence import Sequence
 
 
 class EngineSpeculation:
-    def __init__(self, model: Any, kind: str, num_draft: int):
+    def __init__(self, model: Any, kind: str, num_draft: int, batch_invariant: bool):
         if not isinstance(kind, str):
             raise ValueError(f"the engine's speculative must be 'ngram' or 'mtp', got {kind!r}")
         check_speculative(kind, num_draft)
@@ -35,6 +35,7 @@ class EngineSpeculation:
                 "none (no mtp.* weights for DeepSeek-V4, no layers.<num_hidden_layers>.* for GLM-5.3); use "
                 "speculative='ngram' or a checkpoint that ships them")
         self.model, self.kind, self.num_draft = model, kind, num_draft
+        self.batch_invariant = batch_invariant  # the engine's mode, which its MTP drafters run in too
         self.needs_hidden = kind == "mtp"
         self.drafted = self.accepted = self.dropped = 0
         self.verifies = 0  # verify steps of a sequence with drafts
@@ -53,7 +54,7 @@ class EngineSpeculation:
         """Give a sequence that just got its state a drafter of its own."""
         seq.drafter = make_drafter(self.kind, self.model, capacity=seq.capacity, max_rewind=self.max_rewind,
                                    temperature=seq.params.temperature, top_p=seq.params.top_p,
-                                   generator=seq.generator)
+                                   generator=seq.generator, ops=self.model.backend(self.batch_invariant))
 
     def decode_input(self, seq: Sequence) -> list[int]:
         """This step's ids for a decoding sequence: its last token and the drafts after it (kept

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from ..numerics import rms_norm
-from ..numerics.rows import in_fixed_order_scope, row_mm
+from ..numerics.backend import Backend
+from ..numerics.rows import row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
 from ..numerics.weights_mm import describe, native_mm, row_groups
 from ..numerics.quant_formats import BF16, FP4, FP8
@@ -181,27 +182,29 @@ def matmul_weight(w: torch.Tensor | QuantizedWeight, index: int | None = None) -
 NATIVE_ROWS = 32  # up to this many rows (decode, verify), a quantized weight is read as stored
 
 
-def reads_as_stored(rows: int) -> bool:
+def reads_as_stored(ops: Backend, rows: int) -> bool:
     """Whether a matmul of `rows` rows reads a weight in its stored format (`weight_mm`'s rule):
-    decode and verify rows, and every row where matmuls take the fixed-order dot."""
-    return rows <= NATIVE_ROWS or in_fixed_order_scope()
+    native.c's matmul serves the model, and the rows are decode and verify rows, or any rows where
+    matmuls take the fixed-order dot. (Prefill chunks decode a weight for torch's GEMM instead:
+    a speed rule by row count, the same whatever the load in batch-invariant mode.)"""
+    return ops.weight_mm.native is not None and (rows <= NATIVE_ROWS or ops.fixed_order)
 
 
-def weight_mm(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | None = None) -> torch.Tensor:
+def weight_mm(ops: Backend, x: torch.Tensor, w: torch.Tensor | QuantizedWeight, index: int | None = None
+              ) -> torch.Tensor:
     """x [..., K] @ W^T (W = w, or its slice `index`: one expert), in W's dtype: the one dispatch
     point for weights the native kernels read as stored. For up to NATIVE_ROWS rows on the CPU
     (any rows in batch-invariant mode), native.c reads an FP8 / FP4 weight of an fp32 or bf16 model,
     and a bf16 weight, without decoding it into memory: fp32 outputs equal `row_mm` over the
     dequantized weight bit for bit (weights_mm.py); bf16 ones accumulate in fp32 and round once.
     Otherwise an FP8 / FP4 weight (slice) is dequantized for this one matmul, and torch runs it."""
-    if reads_as_stored(x.numel() // max(x.shape[-1], 1)):
+    if reads_as_stored(ops, x.numel() // max(x.shape[-1], 1)):
         found = native_weights(w)
         if found is not None:
-            y = native_mm(x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
-            if y is not None:
-                return y if w.dtype == torch.float32 else y.to(w.dtype)
+            y = native_mm(ops.weight_mm.native, x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
+            return y if w.dtype == torch.float32 else y.to(w.dtype)
     wf = matmul_weight(w, index)
-    return row_mm(x if x.dtype == wf.dtype else x.to(wf.dtype), wf)
+    return row_mm(ops, x if x.dtype == wf.dtype else x.to(wf.dtype), wf)
 
 
 def native_weights(w: torch.Tensor | QuantizedWeight, params: tuple = (torch.bfloat16,)):
@@ -240,13 +243,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
         if self.act_quant:
             x = act_quant_fp8(x, 128)
         w = self._parameters.get("weight")  # a float parameter (skips nn.Module.__getattr__), or
         if w is None or w.dtype is torch.bfloat16:
-            return weight_mm(x, self.weight)  # a QuantizedWeight submodule, or bf16
-        return row_mm(x if x.dtype == w.dtype else x.to(w.dtype), w)
+            return weight_mm(ops, x, self.weight)  # a QuantizedWeight submodule, or bf16
+        return row_mm(ops, x if x.dtype == w.dtype else x.to(w.dtype), w)
 
 
 class Norm(nn.Module):
@@ -257,5 +260,5 @@ class Norm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=torch.float32, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self._parameters["weight"], self.eps)
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
+        return rms_norm(ops, x, self._parameters["weight"], self.eps)

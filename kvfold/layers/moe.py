@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..numerics import triton_ops
+from ..numerics.backend import Backend
 from ..numerics.quant import act_quant_fp8
 from ..numerics.reference import release_swiglu
-from ..numerics.rows import combine_experts, row_mm, in_batch_invariant_scope, swiglu
+from ..numerics.rows import combine_experts, row_mm, swiglu
 from .basic import Linear, _param, matmul_weight, weight_mm
 
 
@@ -32,33 +32,33 @@ class Experts(nn.Module):
         self.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
         self.down_proj = _param(e, h, i, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: Backend) -> torch.Tensor:
         """sum over each row's k experts of weight * expert(row), fp32 [T, hidden]."""
         if self.act_quant:  # set by numerics="reference" only
-            return self._forward_release(x, weights, ids)
-        invariant = in_batch_invariant_scope()
+            return self._forward_release(x, weights, ids, ops)
+        invariant = ops.batch_invariant
         # batch-invariant: each (row, slot) output kept apart, then combined in slot order (ascending ids)
         alloc = torch.zeros if self.partial else torch.empty  # another rank's slots stay 0
         per_slot = alloc(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
         out = None if invariant else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e, slots, rows in self._groups(ids):
-            ye = self._expert(e, x[rows])
+            ye = self._expert(e, x[rows], ops)
             if invariant:
                 per_slot[slots] = ye
             else:
                 out.index_add_(0, rows, ye * weights.reshape(-1)[slots, None])
         return combine_experts(per_slot.view(*ids.shape, -1), weights) if invariant else out
 
-    def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: Backend) -> torch.Tensor:
         """`forward` with no host-side grouping, for a step a CUDA graph captures: one matmul per
         (row, slot) with that slot's expert, outputs in the weights' dtype as `_expert`'s, combined
         in slot order (`combine_experts`). Torch gathers copies of each row's experts; the Triton
-        kernel (numerics/triton_ops.py, off by default) reads them in place. Plain stacks only."""
+        kernel (`ops.moe_rows`, off by default) reads them in place. Plain stacks only."""
         w13, w2 = self.gate_up_proj, self.down_proj  # [E, 2I, H], [E, H, I]
-        kernels = triton_ops.kernels_for(x.device)
+        kernels = ops.moe_rows.triton
         if kernels is not None:
             gate, up = kernels.expert_rows(x.to(w13.dtype), w13, ids).to(w13.dtype).chunk(2, dim=-1)
-            act = swiglu(gate, up, self.limit).to(w2.dtype)  # [N, k, I]
+            act = swiglu(ops, gate, up, self.limit).to(w2.dtype)  # [N, k, I]
             per_slot = kernels.expert_rows(act.reshape(-1, act.shape[-1]), w2, ids, per_slot=True)
             per_slot = per_slot.to(w2.dtype).float()
         else:
@@ -66,7 +66,7 @@ class Experts(nn.Module):
             for j in range(ids.shape[1]):
                 w13_j, w2_j = w13[ids[:, j]], w2[ids[:, j]]  # [N, 2I, H], [N, H, I]
                 gate, up = torch.bmm(w13_j, x.to(w13.dtype)[:, :, None])[..., 0].chunk(2, dim=-1)
-                y = torch.bmm(w2_j, swiglu(gate, up, self.limit).to(w2.dtype)[:, :, None])[..., 0]
+                y = torch.bmm(w2_j, swiglu(ops, gate, up, self.limit).to(w2.dtype)[:, :, None])[..., 0]
                 slots.append(y.float())
             per_slot = torch.stack(slots, dim=1)
         return combine_experts(per_slot, weights)
@@ -88,13 +88,14 @@ class Experts(nn.Module):
                 yield e, slots, slots // k
             offset += n
 
-    def _expert(self, e: int, xe: torch.Tensor) -> torch.Tensor:
+    def _expert(self, e: int, xe: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Expert e on rows xe [n, hidden] -> fp32 [n, hidden]."""
-        gate, up = weight_mm(xe, self.gate_up_proj, e).chunk(2, dim=-1)
-        ye = weight_mm(swiglu(gate, up, self.limit), self.down_proj, e)
+        gate, up = weight_mm(ops, xe, self.gate_up_proj, e).chunk(2, dim=-1)
+        ye = weight_mm(ops, swiglu(ops, gate, up, self.limit), self.down_proj, e)
         return ye if ye.dtype == torch.float32 else ye.float()
 
-    def _forward_release(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _forward_release(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: Backend
+                         ) -> torch.Tensor:
         """The DeepSeek-V4 release's order (docs/checkpoints.md, reference numerics): per expert
         in ascending id, gate and up from FP8 activations into the GEMM (outputs in the model
         dtype), silu(gate) * up and the routing weight in fp32, cast to the model dtype, FP8
@@ -104,10 +105,10 @@ class Experts(nn.Module):
         for e, slots, rows in self._groups(ids):
             xe = act_quant_fp8(x[rows], 128)
             w13 = matmul_weight(self.gate_up_proj, e)
-            gate, up = row_mm(xe.to(w13.dtype), w13).to(x.dtype).chunk(2, dim=-1)
+            gate, up = row_mm(ops, xe.to(w13.dtype), w13).to(x.dtype).chunk(2, dim=-1)
             h = release_swiglu(gate, up, self.limit, flat_w[slots, None]).to(x.dtype)
             w2 = matmul_weight(self.down_proj, e)
-            ye = row_mm(act_quant_fp8(h, 128).to(w2.dtype), w2).to(x.dtype)
+            ye = row_mm(ops, act_quant_fp8(h, 128).to(w2.dtype), w2).to(x.dtype)
             out.index_add_(0, rows, ye.float())
         return out
 
@@ -122,5 +123,5 @@ class SwiGluMLP(nn.Module):
         self.up_proj = Linear(hidden, inter, dtype, device)
         self.down_proj = Linear(inter, hidden, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
+        return self.down_proj(swiglu(ops, self.gate_proj(x, ops), self.up_proj(x, ops), self.limit), ops)

@@ -13,6 +13,9 @@ from typing import Sequence
 
 import torch
 
+from ..numerics.backend import Backend
+
+
 @dataclass
 class Segment:
     """One sequence's rows in a batch: rows [r0, r1) at positions start .. start + (r1 - r0) - 1."""
@@ -35,10 +38,11 @@ class RowBatch:
     token_ids: torch.Tensor  # [R]
     positions: torch.Tensor  # [R]
     segments: list[Segment]
+    ops: Backend  # the model's kernels for this call's mode (numerics/backend.py), passed to every layer
     rope: dict = field(default_factory=dict)  # kind -> (RopeTable, cos [R, rd/2], sin [R, rd/2])
 
     @classmethod
-    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device) -> "RowBatch":
+    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device, ops: Backend) -> "RowBatch":
         """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order."""
         segments, ids, pos_parts, r = [], [], [], 0
         for tok, st in pieces:
@@ -48,7 +52,7 @@ class RowBatch:
             pos_parts.append(torch.arange(st.pos, st.pos + t, device=device))
             r += t
         return cls(torch.cat(ids) if len(ids) > 1 else ids[0],
-                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], segments)
+                   torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], segments, ops)
 
     @property
     def rows(self) -> int:

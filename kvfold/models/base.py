@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError
 from ..layers.basic import QuantizedWeight, _param
 from ..layers.rows import RowBatch
-from ..numerics.rows import fixed_order_scope, invariance_by_default, invariance_unsupported, batch_invariant_scope
+from ..numerics.backend import Backend, KernelSet, build_backend, invariance_by_default, invariance_unsupported
 from .chunks import run_batch_in_rounds, run_in_chunks
 
 
@@ -82,8 +82,10 @@ class CausalLM(nn.Module):
         self.mtp = None  # an MTP block, where the family has one and the checkpoint holds it
         self.tp = None  # a kvfold.parallel.TensorParallel when this rank holds a shard of the model
         self.fingerprint = config.fingerprint()
+        self.kernels = KernelSet.from_env()  # which kernel families may run (`set_kernels`)
+        self._backends: dict[tuple, Backend] = {}
         # on by default where native.c holds it: it costs little there (bench/RESULTS.md)
-        self.batch_invariant = invariance_by_default(self.dtype, self.device)
+        self.batch_invariant = invariance_by_default(self.device, self.dtype, self.kernels)
 
     @property
     def supports_mtp(self) -> bool:
@@ -119,6 +121,29 @@ class CausalLM(nn.Module):
         step runs only per-row kernels says so."""
         return "graph decode runs torch's kernels, which promise no batch invariance"
 
+    # ---- kernels (numerics/backend.py) ---------------------------------------------------------
+    def set_kernels(self, kernels: KernelSet) -> None:
+        """Which kernel families this model may run (native.c, Triton's sequence kernels, Triton's
+        row kernels on the CPU); the default comes from the environment at load (`KernelSet.from_env`).
+        An explicit call: nothing else changes what a model runs. Batch-invariant mode is turned
+        off first where the new kernels cannot hold it."""
+        self.kernels = kernels
+        self._backends.clear()
+        if self.batch_invariant and self._invariance_unsupported() is not None:
+            self.batch_invariant = False
+
+    def backend(self, batch_invariant: bool | None = None) -> Backend:
+        """The Backend this model runs in that batch-invariant mode (None: its own): each op's
+        implementation, chosen once per (mode, numerics) from the model's device, dtype and kernels,
+        and passed explicitly down every call. ConfigError where the mode cannot hold."""
+        inv = self.batch_invariant if batch_invariant is None else bool(batch_invariant)
+        key = (inv, self.numerics)
+        ops = self._backends.get(key)
+        if ops is None:
+            self.invariance_refusal(inv)
+            ops = self._backends[key] = build_backend(self.device, self.dtype, self.numerics, inv, self.kernels)
+        return ops
+
     # ---- batch invariance --------------------------------------------------------------------
     @property
     def supports_batch_invariance(self) -> bool:
@@ -127,10 +152,10 @@ class CausalLM(nn.Module):
     @property
     def invariant_by_default(self) -> bool:
         """Whether an engine runs this model batch-invariant when not told (`invariance_by_default`)."""
-        return invariance_by_default(self.dtype, self.device) and self.supports_batch_invariance
+        return invariance_by_default(self.device, self.dtype, self.kernels) and self.supports_batch_invariance
 
     def _invariance_unsupported(self) -> str | None:
-        why = invariance_unsupported(self.dtype, self.device)
+        why = invariance_unsupported(self.device, self.dtype, self.kernels)
         if why is None and self.numerics == "reference":
             why = "batch-invariant mode runs numerics='hf' (the release's order of roundings is its own)"
         return why
@@ -203,9 +228,8 @@ class CausalLM(nn.Module):
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams). `invariant`: the call's
         batch-invariant mode (None: the model's)."""
-        invariant = self.batch_invariant if invariant is None else invariant
-        with batch_invariant_scope(invariant), fixed_order_scope(self.numerics == "reference"):
-            return self._run_rows(RowBatch.build(pieces, self.device), last_only)
+        ops = self.backend(invariant)
+        return self._run_rows(RowBatch.build(pieces, self.device, ops), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         raise NotImplementedError

@@ -1,10 +1,10 @@
 """The compressor's pooling: per-channel softmax over a window's slots, in fp32."""
 import torch
 
-from . import native, triton_ops
+from .backend import Backend, KernelError
 
 
-def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+def pool_windows(ops: Backend, kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """Pool consecutive windows of token rows into one entry each.
 
     kv, score: [..., L, m*c] rows of consecutive positions, fp32, `ape` already added to score.
@@ -16,16 +16,22 @@ def pool_windows(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: boo
     slots) would pool to 0.
     """
     c_total = kv.shape[-1]
-    kernels = triton_ops.kernels_for(kv.device)  # off by default (triton_ops.py)
-    if kernels is not None and kv.dim() == 2 and score.shape == kv.shape:
-        return kernels.pool_windows(kv, score, ratio, overlap)
-    lib = native.library_for(kv, score)
-    if lib is not None and kv.dim() == 2 and score.shape == kv.shape:
+    c = ops.pool_windows
+    if (c.triton is not None or c.native is not None) and kv.dim() == 2:  # (the graph step's windows are 3-D)
+        if score.shape != kv.shape:
+            raise KernelError(f"pool_windows kernels take kv and score of one shape, got {tuple(kv.shape)}, "
+                              f"{tuple(score.shape)}")
+        if c.triton is not None:
+            return c.triton.pool_windows(kv, score, ratio, overlap)
+        if kv.dtype != torch.float32 or score.dtype != torch.float32 or not kv.is_cpu:
+            raise KernelError(f"kv_pool_windows reads fp32 CPU rows, got {kv.dtype} on {kv.device}")
+        kv, score = kv.contiguous(), score.contiguous()
         n_w = kv.shape[0] // ratio - (1 if overlap else 0)
         out = torch.empty(max(n_w, 0), c_total // 2 if overlap else c_total, dtype=torch.float32)
-        if n_w <= 0 or lib.kv_pool_windows(kv.data_ptr(), score.data_ptr(), n_w, ratio, c_total, int(overlap),
-                                           out.data_ptr()) == 0:
-            return out
+        if n_w > 0 and c.native.kv_pool_windows(kv.data_ptr(), score.data_ptr(), n_w, ratio, c_total, int(overlap),
+                                                out.data_ptr()) != 0:
+            raise MemoryError(f"kv_pool_windows could not allocate its scratch ({n_w} windows of {c_total})")
+        return out
     lead = kv.shape[:-2]  # batch dims (a graph-captured decode step pools one window per row)
     if overlap:
         c = c_total // 2

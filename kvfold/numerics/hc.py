@@ -12,17 +12,17 @@ weights are computed in float64 after the fp32 matmul and rounded to fp32 once (
 than fp32 throughout); the collapse sums in fp32 and rounds once, the expand runs in the streams'
 dtype.
 
-These torch functions are the reference; on fp32 CPU tensors the native kernels (native.c:
+These torch functions are the reference; for fp32 models on the CPU the native kernels (native.c:
 kv_hc_collapse, kv_hc_head, kv_hc_expand) compute the same formulas, each row alone, and so do
-the Triton row kernels in batch-invariant mode off the CPU (rows.py's `fixed_kernels`).
+the Triton row kernels in batch-invariant mode off the CPU (the model's `ops.hc`, backend.py).
 """
 from __future__ import annotations
 
 import torch
 
-from . import native
+from .backend import Backend, KernelError
 from .native_abi import HcParams
-from .rows import fixed_kernels, row_mm, in_batch_invariant_scope
+from .rows import row_mm
 
 # The native collapse computes the mixing matmul row by row on one thread. With several torch
 # threads, large calls (prefill chunks) keep the threaded GEMM, except in batch-invariant mode,
@@ -30,15 +30,15 @@ from .rows import fixed_kernels, row_mm, in_batch_invariant_scope
 _NATIVE_SERIAL_MACS = 1 << 24
 
 
-def native_collapse_serves(t: int, fn: torch.Tensor) -> bool:
+def native_collapse_serves(ops: Backend, t: int, fn: torch.Tensor) -> bool:
     """Whether a collapse of t rows with this fn takes the native kernel (see above)."""
-    return in_batch_invariant_scope() or torch.get_num_threads() == 1 or t * fn.numel() <= _NATIVE_SERIAL_MACS
+    return ops.batch_invariant or torch.get_num_threads() == 1 or t * fn.numel() <= _NATIVE_SERIAL_MACS
 
 
-def _mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def _mix(ops: Backend, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """(flat(streams) @ fn^T) / rms(flat(streams)) in float64, [T, fn rows]."""
     flat = streams.reshape(streams.shape[0], -1).float()
-    return normalised_mix(row_mm(flat, fn.float()), flat, norm_eps)
+    return normalised_mix(row_mm(ops, flat, fn.float()), flat, norm_eps)
 
 
 def normalised_mix(mix: torch.Tensor, flat: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -46,9 +46,20 @@ def normalised_mix(mix: torch.Tensor, flat: torch.Tensor, norm_eps: float) -> to
     return mix.double() * torch.rsqrt(flat.double().pow(2).mean(-1, keepdim=True) + norm_eps)
 
 
-def _fixed_mix(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+def _fixed_mix(ops: Backend, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     """flat(streams) @ fn^T [T, fn rows] fp32 by the fixed-order matmul (batch-invariant mode)."""
-    return row_mm(streams.reshape(streams.shape[0], -1).float(), fn.float())
+    return row_mm(ops, streams.reshape(streams.shape[0], -1).float(), fn.float())
+
+
+HC_MAX = 16  # native.c's HC_MAX: the most streams its kernels take
+
+
+def _fp32_cpu(streams: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """The streams contiguous, after checking that every operand is what native.c reads."""
+    for t in (streams, *others):
+        if t.dtype != torch.float32 or not t.is_cpu:
+            raise KernelError(f"native.c's mHC kernels read fp32 CPU tensors, got {t.dtype} on {t.device}")
+    return streams.contiguous()
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -60,10 +71,10 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
-def hc_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def hc_weights(ops: Backend, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, d] -> (pre [T, hc], post [T, hc], comb [T, hc, hc]), fp32 (module docstring)."""
-    pre, post, comb = weights_of_mix(_mix(streams, fn, norm_eps), streams.shape[1], base, scale, iters, hc_eps)
+    pre, post, comb = weights_of_mix(_mix(ops, streams, fn, norm_eps), streams.shape[1], base, scale, iters, hc_eps)
     return pre.float(), post.float(), comb.float()
 
 
@@ -77,10 +88,10 @@ def weights_of_mix(mix: torch.Tensor, hc: int, base: torch.Tensor, scale: torch.
     return pre, post, sinkhorn(torch.softmax(logits, dim=-1) + hc_eps, iters, hc_eps)
 
 
-def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def hc_head_weights(ops: Backend, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Final collapse weights: pre [T, hc] = sigmoid(mix * s + b) + eps."""
-    mix = _mix(streams, fn, norm_eps)
+    mix = _mix(ops, streams, fn, norm_eps)
     return (torch.sigmoid(mix * scale.double() + base.double()) + hc_eps).float()
 
 
@@ -92,41 +103,43 @@ def weighted_streams(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return (pre[..., None] * streams.float()).sum(dim=1).to(streams.dtype)
 
 
-def hc_collapse(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def hc_collapse(ops: Backend, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 iters: int, hc_eps: float, norm_eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, d] -> (sum_k pre_k * stream_k [T, d], post [T, hc], comb [T, hc, hc])."""
     t, hc, d = streams.shape
-    kernels = fixed_kernels(streams)
-    if kernels is not None:
-        return kernels.hc_collapse(streams, _fixed_mix(streams, fn), base, scale, iters, hc_eps, norm_eps)
-    lib = native.library_for(streams, fn, base, scale)
-    if lib is not None and native_collapse_serves(t, fn):
+    c = ops.hc
+    if c.rows is not None:
+        return c.rows.hc_collapse(streams, _fixed_mix(ops, streams, fn), base, scale, iters, hc_eps, norm_eps)
+    if c.native is not None and native_collapse_serves(ops, t, fn):
+        lib, streams = c.native, _fp32_cpu(streams, fn, base, scale)
         out = torch.empty(t, d, dtype=torch.float32)
         post = torch.empty(t, hc, dtype=torch.float32)
         comb = torch.empty(t, hc, hc, dtype=torch.float32)
         params = HcParams(fn.data_ptr(), base.data_ptr(), scale.data_ptr(), iters, hc_eps, norm_eps)
         if lib.kv_hc_collapse(params, streams.data_ptr(), t, hc, d, out.data_ptr(), post.data_ptr(),
-                              comb.data_ptr()) == 0:
-            return out, post, comb
-    pre, post, comb = hc_weights(streams, fn, base, scale, iters, hc_eps, norm_eps)
+                              comb.data_ptr()) != 0:
+            raise KernelError(f"kv_hc_collapse takes 1..{HC_MAX} streams, got {hc}")
+        return out, post, comb
+    pre, post, comb = hc_weights(ops, streams, fn, base, scale, iters, hc_eps, norm_eps)
     return weighted_streams(pre, streams), post, comb
 
 
-def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+def hc_head(ops: Backend, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     """The final collapse sum_k pre_k * stream_k [T, d], pre from `hc_head_weights`."""
     t, hc, d = streams.shape
-    kernels = fixed_kernels(streams)
-    if kernels is not None:
-        return kernels.hc_collapse(streams, _fixed_mix(streams, fn), base, scale, 0, hc_eps, norm_eps, head=True)
-    lib = native.library_for(streams, fn, base, scale)
-    if lib is not None and native_collapse_serves(t, fn):
+    c = ops.hc
+    if c.rows is not None:
+        return c.rows.hc_collapse(streams, _fixed_mix(ops, streams, fn), base, scale, 0, hc_eps, norm_eps, head=True)
+    if c.native is not None and native_collapse_serves(ops, t, fn):
+        lib, streams = c.native, _fp32_cpu(streams, fn, base, scale)
         out = torch.empty(t, d, dtype=torch.float32)
         params = HcParams(fn.data_ptr(), base.data_ptr(), scale.data_ptr(), 0, hc_eps, norm_eps)
-        if lib.kv_hc_head(params, streams.data_ptr(), t, hc, d, out.data_ptr()) == 0:
-            return out
-    return weighted_streams(hc_head_weights(streams, fn, base, scale, hc_eps, norm_eps), streams)
+        if lib.kv_hc_head(params, streams.data_ptr(), t, hc, d, out.data_ptr()) != 0:
+            raise KernelError(f"kv_hc_head takes 1..{HC_MAX} streams, got {hc}")
+        return out
+    return weighted_streams(hc_head_weights(ops, streams, fn, base, scale, hc_eps, norm_eps), streams)
 
 
 def stream_mean(streams: torch.Tensor) -> torch.Tensor:
@@ -140,13 +153,15 @@ def stream_mean(streams: torch.Tensor) -> torch.Tensor:
     return (acc / streams.shape[1]).to(streams.dtype)
 
 
-def hc_expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_expand(ops: Backend, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+              ) -> torch.Tensor:
     """X'_k = post_k * out + sum_j comb[j, k] X_j, in the streams' dtype."""
-    kernels = fixed_kernels(streams)
-    if kernels is not None:
-        return kernels.hc_expand(streams, out, post, comb)
-    lib = native.library_for(streams, out, post, comb)
-    if lib is not None:
+    c = ops.hc
+    if c.rows is not None:
+        return c.rows.hc_expand(streams, out, post, comb)
+    if c.native is not None:
+        lib, streams = c.native, _fp32_cpu(streams, out, post, comb)
+        out, post, comb = out.contiguous(), post.contiguous(), comb.contiguous()
         t, hc, d = streams.shape
         res = torch.empty_like(streams)
         lib.kv_hc_expand(streams.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), t, hc, d,

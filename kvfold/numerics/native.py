@@ -7,10 +7,10 @@ order, so a row's bits never depend on its batch (batch-invariant by constructio
 
 The library builds native.c with the system C compiler (`cc`, or $CC) into a per-user cache
 ($KVFOLD_CACHE_DIR, else $XDG_CACHE_HOME/kvfold, else ~/.cache/kvfold) on first use, keyed by the
-source, flags and CPU, and falls back to the torch formulas when no compiler is found, with one
-warning. KVFOLD_NATIVE=0 turns the kernels off (for A/B runs); `use_native(False)` does the same
-in-process. KVFOLD_NATIVE_ISA=avx2 builds them without AVX-512 (the same bits, checked by the
-tests). Only fp32 CPU tensors reach the kernels; other dtypes and devices keep torch.
+source, flags and CPU; without a compiler `library()` is None, with one warning, and every model
+runs the torch references (numerics/backend.py chooses, once per model, which ops run native.c:
+KVFOLD_NATIVE=0 or `model.set_kernels(KernelSet(native=False))` turns it off for A/B runs).
+KVFOLD_NATIVE_ISA=avx2 builds them without AVX-512 (the same bits, checked by the tests).
 
 Loading gives every function its ctypes signature and holds every struct the Python side mirrors
 to the library's own layout of it (native_abi.py); a difference refuses the library with a
@@ -18,7 +18,6 @@ NativeAbiError, raised by every `library()` call, not a fallback to torch: it is
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -52,7 +51,6 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _refused: NativeAbiError | None = None  # the loaded library's ABI differs from native_abi.py's
 _tried = False
-_enabled = os.environ.get("KVFOLD_NATIVE", "1") != "0"
 
 
 def _cpu_key() -> str:
@@ -104,11 +102,9 @@ def _build_with(compiler: str, flags: list[str]) -> Path:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, building them on first use; None when disabled or unbuildable. Raises
+    """The loaded kernels, building them on first use; None when they cannot be built. Raises
     NativeAbiError when the library's structs or functions differ from native_abi.py's."""
     global _lib, _refused, _tried
-    if not _enabled:
-        return None
     if not _tried:
         with _lock:
             if not _tried:
@@ -144,32 +140,6 @@ def available() -> bool:
     return library() is not None
 
 
-@contextlib.contextmanager
-def use_native(on: bool):
-    """Within: the native kernels on or off (this process, all threads)."""
-    global _enabled
-    before = _enabled
-    _enabled = on
-    try:
-        yield
-    finally:
-        _enabled = before
-
-
-def library_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The one dispatch guard: the loaded kernels when they can serve these tensors (all
-    contiguous fp32 CPU tensors, kernels on and built), else None (the caller runs torch)."""
-    lib = library()
-    return lib if lib is not None and fp32_cpu(*tensors) else None
-
-
 def fp32_cpu(*tensors: torch.Tensor) -> bool:
     """Whether every tensor is a contiguous fp32 CPU tensor (what the kernels read)."""
-    for t in tensors:
-        if t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous():
-            return False
-    return True
-
-
-_F32 = torch.float32
-
+    return all(t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)

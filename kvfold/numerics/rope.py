@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from . import native
+from .backend import Backend, KernelError
 from .native_abi import RopeArgs
-from .rows import fixed_kernels, unary
+from .rows import unary
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn=None) -> torch.Tensor:
@@ -38,15 +38,16 @@ class RopeTable:
         self.rope_dim = rope_dim
         self.inv_freq = rope_inv_freq(rope_dim, theta, yarn).to(device)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, ops: Backend, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin of p * f for every position: `unary`'s, so that in batch-invariant mode a
         row's values do not depend on the other positions of the call (a vectorised loop
         computes its tail with other code than its body)."""
         freqs = torch.outer(positions.to(self.inv_freq.device, torch.float32), self.inv_freq)
-        return unary("cos", freqs), unary("sin", freqs)
+        return unary(ops, "cos", freqs), unary(ops, "sin", freqs)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(ops: Backend, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+               ) -> torch.Tensor:
     """Rotate the trailing 2*cos.shape[-1] dims of x as interleaved (even, odd) pairs.
 
     cos/sin are [T, rope_dim/2]; x is [T, ..., D] and they broadcast over the middle dims.
@@ -55,16 +56,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """
     half = cos.shape[-1]
     rd = 2 * half
-    kernels = fixed_kernels(x)  # batch-invariant mode off the CPU: per row in Triton
-    if kernels is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
-        return kernels.rope(x, cos, sin, inverse)
-    lib = native.library_for(x, cos, sin)
-    if lib is not None and x.dim() >= 2 and cos.dim() == 2 and x.shape[0] == cos.shape[0] and x.shape[-1] >= rd:
-        out = torch.empty_like(x)
-        t, d = x.shape[0], x.shape[-1]
-        lib.kv_rope(RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t,
-                             x.numel() // (t * d) if t * d else 0, d, half, int(inverse)))
-        return out
+    c = ops.rope
+    if c.rows is None and c.native is None:
+        return _torch_rope(x, cos, sin, inverse, half)
+    if x.dim() < 2 or cos.dim() != 2 or x.shape[0] != cos.shape[0] or x.shape[-1] < rd:
+        raise KernelError(f"rope kernels take x [T, ..., D >= {rd}] and cos/sin [T, {half}], "
+                          f"got {tuple(x.shape)} and {tuple(cos.shape)}")
+    if c.rows is not None:  # batch-invariant mode off the CPU: per row in Triton
+        return c.rows.rope(x, cos, sin, inverse)
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise KernelError(f"kv_rope reads fp32 CPU rows, got {x.dtype} on {x.device}")
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(x)
+    t, d = x.shape[0], x.shape[-1]
+    c.native.kv_rope(RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t,
+                              x.numel() // (t * d) if t * d else 0, d, half, int(inverse)))
+    return out
+
+
+def _torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool, half: int) -> torch.Tensor:
+    rd = 2 * half
     if x.dtype == torch.float32:  # rotate the pairs in place in a copy: no cat, no casts
         out = x.clone() if x.is_contiguous() else x.contiguous()
         pairs = torch.view_as_complex(out.view(*x.shape[:-1], x.shape[-1] // 2, 2))[..., -half:]

@@ -5,13 +5,13 @@ sequence's tokens must not change with the server's load, and a prefix-cache hit
 bit-identical to a cold run. Third-party CPU kernels give no such promise: MKL and ATen pick
 other GEMM kernels and blockings by row count, instruction set and thread count, and ATen's
 vectorised elementwise and reduction kernels compute tails and thread chunks with other code
-than the body. So inside `batch_invariant_scope()` every token-parallel op (the ones that run on the
+than the body. So in batch-invariant mode (`Backend.batch_invariant`) every token-parallel op (the ones that run on the
 concatenated rows of several sequences) goes through native.c, whose arithmetic the program
 fixes:
   * `row_mm` (projections, experts, router, lm_head, the grouped output projection): every
     output is native.c's one `dot`, a fixed sequence of roundings that depends on K only, not
     on the row count, the row's place in its tile, the thread count or the vector width;
-  * `row_swiglu` and `route_rows` (the MoE's activations and routing), `unary` and `l2norm`
+  * `swiglu` and `route_rows` (the MoE's activations and routing), `unary` and `l2norm`
     (KDA's gates and normalisation): each row on its own, transcendental functions as scalar
     libm calls;
   * RMSNorm, rope and the mHC collapse, head and expand are native per-row kernels already.
@@ -23,114 +23,27 @@ its rows in a fresh buffer of the shape, strides and alignment it would have alo
 MKL may take other code paths for other alignments).
 
 Off the CPU the same ops take the Triton fixed-order row kernels instead (triton_rows.py, fp32
-and bf16), chosen by `triton_ops.fixed_rows` at each op's one dispatch point here, in norms.py,
-rope.py and hc.py; the MoE routing composes them with exact selection (`route_rows`). Every
-sequence's rows then reach the per-sequence ops in a fresh buffer (`fresh_rows`), decode rows too:
-torch's kernels there run on the sequence's own shapes, but may pick other code for another
-alignment.
-
-`invariance_unsupported` says why a model cannot use the mode (other dtypes or devices, no C
-compiler on the CPU, no triton on CUDA); `invariance_by_default` where it is on from the start
-(fp32 CPU models with native.c: off the CPU it stays an explicit choice).
+and bf16), as the model's Backend chose them at set-up (backend.py); the MoE routing composes
+them with exact selection (`route_rows`). Every sequence's rows then reach the per-sequence ops
+in a fresh buffer (`Backend.fresh_rows`), decode rows too: torch's kernels there run on the
+sequence's own shapes, but may pick other code for another alignment.
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from . import native, triton_ops
+from .backend import Backend, KernelError
 from .native_abi import MatmulArgs, RouteParams
 
-_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_rows_invariant", default=False)
-_FIXED: contextvars.ContextVar[bool] = contextvars.ContextVar("kvfold_fixed_order", default=False)
 _F32 = torch.float32
 _SERIAL_MACS = 1 << 17  # below this a matmul runs on one thread (the thread count changes no bits)
 
 
-@contextlib.contextmanager
-def batch_invariant_scope(on: bool = True):
-    """Within: token-parallel ops take the batch-invariant native kernels."""
-    token = _ON.set(bool(on))
-    try:
-        yield
-    finally:
-        _ON.reset(token)
-
-
-def in_batch_invariant_scope() -> bool:
-    """Whether the current model call runs in batch-invariant mode (inside `batch_invariant_scope()`)."""
-    return _ON.get()
-
-
-@contextlib.contextmanager
-def fixed_order_scope(on: bool = True):
-    """Within: every weight matmul takes native.c's fixed-order dot (fp32 accumulation, whatever
-    the row count), and `unary`'s functions of fp32 rows native.c's scalar code; the rest of the
-    arithmetic is unchanged. Reference numerics (bf16) runs in it, so that decode and any chunking
-    of a prefill see the same bits: torch's GEMMs pick other kernels, with other accumulation
-    orders, by row count and instruction set (AMX, AVX512-BF16), and its vectorised elementwise
-    loops compute a call's tail with other code than its body."""
-    token = _FIXED.set(bool(on) and native.library() is not None)
-    try:
-        yield
-    finally:
-        _FIXED.reset(token)
-
-
-def in_fixed_order_scope() -> bool:
-    """Whether weight matmuls take the fixed-order native dot and `unary` / `l2norm` native.c's
-    per-element code (batch-invariant mode, or inside `fixed_order_scope()`)."""
-    return _ON.get() or _FIXED.get()
-
-
-def invariance_unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why a model of this dtype and device cannot run batch-invariant, or None if it can."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if dtype not in (torch.float32, torch.bfloat16):
-            return f"batch-invariant mode on CUDA runs fp32 and bf16 models (this one is {dtype})"
-        if triton_ops.fixed_rows(dev) is None:
-            return "batch-invariant mode on CUDA runs kvfold's Triton kernels: install triton (the gpu extra)"
-        return None
-    triton_rows = dev.type == "cpu" and triton_ops.fixed_rows(dev) is not None
-    if dev.type != "cpu" or dtype not in ((torch.float32, torch.bfloat16) if triton_rows else (torch.float32,)):
-        return f"batch-invariant mode runs fp32 models on the CPU, fp32 and bf16 on CUDA (this one is {dtype} on {dev})"
-    if native.library() is None and not triton_rows:
-        return "batch-invariant mode needs kvfold's native CPU kernels (a C compiler, and KVFOLD_NATIVE not 0)"
-    return None
-
-
-def invariance_by_default(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model starts (and an engine runs) batch-invariant unless told otherwise: fp32 on
-    the CPU with native.c. On CUDA the mode runs the Triton row kernels, whose matmul uses no
-    tensor cores, and it has not been timed there yet, so it is asked for
-    (`set_batch_invariant(True)`)."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and native.library() is not None
-
-
-def fixed_kernels(t: torch.Tensor):
-    """The Triton row kernels where batch-invariant mode runs them for `t` (see the module
-    docstring), else None (native.c, or torch outside the mode)."""
-    return triton_ops.fixed_rows(t.device) if _ON.get() else None
-
-
-def fresh_rows(length: int, device: torch.device) -> bool:
-    """Whether, in batch-invariant mode, a sequence of `length` rows gets them in a fresh buffer
-    (`own_rows`): chunks always; decode rows where the Triton kernels serve the mode (native.c's
-    decode rows read their inputs wherever they lie)."""
-    return _ON.get() and (length > 1 or triton_ops.fixed_rows(device) is not None)
-
-
-def _lib():
-    lib = native.library()
-    if lib is None:
-        raise ConfigError("batch-invariant mode needs kvfold's native CPU kernels, which are off "
-                          "(use_native(False) or KVFOLD_NATIVE=0); turn the mode off first")
-    return lib
+def _lib(choice):
+    if choice.native is None:
+        raise KernelError(f"{choice.op} runs {choice.kind} here ({choice.reason}), not native.c")
+    return choice.native
 
 
 def _threads(macs: int) -> int:
@@ -145,8 +58,8 @@ def _rows_of(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= x2.shape[1]) else x2.contiguous()
 
 
-def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T with native.c's fixed-order dot for every output."""
+def invariant_mm(lib, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T with native.c's fixed-order dot for every output (`lib`: native.c)."""
     x2 = x if x.dim() == 2 and x.is_contiguous() and x.dtype is _F32 and x.is_cpu else _rows_of(x)
     w = weight if weight.is_contiguous() else weight.contiguous()
     if w.dtype is not _F32:
@@ -155,60 +68,59 @@ def invariant_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     out = torch.empty(m, n, dtype=_F32)
     if m and n:
-        _lib().kv_matmul(MatmulArgs(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), out.data_ptr(), n, m,
+        lib.kv_matmul(MatmulArgs(x2.data_ptr(), x2.stride(0) if m > 1 else k, w.data_ptr(), out.data_ptr(), n, m,
                                     n, k, _threads(m * n * k)))
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def row_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T: inside `batch_invariant_scope()` the Triton fixed-order matmul off
-    the CPU (`fixed_kernels`), else `invariant_mm` (and that for fp32 CPU operands inside
-    `fixed_order_scope()`); torch's GEMM otherwise."""
-    if _ON.get():
-        kernels = triton_ops.fixed_rows(x.device)
-        if kernels is not None:
-            out = kernels.mm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
-            return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
-        return invariant_mm(x, weight)
-    if _FIXED.get() and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu:
-        return invariant_mm(x, weight)
+def row_mm(ops: Backend, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T, as `ops.row_mm` says: in batch-invariant mode the Triton
+    fixed-order matmul off the CPU, else `invariant_mm`; in reference numerics `invariant_mm` for
+    fp32 operands (the mHC mix, the router: a bf16 model's bf16 weights go through `weight_mm`);
+    torch's GEMM otherwise."""
+    c = ops.row_mm
+    if c.rows is not None:
+        out = c.rows.mm(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous())
+        return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    if c.native is not None and (ops.batch_invariant or (x.dtype is _F32 and weight.dtype is _F32)):
+        return invariant_mm(c.native, x, weight)
     return F.linear(x, weight)
 
 
-def grouped_row_mm(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_row_mm(ops: Backend, x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """x [T, G, in] -> [T, G*R] with group g's rows of weight [G*R, in] applied to x[:, g]; in
     batch-invariant mode (each group one `invariant_mm` into its columns)."""
     t, g, k = x.shape
     per = weight.shape[0] // groups
     x = x if x.is_contiguous() else x.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    kernels = fixed_kernels(x)
-    if kernels is not None:  # each group's rows of w into its columns, reading x's group in place
+    c = ops.row_mm
+    if c.rows is not None:  # each group's rows of w into its columns, reading x's group in place
         out = torch.empty(t, g * per, dtype=torch.float32, device=x.device)
         for i in range(groups):
-            kernels.mm(x[:, i], w[i * per:(i + 1) * per], out=out[:, i * per:(i + 1) * per])
+            c.rows.mm(x[:, i], w[i * per:(i + 1) * per], out=out[:, i * per:(i + 1) * per])
         return out.to(x.dtype)
     out = torch.empty(t, g * per, dtype=torch.float32)
-    lib = _lib()
+    lib = _lib(c)
     for i in range(groups):
         lib.kv_matmul(MatmulArgs(x.data_ptr() + 4 * i * k, g * k, w.data_ptr() + 4 * i * per * k,
                                  out.data_ptr() + 4 * i * per, g * per, t, per, k, _threads(t * per * k)))
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, L)) * clamp(up, -L, L); inside `batch_invariant_scope()` per row in native.c."""
-    if not _ON.get():
+def swiglu(ops: Backend, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L); in batch-invariant mode per row (`ops.swiglu`)."""
+    c = ops.swiglu
+    if c.kind == "torch":
         return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-    kernels = triton_ops.fixed_rows(gate.device)
-    if kernels is not None:
-        return kernels.swiglu(gate, up, limit)
+    if c.rows is not None:
+        return c.rows.swiglu(gate, up, limit)
     n = gate.shape[-1]
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     if g2.stride(-1) != 1 or u2.stride(-1) != 1 or g2.stride(0) != u2.stride(0) or g2.dtype != torch.float32:
         g2, u2 = g2.float().contiguous(), u2.float().contiguous()
     out = torch.empty(g2.shape[0], n, dtype=torch.float32)
-    _lib().kv_swiglu(g2.data_ptr(), u2.data_ptr(), g2.stride(0) if g2.shape[0] > 1 else n, out.data_ptr(),
+    _lib(c).kv_swiglu(g2.data_ptr(), u2.data_ptr(), g2.stride(0) if g2.shape[0] > 1 else n, out.data_ptr(),
                      g2.shape[0], n, limit)
     return out.view(*gate.shape)
 
@@ -218,55 +130,56 @@ _UNARY = {"sigmoid": (0, torch.sigmoid), "silu": (1, F.silu),
           "cos": (3, torch.cos), "sin": (4, torch.sin)}
 
 
-def unary(name: str, x: torch.Tensor) -> torch.Tensor:
-    """sigmoid / silu / softplus (linear past 20) / cos / sin of x, elementwise; inside
-    `batch_invariant_scope()` or `fixed_order_scope()`, for fp32 CPU tensors, in native.c with scalar libm,
-    so no element depends on its place in the call (ATen computes a vectorised loop's tail with
-    scalar code, whose rounding differs from the body's: a row's values would move with the
-    call's length); in batch-invariant mode off the CPU, per row in Triton (`fixed_kernels`)."""
+def unary(ops: Backend, name: str, x: torch.Tensor) -> torch.Tensor:
+    """sigmoid / silu / softplus (linear past 20) / cos / sin of x, elementwise; where `ops.unary`
+    is native.c (batch-invariant mode, reference numerics), fp32 tensors in native.c with scalar
+    libm, so no element depends on its place in the call (ATen computes a vectorised loop's tail
+    with scalar code, whose rounding differs from the body's: a row's values would move with the
+    call's length); a bf16 model's bf16 tensors keep torch's functions, which native.c does not
+    define; in batch-invariant mode off the CPU, per row in Triton."""
     op, torch_fn = _UNARY[name]
-    kernels = fixed_kernels(x)
-    if kernels is not None:
-        return kernels.unary(name, x)
-    if not in_fixed_order_scope() or x.dtype != torch.float32 or not x.is_cpu:
+    c = ops.unary
+    if c.rows is not None:
+        return c.rows.unary(name, x)
+    if c.native is None or x.dtype != torch.float32:
         return torch_fn(x)
     x = x.contiguous()
     out = torch.empty_like(x)
     if x.numel():
-        _lib().kv_unary(x.data_ptr(), out.data_ptr(), x.numel(), op)
+        c.native.kv_unary(x.data_ptr(), out.data_ptr(), x.numel(), op)
     return out
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(ops: Backend, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim; where `unary` runs natively, each row in
     native.c with a fixed order of additions, whatever the row count (see `unary`)."""
-    kernels = fixed_kernels(x)
-    if kernels is not None:
-        return kernels.norm(x, None, eps, l2=True)
-    if not in_fixed_order_scope() or x.dtype != torch.float32 or not x.is_cpu:
+    c = ops.unary
+    if c.rows is not None:
+        return c.rows.norm(x, None, eps, l2=True)
+    if c.native is None or x.dtype != torch.float32:
         return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
     x = x.contiguous()
     out = torch.empty_like(x)
     d = x.shape[-1]
     if x.numel():
-        _lib().kv_l2norm(x.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
+        c.native.kv_l2norm(x.data_ptr(), out.data_ptr(), x.numel() // d, d, eps)
     return out
 
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
-def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, scale: float, *,
+def route_rows(ops: Backend, x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, scale: float, *,
                bias: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
                token_ids: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
                renorm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's experts in native.c (batch-invariant): -> (weights [T, k] fp32, ids [T, k]
     ascending per row). Hash routing (tid2eid[token]) or biased top-k (ties to the lower id,
     within the topk_group best of n_group groups); weights scores[ids] / sum * scale (float64),
-    or scores[ids] * scale without `renorm`. Off the CPU (`fixed_kernels`): `_route_fixed`."""
-    kernels = fixed_kernels(x)
-    if kernels is not None:
-        return _route_fixed(kernels, x, router_w, scoring, k, scale, bias, tid2eid, token_ids, n_group, topk_group,
+    or scores[ids] * scale without `renorm`. Off the CPU (`ops.route` is triton_rows): `_route_fixed`."""
+    c = ops.route
+    if c.rows is not None:
+        return _route_fixed(c.rows, x, router_w, scoring, k, scale, bias, tid2eid, token_ids, n_group, topk_group,
                             renorm)
     x2 = _rows_of(x).contiguous()
     t, h = x2.shape
@@ -276,7 +189,7 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, scoring: str, k: int, sc
     args = [None if a is None else a.contiguous() for a in (router_w.float(), bias, tid2eid, token_ids)]
     w_ptr, bias_ptr, table_ptr, tok_ptr = (None if a is None else a.data_ptr() for a in args)
     router = RouteParams(h, e, k, n_group, topk_group, SCORING[scoring], int(renorm), scale, w_ptr, bias_ptr, table_ptr)
-    rc = _lib().kv_route(router, x2.data_ptr(), t, tok_ptr, ids.data_ptr(), wts.data_ptr())
+    rc = _lib(c).kv_route(router, x2.data_ptr(), t, tok_ptr, ids.data_ptr(), wts.data_ptr())
     if rc != 0:
         raise ValueError(f"routing refused: k={k} of {e} experts, {n_group} groups (top {topk_group}), "
                          f"or an expert id out of range in tid2eid")

@@ -3,8 +3,8 @@ query's window, selected compressed entries and sink, the indexer's scoring and 
 routed experts of a graph-decode step (each row's experts read where they lie, not gathered).
 
 Each is checked against the torch formula it stands for (tests/test_triton_ops.py, on the CPU
-under `TRITON_INTERPRET=1`). They are off by default and have not run on a GPU; triton_ops.py is
-the switch and imports this module (and triton) only when they are on.
+under `TRITON_INTERPRET=1`). They are off by default and have not run on a GPU; a model's Backend
+(backend.py) imports this module (and triton) only when its KernelSet turns them on.
 
 Fixed-order arithmetic, no atomics: every output is computed by one program, which reduces its
 slots, keys or heads in a fixed order, so a row's result does not depend on which other rows

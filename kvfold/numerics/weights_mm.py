@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from . import native
+from .backend import KernelError
 from .native_abi import MmJob, WeightsDesc
 from .rows import _threads
 
@@ -101,14 +101,12 @@ def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:
     return parts
 
 
-def native_mm(x: torch.Tensor, desc: WeightsDesc, n: int, k: int, index: int = 0,
-              out: torch.Tensor | None = None) -> torch.Tensor | None:
+def native_mm(lib, x: torch.Tensor, desc: WeightsDesc, n: int, k: int, index: int = 0,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] (fp32) @ (matrix `index` of desc)^T -> fp32 [..., n] (written into `out`, an fp32
-    [rows, n] view with unit column stride, when given), or None when the kernels are off or x is
-    not fp32 on the CPU (the caller then runs torch)."""
-    lib = native.library()
-    if lib is None or x.dtype != torch.float32 or not x.is_cpu:
-        return None
+    [rows, n] view with unit column stride, when given), in native.c (`lib`)."""
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise KernelError(f"kv_matmul_weights reads fp32 CPU rows, got {x.dtype} on {x.device}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from .config import CSA, HCA, SLIDING, Dsv4Config
-from ...numerics import apply_rope, native, triton_ops, unweighted_rms_norm
+from ...numerics import apply_rope, native, unweighted_rms_norm
+from ...numerics.backend import Backend, KernelError
 from ...numerics.native_abi import AttendKeys
 from ...numerics.reference import release_q_norm, release_sparse_attn
-from ...numerics.rows import fresh_rows, grouped_row_mm, in_fixed_order_scope, own_rows, in_batch_invariant_scope
+from ...numerics.rows import grouped_row_mm, own_rows
 from ...numerics.weights_mm import native_mm
 from ...profiling import scope
 from .state import LayerState
@@ -44,36 +45,38 @@ class GroupedLinear(nn.Module):
         self.groups = groups
         self.weight = _param(out_total, in_per_group, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:  # x [T, G, in] -> [T, G*R]
         if isinstance(self.weight, QuantizedWeight):
-            y = self._native_quantized(x)
+            y = self._native_quantized(x, ops)
             if y is not None:
                 return y
-        if in_batch_invariant_scope():
+        if ops.batch_invariant:
             weight = self.weight.dequant() if isinstance(self.weight, QuantizedWeight) else self.weight
-            return grouped_row_mm(x.to(weight.dtype), weight, self.groups)
-        if in_fixed_order_scope() and self.weight.dtype == torch.bfloat16:  # reference numerics: each group's
+            return grouped_row_mm(ops, x.to(weight.dtype), weight, self.groups)
+        if ops.fixed_order and self.weight.dtype == torch.bfloat16:  # reference numerics: each group's
             per = self.weight.shape[0] // self.groups  # rows one fixed-order matmul, as weight_mm's
-            return torch.cat([weight_mm(x[:, i], self.weight[i * per:(i + 1) * per]) for i in range(self.groups)], -1)
+            return torch.cat([weight_mm(ops, x[:, i], self.weight[i * per:(i + 1) * per])
+                              for i in range(self.groups)], -1)
         w_t = self._grouped_t()  # [G, in, R]
         if x.dtype != w_t.dtype:
             x = x.to(w_t.dtype)
         return torch.bmm(x.transpose(0, 1), w_t).transpose(0, 1).flatten(1)  # [G, T, in] @ [G, in, R]
 
-    def _native_quantized(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _native_quantized(self, x: torch.Tensor, ops: Backend) -> torch.Tensor | None:
         """Each group's rows of a quantized weight in native.c, read as stored (`weight_mm`'s rule and
-        bits), or None where it cannot run."""
+        bits), or None where `weight_mm` would not read it as stored (the model's dtype, the row
+        count, a weight whose groups native.c cannot split)."""
         w, (t, g, k) = self.weight, x.shape
-        if w.dtype not in (torch.float32, torch.bfloat16) or not reads_as_stored(t):
+        if w.dtype not in (torch.float32, torch.bfloat16) or not reads_as_stored(ops, t):
             return None
         parts = w.native(groups=self.groups)
-        if parts is None or native.library() is None or not x.is_cpu:
+        if parts is None:
             return None
         per = parts[0][1]
         xf = x.float()
         out = torch.empty(t, g * per, dtype=torch.float32)
         for i, (desc, _, _) in enumerate(parts):
-            native_mm(xf[:, i], desc, per, k, out=out[:, i * per:(i + 1) * per])
+            native_mm(ops.weight_mm.native, xf[:, i], desc, per, k, out=out[:, i * per:(i + 1) * per])
         return out if w.dtype == torch.float32 else out.to(w.dtype)
 
     def _grouped_t(self) -> torch.Tensor:
@@ -134,84 +137,85 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: RowBatch) -> torch.Tensor:
         """x [R, hidden]: the batch's rows (each segment one sequence at its positions)."""
-        t = x.shape[0]
+        t, ops = x.shape[0], batch.ops
         rope, cos, sin = batch.rope[SLIDING if self.kind == SLIDING else "compressed"]
-        rows = project_rows(self, x, batch.positions, cos, sin)  # native.c's fused projections, else per op
+        rows = project_rows(ops, self, x, batch.positions, cos, sin)  # native.c's fused projections, else per op
         if rows is None:
             first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
-            rows = self.project(x, batch.positions, first, cos, sin)
+            rows = self.project(x, batch.positions, first, cos, sin, ops)
         out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
         for seg in batch.segments:
-            o = self._one_sequence(seg, self._taker(seg, t, x.device), rows, rope)
+            o = self._one_sequence(seg, self._taker(seg, t, ops), rows, rope, ops)
             if out is None:
                 out = o
             else:
                 out[seg.rows] = o
-        return self.output(out, x.dtype, cos, sin)
+        return self.output(out, x.dtype, cos, sin, ops)
 
-    def output(self, out: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def output(self, out: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,
+               ops: Backend) -> torch.Tensor:
         """Token-parallel: the heads' outputs [R, H, D] (fp32) de-rotated and projected to [R, hidden]."""
-        y = output_rows(self, out, cos, sin)
+        y = output_rows(ops, self, out, cos, sin)
         if y is None:
-            out = apply_rope(out if out.dtype == dtype else out.to(dtype), cos, sin, inverse=True)
-            y = self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1)))
+            out = apply_rope(ops, out if out.dtype == dtype else out.to(dtype), cos, sin, inverse=True)
+            y = self.o_b_proj(self.o_a_proj(out.reshape(out.shape[0], self.o_groups, -1), ops), ops)
         return y if self.tp is None else self.tp.all_reduce_sum(y)  # this rank's heads: one part of the sum
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, first: int | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> dict:
+                sin: torch.Tensor, ops: Backend) -> dict:
         """Token-parallel: every projection of every row at once (`first`: a lone row's position
         as an int, which spares an index tensor; else None)."""
         t = x.shape[0]
-        q_lora = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
+        q_lora = self.q_a_norm(self.q_a_proj(x, ops), ops)
+        q = self.q_b_proj(q_lora, ops).view(t, self.n_heads, self.head_dim)
         if self.simulate_kv:  # the release's per-head q norm, in bf16
             q = release_q_norm(q, self.eps)
         else:
-            q = unweighted_rms_norm(q, self.eps)
-        rows = {"q": apply_rope(q, cos, sin),
-                "kv": apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)}  # [R, D], K = V
+            q = unweighted_rms_norm(ops, q, self.eps)
+        rows = {"q": apply_rope(ops, q, cos, sin),
+                "kv": apply_rope(ops, self.kv_norm(self.kv_proj(x, ops), ops), cos, sin)}  # [R, D], K = V
         if self.simulate_kv:
             rows["kv"] = simulate_kv_fp8(rows["kv"], self.head_dim - self.rope_dim)
         if self.compressor is not None:
             with scope("compressors"):
-                rows["comp"] = self.compressor.project(x, positions, first)
+                rows["comp"] = self.compressor.project(x, positions, first, ops)
                 if self.kind == CSA:
-                    rows["idx_kv"] = self.compressor.indexer.project(x, positions, first)
+                    rows["idx_kv"] = self.compressor.indexer.project(x, positions, first, ops)
             if self.kind == CSA:
                 with scope("indexer select"):
-                    rows["idx_q"] = self.compressor.indexer.queries(x, q_lora, cos, sin)
+                    rows["idx_q"] = self.compressor.indexer.queries(x, q_lora, cos, sin, ops)
         rows["positions"] = positions
         return rows
 
     @staticmethod
-    def _taker(seg, t: int, device: torch.device):
+    def _taker(seg, t: int, ops: Backend):
         """How a sequence reads its rows of a batch tensor."""
-        if fresh_rows(seg.length, device):  # in a fresh buffer, as when the sequence runs alone
+        if ops.fresh_rows(seg.length):  # in a fresh buffer, as when the sequence runs alone
             return lambda a: own_rows(a, seg.rows)
         if seg.length == t:  # the only segment: its rows are the whole tensors
             return lambda a: a
         return lambda a: a[seg.rows]
 
-    def _one_sequence(self, seg, take, rows: dict, rope) -> torch.Tensor:
+    def _one_sequence(self, seg, take, rows: dict, rope, ops: Backend) -> torch.Tensor:
         """One sequence: fold its compressors, select, attend to its own state, write its window."""
         ls: LayerState = seg.state.layers[self.layer_idx]
         start = seg.start
-        if seg.length == 1 and triton_ops.kernels_for(rows["q"].device) is None:
+        if seg.length == 1 and ops.sparse_attention.triton is None:
             with scope("attention core"):  # a decode row: all of it in one native call where the state allows
-                o = sequence_row(self, ls, start, rows, take, rope)
+                o = sequence_row(ops, self, ls, start, rows, take, rope)
             if o is not None:
                 return o
         selected = None
         if self.compressor is not None:
             with scope("compressors"):
-                self.compressor.fold(take(rows["comp"][0]), take(rows["comp"][1]), start, ls.compressor, rope)
+                self.compressor.fold(take(rows["comp"][0]), take(rows["comp"][1]), start, ls.compressor, rope, ops)
                 if self.kind == CSA:
                     self.compressor.indexer.fold(take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), start,
-                                                 ls.indexer, rope)
+                                                 ls.indexer, rope, ops)
             if self.kind == CSA:
                 with scope("indexer select"):
                     selected = self.compressor.indexer.select(take(rows["idx_q"][0]), take(rows["idx_q"][1]),
-                                                              start, ls.indexer)
+                                                              start, ls.indexer, ops)
         kv_seg = take(rows["kv"])
         fp8_nope = ls.window.store.fp8_nope
         if fp8_nope is not None:  # attend to fresh rows exactly as they will read back from FP8
@@ -219,12 +223,12 @@ class Attention(nn.Module):
         # window keys: surviving ring rows, then this chunk's rows (never overwritten mid-chunk)
         prev_start = max(0, start - self.window + 1)
         with scope("attention core"):
-            o = self._attend(take(rows["q"]), kv_seg, prev_start, start, ls, selected, take(rows["positions"]))
+            o = self._attend(take(rows["q"]), kv_seg, prev_start, start, ls, selected, take(rows["positions"]), ops)
         ls.window.write(start, kv_seg)
         return o
 
     def _attend(self, q: torch.Tensor, kv_seg: torch.Tensor, local_start: int, start: int, ls: LayerState,
-                selected: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+                selected: torch.Tensor | None, positions: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Each of the T queries' softmax over its window band (the ring's rows of positions
         local_start..start-1, then the chunk's `kv_seg`), its compressed entries and the sink; a
         lone fp32 query (decode) runs as one native call of the same formula, reading the ring in place."""
@@ -239,9 +243,9 @@ class Attention(nn.Module):
             local = ls.window.read_then(local_start, start, kv_seg)
             return self._attend_release(q, local, local_start, start, pool, selected, n_comp, sinks, positions)
         q = (q if q.dtype == f32 else q.float()) * d ** -0.5
-        kernels = triton_ops.kernels_for(q.device)  # off by default (triton_ops.py)
-        if kernels is None and t == 1:
-            out = _native_attend_one(q, ls.window.runs(local_start, start) + [kv_seg], pool, selected, n_comp,
+        kernels = ops.sparse_attention.triton  # off by default (KernelSet.triton)
+        if ops.sparse_attention.native is not None and t == 1:
+            out = _native_attend_one(ops, q, ls.window.runs(local_start, start) + [kv_seg], pool, selected, n_comp,
                                      sinks, self.kind)
             if out is not None:
                 return out
@@ -365,23 +369,26 @@ def sink_attention(q: torch.Tensor, keys: list[torch.Tensor], masks: list[torch.
     return acc
 
 
-def _native_attend_one(q: torch.Tensor, window: list[torch.Tensor], pool, selected: torch.Tensor | None,
-                       n_comp: int, sinks: torch.Tensor, kind: str) -> torch.Tensor | None:
-    """`Attention._attend` of one query in one native call (fp32 CPU keys and pools, private or
-    paged), else None. `window`: up to three runs of window keys, in position order."""
-    lib = native.library_for(q, sinks, *window)
-    if lib is None or len(window) > 3:
-        return None
+def _native_attend_one(ops: Backend, q: torch.Tensor, window: list[torch.Tensor], pool,
+                       selected: torch.Tensor | None, n_comp: int, sinks: torch.Tensor, kind: str
+                       ) -> torch.Tensor | None:
+    """`Attention._attend` of one query in one native call (`ops.sparse_attention`: fp32 CPU keys,
+    pools private or paged), else None where the state's format is not what the kernel reads (an
+    FP8 compressed pool). `window`: up to three runs of window keys, in position order."""
+    lib = ops.sparse_attention.native
+    if not native.fp32_cpu(q, sinks, *window) or len(window) > 3:
+        raise KernelError(f"kv_attend_one reads one fp32 CPU query and up to three contiguous fp32 runs of "
+                          f"window keys, got {q.dtype} and {[(w.dtype, w.is_contiguous()) for w in window]}")
     data = phys = sel = None
     if n_comp > 0:
         source = plain_rows(pool)
-        if source is None:
+        if source is None:  # FP8 entries: the per-op path decodes them
             return None
         data, phys = source
         if kind == CSA:
             sel = selected[0]
             if sel.dtype != torch.int64 or not sel.is_contiguous():
-                return None
+                raise KernelError(f"kv_attend_one reads int64 contiguous picks, got {sel.dtype}")
     _, h, d = q.shape
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     keys = AttendKeys(pool=ptr(data), phys=ptr(phys), sel=ptr(sel), n_comp=n_comp)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ...numerics import RopeTable, apply_rope, pool_windows
+from ...numerics.backend import Backend
 from ...numerics.quant import fp4_e2m1_simulate, fp8_e4m3_simulate, hadamard
 from .state import CompressorState
 from ...layers.basic import Linear, Norm, _param
@@ -30,17 +31,17 @@ class Compressor(nn.Module):
         self.position_bias = _param(ratio, m * width, dtype=torch.float32, device=device)
         self.kv_norm = Norm(width, eps, device)
 
-    def step(self, x: torch.Tensor, start: int, st: CompressorState, rope: RopeTable) -> None:
+    def step(self, x: torch.Tensor, start: int, st: CompressorState, rope: RopeTable, ops: Backend) -> None:
         """Consume the rows of positions [start, start + T) (x: [T, hidden])."""
         positions = None if x.shape[0] == 1 else torch.arange(start, start + x.shape[0], device=x.device)
-        self.fold(*self.project(x, positions, start), start, st, rope)
+        self.fold(*self.project(x, positions, start, ops), start, st, rope, ops)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor | None, first: int | None = None
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None, first: int | None, ops: Backend
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-parallel half: (kv, score) rows [T, m * width] fp32 for x [T, hidden] at `positions`
-        (a single row may give its position as `first` instead)."""
-        kv = self.kv_proj(x)
-        score = self.gate_proj(x)
+        (a single row may give its position as `first` instead, else None)."""
+        kv = self.kv_proj(x, ops)
+        score = self.gate_proj(x, ops)
         kv = kv if kv.dtype == torch.float32 else kv.float()
         score = score if score.dtype == torch.float32 else score.float()
         if x.shape[0] == 1 and first is not None:
@@ -48,7 +49,7 @@ class Compressor(nn.Module):
         return kv, score + self.position_bias[positions % self.ratio]
 
     def fold(self, kv: torch.Tensor, score: torch.Tensor, start: int, st: CompressorState,
-             rope: RopeTable) -> None:
+             rope: RopeTable, ops: Backend) -> None:
         """One sequence's half: take the (kv, score) rows of positions [start, start + T); emit every
         entry whose window completes inside them into `st.pool`; leave the open rows in the ring."""
         t = kv.shape[0]
@@ -66,10 +67,10 @@ class Compressor(nn.Module):
             parts_sc.append(st.score.read(old_from, start))
             parts_kv.append(kv[: need_end - start])
             parts_sc.append(score[: need_end - start])
-            pooled = pool_windows(torch.cat(parts_kv), torch.cat(parts_sc), r, self.overlap)
-            entries = self.kv_norm(pooled.to(st.pool.dtype))  # cast to the activation dtype, then norm
-            cos, sin = rope.cos_sin(torch.arange(first_w, end_w, device=kv.device) * r)
-            st.pool[first_w:end_w] = self._simulate(apply_rope(entries, cos, sin))
+            pooled = pool_windows(ops, torch.cat(parts_kv), torch.cat(parts_sc), r, self.overlap)
+            entries = self.kv_norm(pooled.to(st.pool.dtype), ops)  # cast to the activation dtype, then norm
+            cos, sin = rope.cos_sin(ops, torch.arange(first_w, end_w, device=kv.device) * r)
+            st.pool[first_w:end_w] = self._simulate(apply_rope(ops, entries, cos, sin))
         st.kv.write(start, kv)
         st.score.write(start, score)
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 
 from ...layers.mhc import HyperConnection
-from ...numerics import apply_rope, pool_windows, topk_lower_index, triton_ops
+from ...numerics import apply_rope, pool_windows, topk_lower_index
+from ...numerics.backend import Backend
 from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import COMPRESSOR, INDEXER
 from .attention import sink_attention
@@ -53,9 +54,10 @@ def arena_specs(cfg: Dsv4Config, dtype: torch.dtype, max_rewind: int) -> list[Ri
 
 
 @torch.no_grad()
-def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model, ops: Backend, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, context: int | None = None) -> torch.Tensor:
-    """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n].
+    """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n],
+    with the kernels of `ops` (the model's Backend in the caller's mode).
     Writes each row's window, compressor and pool rows, and returns (logits [N, vocab] fp32, the
     final streams [N, hc, hidden], which an MTP drafter reads).
     `context`: a bound on every position + 1 (default the arena's capacity); the indexer and HCA
@@ -63,24 +65,24 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
     advances each state's cursors (`pos`, `written_until`) afterwards."""
     cfg = model.config
     rows = ArenaRows(arena, positions, slots, arena.capacity if context is None else context)
-    rope = {SLIDING: (model.rope_main, *model.rope_main.cos_sin(positions))}
+    rope = {SLIDING: (model.rope_main, *model.rope_main.cos_sin(ops, positions))}
     if any(k != SLIDING for k in cfg.layer_types):
-        rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(positions))
+        rope["compressed"] = (model.rope_compress, *model.rope_compress.cos_sin(ops, positions))
     streams = model.model.embed_tokens(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
     for block in model.model.layers:
-        x, post, comb = block.attn_hc.collapse(streams)
-        y = _attention(block.self_attn, block.input_layernorm(x), rows, rope)
-        streams = HyperConnection.expand(streams, y, post, comb)
-        x, post, comb = block.ffn_hc.collapse(streams)
-        y = _moe(block.mlp, block.post_attention_layernorm(x), tokens)
-        streams = HyperConnection.expand(streams, y, post, comb)
-    return model.lm_head(model.model.norm(model.model.hc_head(streams))).float(), streams
+        x, post, comb = block.attn_hc.collapse(streams, ops)
+        y = _attention(ops, block.self_attn, block.input_layernorm(x, ops), rows, rope)
+        streams = HyperConnection.expand(streams, y, post, comb, ops)
+        x, post, comb = block.ffn_hc.collapse(streams, ops)
+        y = _moe(ops, block.mlp, block.post_attention_layernorm(x, ops), tokens)
+        streams = HyperConnection.expand(streams, y, post, comb, ops)
+    return model.lm_head(model.model.norm(model.model.hc_head(streams, ops), ops), ops).float(), streams
 
 
-def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tensor:
+def _attention(ops: Backend, attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tensor:
     """Attention.forward for one decode row per sequence, with masks in place of sizes."""
     table, cos, sin = rope[SLIDING if attn.kind == SLIDING else "compressed"]
-    proj = attn.project(x, rows.positions, None, cos, sin)
+    proj = attn.project(x, rows.positions, None, cos, sin, ops)
     i, p, f32 = attn.layer_idx, rows.positions, torch.float32
     window = rows.arena.rings[(i, "window")]  # [slots + 1, W + max_rewind, D]
     ring = window.shape[1]
@@ -88,24 +90,24 @@ def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tens
     window[rows.slots, p % ring] = proj["kv"].to(window.dtype)
     wpos = p[:, None] - attn.window + 1 + torch.arange(attn.window, device=p.device)
     # each key set as (table, rows of it per query, valid): the Triton kernel reads the tables in
-    # place (triton_ops.py, off by default); torch gathers the rows
+    # place (`ops.sparse_attention`, off by default); torch gathers the rows
     sets = [(window.view(-1, window.shape[-1]), rows.slots[:, None] * ring + wpos % ring, wpos >= 0)]
     if attn.compressor is not None:
         comp = attn.compressor
         storage, per = rows.pool(i, COMPRESSOR, attn.ratio)
-        _fold(comp, *proj["comp"], rows, (i, COMPRESSOR), storage, per, table)
+        _fold(ops, comp, *proj["comp"], rows, (i, COMPRESSOR), storage, per, table)
         entries = torch.arange(rows.n_entries(attn.ratio, per), device=p.device).expand(p.shape[0], -1)
         if attn.kind == CSA:
             ix_storage, ix_per = rows.pool(i, INDEXER, attn.ratio)
-            _fold(comp.indexer, *proj["idx_kv"], rows, (i, INDEXER), ix_storage, ix_per, table)
-            entries = _select(comp.indexer, *proj["idx_q"], rows, ix_storage, ix_per)
+            _fold(ops, comp.indexer, *proj["idx_kv"], rows, (i, INDEXER), ix_storage, ix_per, table)
+            entries = _select(ops, comp.indexer, *proj["idx_q"], rows, ix_storage, ix_per)
             visible = entries >= 0
         else:
             visible = entries < ((p + 1) // attn.ratio)[:, None]
         sets.append((storage, rows.entry_rows(entries.clamp(min=0), per), visible))
     q = proj["q"].float() * attn.head_dim ** -0.5
     sinks = attn.sinks if attn.sinks.dtype == f32 else attn.sinks.float()
-    kernels = triton_ops.kernels_for(q.device)
+    kernels = ops.sparse_attention.triton
     if kernels is not None:
         (keys_w, at_w, ok_w), *comp = sets
         keys_c, at_c, ok_c = comp[0] if comp else (None, None, None)
@@ -114,7 +116,7 @@ def _attention(attn, x: torch.Tensor, rows: ArenaRows, rope: dict) -> torch.Tens
     else:
         keys = [_masked(table[at], ok) for table, at, ok in sets]
         out = sink_attention(q, [k if k.dtype == f32 else k.float() for k in keys], [ok for _, _, ok in sets], sinks)
-    return attn.output(out, x.dtype, cos, sin)
+    return attn.output(out, x.dtype, cos, sin, ops)
 
 
 def _masked(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -123,8 +125,8 @@ def _masked(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid[..., None], keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
 
 
-def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: ArenaRows, key: tuple, storage: torch.Tensor, per: int,
-          rope) -> None:
+def _fold(ops: Backend, comp, kv: torch.Tensor, score: torch.Tensor, rows: ArenaRows, key: tuple,
+          storage: torch.Tensor, per: int, rope) -> None:
     """Compressor.fold for one row per sequence: keep the row in the rings, pool the window that
     holds p, and write its entry to pool row p // r where p closes it (else to the scratch page)."""
     r, p = comp.ratio, rows.positions
@@ -137,25 +139,25 @@ def _fold(comp, kv: torch.Tensor, score: torch.Tensor, rows: ArenaRows, key: tup
     rpos = (w * r - (span - r))[:, None] + torch.arange(span, device=p.device)
     real = (rpos >= 0)[..., None]  # window 0 has no previous window: empty slots, weight 0
     where = rows.slots[:, None], rpos % n_ring
-    pooled = pool_windows(torch.where(real, ring_kv[where], 0.0), torch.where(real, ring_sc[where], float("-inf")),
-                          r, comp.overlap)[:, 0]
-    cos, sin = rope.cos_sin(w * r)
-    entry = comp._simulate(apply_rope(comp.kv_norm(pooled.to(storage.dtype)), cos, sin))
+    pooled = pool_windows(ops, torch.where(real, ring_kv[where], 0.0),
+                          torch.where(real, ring_sc[where], float("-inf")), r, comp.overlap)[:, 0]
+    cos, sin = rope.cos_sin(ops, w * r)
+    entry = comp._simulate(apply_rope(ops, comp.kv_norm(pooled.to(storage.dtype), ops), cos, sin))
     closes = (p + 1) % r == 0
     target = torch.where(closes, rows.entry_rows(w[:, None], per)[:, 0], rows.scratch_row(per))
     storage[target] = entry.to(storage.dtype)
 
 
-def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage: torch.Tensor, per: int
-            ) -> torch.Tensor:
+def _select(ops: Backend, indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage: torch.Tensor,
+            per: int) -> torch.Tensor:
     """Indexer.select for one query per sequence over every entry below the step's context
     bound, the invisible ones scored -inf: [N, index_topk] entries, ascending, -1 padded."""
     n_entries = rows.n_entries(indexer.ratio, per)
     entries = torch.arange(n_entries, device=q.device)
     at = rows.entry_rows(entries.expand(q.shape[0], -1), per)  # [N, E] rows of the pool storage
     visible = (rows.positions + 1) // indexer.ratio
-    kernels = triton_ops.kernels_for(q.device)
-    if kernels is not None:  # the scores read the pool in place (triton_ops.py, off by default)
+    kernels = ops.index_topk.triton
+    if kernels is not None:  # the scores read the pool in place (`ops.index_topk`, off by default)
         return kernels.topk_lower_index(kernels.index_scores(q, w, storage, visible, rows=at), indexer.topk)
     keys = storage[at]  # [N, E, d]
     s = torch.relu(q @ keys.to(q.dtype).transpose(1, 2))  # [N, H, E]
@@ -164,10 +166,10 @@ def _select(indexer, q: torch.Tensor, w: torch.Tensor, rows: ArenaRows, storage:
     return topk_lower_index(scores.float(), indexer.topk, host_sync=False)
 
 
-def _moe(moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def _moe(ops: Backend, moe, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """MoE.forward with no host-side grouping (`Experts.gathered`)."""
-    weights, ids = moe.gate(x, tokens)
-    y = moe.experts.gathered(x, weights, ids)
+    weights, ids = moe.gate(x, tokens, ops)
+    y = moe.experts.gathered(x, weights, ids, ops)
     if moe.shared_experts is not None:
-        y = y + moe.shared_experts(x).float()
+        y = y + moe.shared_experts(x, ops).float()
     return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...numerics import apply_rope, native, topk_lower_index, triton_ops
+from ...numerics import apply_rope, native, topk_lower_index
+from ...numerics.backend import Backend, KernelError
 from ...numerics.native_abi import IndexQuery
 from ...numerics.quant import fp4_e2m1_simulate, hadamard
 from ...numerics.reference import release_index_scores, topk_descending
@@ -36,34 +37,35 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(q_lora_rank, n_heads * head_dim, dtype, device)
         self.scorer = Scorer(hidden, n_heads, dtype, device)
 
-    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-parallel half of selection: index queries [T, H, d] and head weights [T, H], in
         the scoring dtype. In fp32 the weights carry both scales: sum_h (w_h / sqrt(H) / sqrt(d))
         ReLU(q_h . k); the reference numerics' bf16 scores apply 1/sqrt(d) separately."""
         t = x.shape[0]
         f32 = torch.float32
-        q = self.q_b_proj(q_lora).view(t, self.n_heads, self.head_dim)
+        q = self.q_b_proj(q_lora, ops).view(t, self.n_heads, self.head_dim)
         if self.entry_sim == "hadamard_fp4":
-            return self._queries_release(x, q, cos, sin)
-        q = apply_rope(q if q.dtype == f32 else q.float(), cos, sin)
-        w = self.scorer.weights_proj(x)
+            return self._queries_release(x, q, cos, sin, ops)
+        q = apply_rope(ops, q if q.dtype == f32 else q.float(), cos, sin)
+        w = self.scorer.weights_proj(x, ops)
         w = w if w.dtype == f32 else w.float()
         return q, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
 
-    def _queries_release(self, x: torch.Tensor, q: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries_release(self, x: torch.Tensor, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference numerics (docs/checkpoints.md): rope on the bf16 queries, Hadamard
         (`rotate_activation`), FP4 simulation in blocks of 32, all in bf16; head weights from the
         bf16 weights_proj times d^-1/2 H^-1/2, rounded to bf16."""
         bf16 = torch.bfloat16
-        q = fp4_e2m1_simulate(hadamard(apply_rope(q.to(bf16), cos, sin)), 32)
+        q = fp4_e2m1_simulate(hadamard(apply_rope(ops, q.to(bf16), cos, sin)), 32)
         weight = self.scorer.weights_proj.weight
         weight = weight.dequant() if not isinstance(weight, torch.Tensor) else weight
         w = torch.nn.functional.linear(x.to(bf16), weight.to(bf16))
         return q, w * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, start: int, st: CompressorState) -> torch.Tensor:
+    def select(self, q: torch.Tensor, w: torch.Tensor, start: int, st: CompressorState, ops: Backend
+               ) -> torch.Tensor:
         """One sequence's half: entries chosen for each of its T queries (from `queries`) at
         positions start..start+T-1: [T, k] long, ascending, -1 padded (reference numerics: in the
         release's topk order, see `_select_release`). Call after `step`/`fold` so entries
@@ -77,12 +79,12 @@ class Indexer(Compressor):
         if self.entry_sim == "hadamard_fp4":
             return self._select_release(q, w, start, st, n_entries, k)
         f32 = torch.float32
-        kernels = triton_ops.kernels_for(q.device)  # off by default (triton_ops.py)
+        kernels = ops.index_topk.triton  # off by default (KernelSet.triton)
         if kernels is not None:
             visible = (torch.arange(start, start + t, device=q.device) + 1) // r
             return kernels.index_topk(q, w, st.pool[:n_entries], visible, k)
-        if t == 1:  # one fp32 query (decode) in one native call of the same rule
-            out = _native_topk_one(q, w, self.n_heads, self.head_dim, st.pool, n_entries, k)
+        if t == 1 and ops.index_topk.native is not None:  # one fp32 query (decode) in one native call of the same rule
+            out = _native_topk_one(ops, q, w, self.n_heads, self.head_dim, st.pool, n_entries, k)
             if out is not None:
                 return out
         keys = st.pool[:n_entries]  # [E, d]
@@ -121,11 +123,15 @@ class Indexer(Compressor):
         return out
 
 
-def _native_topk_one(q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: int, pool, n_entries: int,
-                     k: int) -> torch.Tensor | None:
-    """`Indexer.select` of one fp32 query over every entry in one native call, else None."""
-    lib = native.library_for(q, w)
-    source = plain_rows(pool) if lib is not None else None
+def _native_topk_one(ops: Backend, q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: int, pool,
+                     n_entries: int, k: int) -> torch.Tensor | None:
+    """`Indexer.select` of one fp32 query over every entry in one native call (`ops.index_topk`),
+    else None where the pool is not what the kernel reads (not plain fp32 rows)."""
+    lib = ops.index_topk.native
+    if not native.fp32_cpu(q, w):
+        raise KernelError(f"kv_index_topk_one reads a contiguous fp32 CPU query and head weights, got {q.dtype}, "
+                          f"{w.dtype}")
+    source = plain_rows(pool)
     if source is None:
         return None
     data, phys = source

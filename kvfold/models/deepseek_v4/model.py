@@ -22,7 +22,8 @@ from .moe import MoE
 from .names import official_quant_kind
 from .native_block import block_row, model_row
 from ...layers.rows import RowBatch
-from ...numerics import RopeTable, triton_ops
+from ...numerics import RopeTable
+from ...numerics.backend import Backend
 from .state import Dsv4State, LayerState, compressor_ring_rows, compressor_state
 from ...state.arena import SlotArena
 from ...state.kv_rows import kv_row_bytes
@@ -51,12 +52,13 @@ class Block(nn.Module):
         fused = block_row(self, streams, batch)  # decode rows: the calls below as one native call
         if fused is not None:
             return fused
-        x, post, comb = self.attn_hc.collapse(streams)
-        y = self.self_attn(self.input_layernorm(x), batch)
-        streams = HyperConnection.expand(streams, y, post, comb)
-        x, post, comb = self.ffn_hc.collapse(streams)
-        y = self.mlp(self.post_attention_layernorm(x), batch.token_ids)
-        return HyperConnection.expand(streams, y, post, comb)
+        ops = batch.ops
+        x, post, comb = self.attn_hc.collapse(streams, ops)
+        y = self.self_attn(self.input_layernorm(x, ops), batch)
+        streams = HyperConnection.expand(streams, y, post, comb, ops)
+        x, post, comb = self.ffn_hc.collapse(streams, ops)
+        y = self.mlp(self.post_attention_layernorm(x, ops), batch.token_ids, ops)
+        return HyperConnection.expand(streams, y, post, comb, ops)
 
 
 class Dsv4Body(nn.Module):
@@ -235,28 +237,35 @@ class Dsv4Model(CausalLM):
         return super().graph_unsupported(batch_invariant)
 
     def graph_invariance_unsupported(self) -> str | None:
-        """With the Triton kernels on (`use_triton`), the graph step keeps batch invariance: its
-        token-parallel ops take the fixed-order row kernels, and its attention, index scores and
-        top-k, pooling and experts are Triton kernels of one program per row (graph_step.py)."""
-        if triton_ops.kernels_for(self.device) is None or triton_ops.fixed_rows(self.device) is None:
+        """Where the model's batch-invariant Backend runs the Triton kernels (`KernelSet.triton`),
+        the graph step keeps batch invariance: its token-parallel ops take the fixed-order row
+        kernels (triton_rows), and its attention, index scores and top-k and experts are Triton
+        kernels of one program per row (graph_step.py)."""
+        why = self._invariance_unsupported()
+        if why is not None:
+            return why
+        ops = self.backend(True)
+        if ops.sparse_attention.triton is None or ops.row_mm.rows is None:
             return ("graph decode keeps batch invariance only with the Triton kernels, one program per row: turn "
-                    "them on (kvfold.numerics.triton_ops.use_triton, KVFOLD_TRITON=1; CUDA with triton installed)")
+                    "them on (model.set_kernels(KernelSet(triton=True)), or KVFOLD_TRITON=1 at load; CUDA with "
+                    "triton installed)")
         return None
 
-    def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+    def decode_graph_step(self, ops: Backend, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
         """One token per row, shapes fixed by the inputs' length and `context` (a bound on every
-        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]:
-        each row's state's `graph_inputs`. No checks and no cursor moves: the caller
-        (engine/graphs.py) does both."""
+        position + 1), with the kernels of `ops` (`backend(...)` in the caller's mode): (logits
+        [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]: each row's state's
+        `graph_inputs`. No checks and no cursor moves: the caller (engine/graphs.py) does both."""
         from .graph_step import decode_step
-        return decode_step(self, arena, tokens, positions, slots, context)  # (V4's states plan nothing)
+        return decode_step(self, ops, arena, tokens, positions, slots, context)  # (V4's states plan nothing)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(batch.positions))
+        ops = batch.ops
+        batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(ops, batch.positions))
         if any(k != SLIDING for k in self.config.layer_types):
-            batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(batch.positions))
+            batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(ops, batch.positions))
         fused = model_row(self, batch)  # decode rows: all of the below as one native call
         if fused is not None:
             logits, streams = fused
@@ -269,7 +278,7 @@ class Dsv4Model(CausalLM):
             seg.state.pos = seg.state.written_until = seg.start + seg.length
         if fused is None:
             h = streams[batch.scored_rows(last_only)]
-            logits = self.lm_head(self.model.norm(self.model.hc_head(h))).float()
+            logits = self.lm_head(self.model.norm(self.model.hc_head(h, ops), ops), ops).float()
         return batch.split_scored(logits, last_only), streams
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -296,9 +305,11 @@ class Dsv4Model(CausalLM):
         """A state for the MTP block's own sliding window (needs `supports_mtp`)."""
         return self.mtp.new_state(capacity=capacity, max_rewind=max_rewind)
 
-    def mtp_step(self, hidden: torch.Tensor, token_ids, mtp_state: Dsv4State) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_step(self, hidden: torch.Tensor, token_ids, mtp_state: Dsv4State, ops: Backend | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance `mtp_state` over T positions (needs `supports_mtp`). `hidden` [T, hc, d]: this
         model's final streams there (`forward(..., return_hidden=True)`), or the previous step's
-        output streams when drafting ahead; `token_ids`: the T tokens one position later. Returns
-        (logits [T, vocab] for the tokens two positions ahead, output streams [T, hc, d])."""
-        return self.mtp.step(self, hidden, token_ids, mtp_state)
+        output streams when drafting ahead; `token_ids`: the T tokens one position later; `ops`: the
+        kernels to run (None: `backend()`, the model's own mode). Returns (logits [T, vocab] for the
+        tokens two positions ahead, output streams [T, hc, d])."""
+        return self.mtp.step(self, hidden, token_ids, mtp_state, self.backend() if ops is None else ops)

@@ -14,17 +14,18 @@ from ...layers.basic import _param, fp32_native_weights
 from ...layers.native_cache import NativeCache
 from ...layers.moe import Experts, SwiGluMLP
 from ...numerics import native
+from ...numerics.backend import Backend, KernelError
 from ...numerics.native_abi import MoeLayer, RouteParams
 from ...numerics.reference import release_swiglu
-from ...numerics.rows import SCORING, biased_topk, route_rows, row_mm, in_batch_invariant_scope, unary
+from ...numerics.rows import SCORING, biased_topk, route_rows, row_mm, unary
 from .config import Dsv4Config
 
 
-def _score(logits: torch.Tensor, kind: str) -> torch.Tensor:
+def _score(ops: Backend, logits: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "sqrtsoftplus":
-        return unary("softplus", logits).sqrt()
+        return unary(ops, "softplus", logits).sqrt()
     if kind == "sigmoid":
-        return unary("sigmoid", logits)
+        return unary(ops, "sigmoid", logits)
     return torch.softmax(logits, dim=-1)
 
 
@@ -40,13 +41,13 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] fp32, expert ids [T, k]; ascending per row in batch-invariant mode)."""
-        if in_batch_invariant_scope():
+        if ops.batch_invariant:
             table = dict(tid2eid=self.tid2eid, token_ids=token_ids) if self.is_hash \
                 else dict(bias=self.e_score_correction_bias)
-            return route_rows(x, self.weight, self.scoring, self.k, self.scale, **table)
-        scores = _score(row_mm(x if x.dtype == torch.float32 else x.float(), self.weight), self.scoring)
+            return route_rows(ops, x, self.weight, self.scoring, self.k, self.scale, **table)
+        scores = _score(ops, row_mm(ops, x if x.dtype == torch.float32 else x.float(), self.weight), self.scoring)
         if self.is_hash:
             ids = self.tid2eid[token_ids].long()
         else:
@@ -77,33 +78,34 @@ class MoE(nn.Module):
         keep_shared = cfg.n_shared_experts and (self.tp is None or self.tp.rank == 0)
         self.shared_experts = SharedExpert(cfg, dtype, device) if keep_shared else None
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, ops: Backend) -> torch.Tensor:
         """x [T, hidden]. Up to NATIVE_MOE_ROWS fp32 rows run as one native call, whose bits for
-        each row equal the batch-invariant path's (native.c's kv_moe_rows)."""
-        if x.shape[0] <= NATIVE_MOE_ROWS and self.tp is None:
-            y = self._native_rows(x, token_ids)
+        each row equal the batch-invariant path's (native.c's kv_moe_rows, `ops.moe_rows`)."""
+        if x.shape[0] <= NATIVE_MOE_ROWS and self.tp is None and ops.moe_rows.native is not None:
+            y = self._native_rows(x, token_ids, ops)
             if y is not None:
                 return y
-        weights, ids = self.gate(x, token_ids)
-        y = self.experts(x, weights, ids)  # the release's order in reference numerics (layers/moe.py)
+        weights, ids = self.gate(x, token_ids, ops)
+        y = self.experts(x, weights, ids, ops)  # the release's order in reference numerics (layers/moe.py)
         if self.shared_experts is not None:
-            shared = self._shared_release(x) if self.experts.act_quant else self.shared_experts(x)
+            shared = self._shared_release(x, ops) if self.experts.act_quant else self.shared_experts(x, ops)
             y = y + (shared if shared.dtype == torch.float32 else shared.float())
         if self.tp is not None:
             y = self.tp.all_reduce_sum(y)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
-    def _shared_release(self, x: torch.Tensor) -> torch.Tensor:
+    def _shared_release(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Reference numerics: the shared expert as the release's later revision runs it
         (docs/checkpoints.md): clamped, silu(gate) * up in fp32, cast to the model dtype before w2."""
         sh = self.shared_experts
-        h = release_swiglu(sh.gate_proj(x), sh.up_proj(x), sh.limit).to(x.dtype)
-        return sh.down_proj(h)
+        h = release_swiglu(sh.gate_proj(x, ops), sh.up_proj(x, ops), sh.limit).to(x.dtype)
+        return sh.down_proj(h, ops)
 
-    def _native_rows(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
-        """The whole layer for a few fp32 rows in one native call (router, experts, shared expert),
-        or None where the kernels cannot serve it."""
-        return _native_moe_rows(self, x, token_ids)
+    def _native_rows(self, x: torch.Tensor, token_ids: torch.Tensor, ops: Backend) -> torch.Tensor | None:
+        """The whole layer for a few fp32 rows in one native call (router, experts, shared expert;
+        `ops.moe_rows` must be native.c), or None where the layer's weights are not what the kernel
+        reads."""
+        return _native_moe_rows(ops, self, x, token_ids)
 
 
 def _native_weights(moe: MoE) -> tuple | None:
@@ -145,17 +147,24 @@ def native_moe_paths(moe: MoE) -> list[str]:
     return paths
 
 
-def _native_moe_rows(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
-    lib = native.library_for(x)
-    if lib is None or token_ids.dtype != torch.int64 or not token_ids.is_contiguous() or not x.is_contiguous():
-        return None
+def _native_moe_rows(ops: Backend, moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor | None:
+    lib = ops.moe_rows.native
+    if lib is None:
+        raise KernelError(f"moe_rows runs {ops.moe_rows.kind} here ({ops.moe_rows.reason}), not native.c")
+    if x.dtype != torch.float32 or not x.is_cpu or token_ids.dtype != torch.int64:
+        raise KernelError(f"kv_moe_rows reads fp32 CPU rows and int64 token ids, got {x.dtype} on {x.device} "
+                          f"and {token_ids.dtype}")
+    x, token_ids = x.contiguous(), token_ids.contiguous()
     L = native_moe_layer(moe)
-    if L is None:
+    if L is None:  # FP8 activations, an unknown scoring, a weight the kernel cannot read
         return None
     m = x.shape[0]
     out = torch.empty(m, L.route.h, dtype=torch.float32)
     rc = lib.kv_moe_rows(L, x.data_ptr(), m, token_ids.data_ptr(), moe_threads(L, m), out.data_ptr())
-    return out if rc == 0 else None
+    if rc != 0:
+        raise ValueError(f"native MoE refused its rows (rc {rc}): an expert id out of range in tid2eid, "
+                         f"or a buffer that could not be allocated")
+    return out
 
 
 def native_moe_layer(moe: MoE) -> MoeLayer | None:

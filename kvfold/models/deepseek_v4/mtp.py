@@ -18,6 +18,7 @@ from .config import SLIDING, Dsv4Config
 from ...layers.basic import Linear, Norm
 from ...layers.mhc import HyperHead
 from ...layers.rows import RowBatch
+from ...numerics.backend import Backend
 from .state import Dsv4State, LayerState
 from ...state.rings import PositionRing
 
@@ -54,31 +55,33 @@ class MtpModule(nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed: nn.Module,
-                lm_head: nn.Module, rope) -> tuple[torch.Tensor, torch.Tensor]:
+                lm_head: nn.Module, rope, ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hc, d] (main streams at positions pos..pos+T-1), next_ids [T] (the tokens one
-        position later) -> (logits [T, vocab] predicting two positions ahead, output streams [T, hc, d])."""
+        position later) -> (logits [T, vocab] predicting two positions ahead, output streams [T, hc, d]),
+        with the kernels of `ops` (the main model's Backend)."""
         from ...errors import CapacityError
         state.check_usable(self.fingerprint, self.device, self.dtype)
         t = next_ids.numel()
         if state.pos + t > state.capacity:
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {state.pos} + {t}")
-        e = self.e_proj(self.enorm(embed(next_ids)))
-        x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype)))
-        batch = RowBatch.build([(next_ids, state)], self.device)
-        batch.rope[SLIDING] = (rope, *rope.cos_sin(batch.positions))
+        e = self.e_proj(self.enorm(embed(next_ids), ops), ops)
+        x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype), ops), ops)
+        batch = RowBatch.build([(next_ids, state)], self.device, ops)
+        batch.rope[SLIDING] = (rope, *rope.cos_sin(ops, batch.positions))
         if batch.rows > t:  # pad rows (see layers/rows.py)
             x = torch.cat([x, x.new_zeros(batch.rows - t, *x.shape[1:])])
         streams = self.block(x, batch)[:t]
         state.pos = state.written_until = state.pos + t
-        logits = lm_head(self.norm(self.hc_head(streams))).float()
+        logits = lm_head(self.norm(self.hc_head(streams, ops), ops), ops).float()
         return logits, streams
 
-    def step(self, main: nn.Module, hidden: torch.Tensor, token_ids, state: Dsv4State
+    def step(self, main: nn.Module, hidden: torch.Tensor, token_ids, state: Dsv4State, ops: Backend
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with the embedding, lm_head and RoPE of `main`, the Dsv4Model this block
-        belongs to (the body of `Dsv4Model.mtp_step`); `token_ids`: a list or a LongTensor."""
+        belongs to (the body of `Dsv4Model.mtp_step`), and `ops`, a Backend of `main`;
+        `token_ids`: a list or a LongTensor."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=main.device)
-        return self(hidden, ids, state, main.model.embed_tokens, main.lm_head, main.rope_main)
+        return self(hidden, ids, state, main.model.embed_tokens, main.lm_head, main.rope_main, ops)
 
 
 def official_mtp_weights(mtp: MtpModule) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ import torch
 from ...layers.basic import QuantizedWeight, fp32_native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
 from ...numerics import native
+from ...numerics.backend import Backend, KernelError
 from ...numerics.native_abi import (AttnRows, CompressorProj, FoldState, OutputLayer, ProjectLayer, SequenceLayer,
                                     WeightsDesc)
 from ...numerics.weights_mm import describe, row_groups
@@ -105,17 +106,29 @@ def _build_projection(attn) -> tuple[ProjectLayer, list] | None:
     return layer, descs
 
 
-def project_rows(attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+def _rows_in(what: str, *tensors: torch.Tensor) -> None:
+    """KernelError unless every tensor is contiguous fp32 on the CPU, as native.c's `what` reads them."""
+    if not native.fp32_cpu(*tensors):
+        raise KernelError(f"{what} reads contiguous fp32 CPU rows, got "
+                          f"{[(t.dtype, t.device.type, t.is_contiguous()) for t in tensors]}")
+
+
+def project_rows(ops: Backend, attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> dict | None:
-    """`Attention._project`'s rows for x [m, hidden] at `positions` in one native call, or None."""
+    """`Attention.project`'s rows for x [m, hidden] at `positions` in one native call, or None where
+    the per-op path would not run native.c on these rows (`ops.attention_rows`, `reads_as_stored`)
+    or the layer's weights or numerics are not what the kernel reads."""
     m = x.shape[0]
-    lib = native.library_for(x, cos, sin)
-    if lib is None or not reads_as_stored(m) or positions.dtype != torch.int64 or not positions.is_contiguous() \
-            or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
+    lib = ops.attention_rows.native
+    if lib is None or not reads_as_stored(ops, m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
     layer = _projection_layer(attn)
     if layer is None:
         return None
+    if positions.dtype != torch.int64:
+        raise KernelError(f"kv_attn_project reads int64 positions, got {positions.dtype}")
+    positions = positions.contiguous()
+    _rows_in("kv_attn_project", x, cos, sin)
     empty = torch.empty
     q = empty(m, attn.n_heads, attn.head_dim, dtype=_F32)
     kv = empty(m, attn.head_dim, dtype=_F32)
@@ -154,16 +167,18 @@ def _build_output(attn) -> tuple[OutputLayer, list] | None:
     return layer, [table, o_b, groups]
 
 
-def output_rows(attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+def output_rows(ops: Backend, attn, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """The attention output o [m, heads, head_dim] de-rotated and projected to [m, hidden] in one
-    native call, or None."""
+    native call, or None where the per-op path would not run native.c on these rows
+    (`ops.attention_rows`, `reads_as_stored`) or the layer's weights are not what the kernel reads."""
     m = o.shape[0]
-    lib = native.library_for(o, cos, sin)
-    if lib is None or not reads_as_stored(m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
+    lib = ops.attention_rows.native
+    if lib is None or not reads_as_stored(ops, m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
     layer = _output_layer(attn)
     if layer is None:
         return None
+    _rows_in("kv_attn_output", o, cos, sin)
     out = torch.empty(m, layer.hid, dtype=_F32)
     if lib.kv_attn_output(layer, o.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), out.data_ptr()) != 0:
         raise MemoryError("native attention output could not allocate its buffers")
@@ -226,8 +241,8 @@ def _fold_state(comp, st, w: int | None) -> FoldState | None:
                      comp.kv_norm.eps)
 
 
-def sequence_layer(attn, ls, start: int, rope) -> tuple[SequenceLayer, torch.Tensor | None,
-                                                         torch.Tensor | None] | None:
+def sequence_layer(ops: Backend, attn, ls, start: int, rope) -> tuple[SequenceLayer, torch.Tensor | None,
+                                                                      torch.Tensor | None] | None:
     """What native.c's decode row reads and writes of `ls` at position `start` (a sequence_layer),
     with the rope (cos, sin) of the entry a closing window emits (None, None when none closes);
     None where the state or the numerics are not what the kernel reads. A shared page under the
@@ -255,25 +270,27 @@ def sequence_layer(attn, ls, start: int, rope) -> tuple[SequenceLayer, torch.Ten
             layer.index, layer.topk, layer.index_heads, layer.index_dim = index, ix.topk, ix.n_heads, ix.head_dim
     if not emits:
         return layer, None, None
-    return (layer, *rope.cos_sin(torch.tensor([w * c.ratio])))
+    return (layer, *rope.cos_sin(ops, torch.tensor([w * c.ratio])))
 
 
-def sequence_row(attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor | None:
+def sequence_row(ops: Backend, attn, ls, start: int, rows: dict, take, rope) -> torch.Tensor | None:
     """`Attention._one_sequence` for one decode row in one native call (folds, selection,
-    attention, window write; native_attention.h), or None where its state or numerics are not
-    what the kernel reads (then nothing has been written)."""
+    attention, window write; native_attention.h), or None where the model does not run it
+    (`ops.attention_rows` not native.c) or its state or numerics are not what the kernel reads
+    (then nothing has been written)."""
+    lib = ops.attention_rows.native
+    if lib is None:
+        return None
+    found = sequence_layer(ops, attn, ls, start, rope)
+    if found is None:
+        return None
     parts = [take(rows["q"]), take(rows["kv"])]
     if attn.compressor is not None:
         parts += [take(rows["comp"][0]), take(rows["comp"][1])]
         if attn.kind == CSA:
             parts += [take(rows["idx_kv"][0]), take(rows["idx_kv"][1]), take(rows["idx_q"][0]),
                       take(rows["idx_q"][1])]
-    lib = native.library_for(*parts)
-    if lib is None:
-        return None
-    found = sequence_layer(attn, ls, start, rope)
-    if found is None:
-        return None
+    _rows_in("kv_attn_sequence_one", *parts)
     layer, cos, sin = found
     row = AttnRows(*(t.data_ptr() for t in parts))  # in AttnRows' order; the absent parts' stay NULL
     out = torch.empty(1, attn.n_heads, attn.head_dim, dtype=_F32)

@@ -32,10 +32,11 @@ import torch
 from ... import profiling
 from ...layers.basic import fp32_native_weights, reads_as_stored
 from ...layers.native_cache import NativeCache
-from ...numerics import native, triton_ops
+from ...numerics import native
+from ...numerics.backend import Backend, KernelError
 from ...numerics.native_abi import BlockLayer, DecodeRows, HcEntry, HcParams, ModelLayer, ModelRows
 from ...numerics.hc import native_collapse_serves
-from ...numerics.rows import _threads, in_batch_invariant_scope
+from ...numerics.rows import _threads
 from .config import SLIDING
 from .moe import NATIVE_MOE_ROWS, moe_threads, native_moe_layer, native_moe_paths
 from .native_attention import fused_halves, fused_paths, sequence_layer
@@ -69,35 +70,36 @@ def _prepared(block, batch, hc: int, hid: int):
     sequence_layers (one per row), (cos, sin, emit_cos per row, emit_sin per row)), or None where
     a step would not run natively. A shared page under an entry a row would write refuses here
     (PageError), before any write."""
-    attn, moe, n = block.self_attn, block.mlp, len(batch.segments)
+    attn, moe, n, ops = block.self_attn, block.mlp, len(batch.segments), batch.ops
     if attn.tp is not None or moe.tp is not None or not block.fused_decode:
         return None
-    lib = native.library()
+    lib = ops.decode_block.native
     if lib is None or not _int64_rows(batch.token_ids, batch.positions):
         return None
     rope, cos, sin = batch.rope[SLIDING if attn.kind == SLIDING else "compressed"]
-    if not native.fp32_cpu(cos, sin) or cos.shape[0] != n or 2 * cos.shape[-1] != attn.rope_dim:
+    if cos.shape[0] != n or 2 * cos.shape[-1] != attn.rope_dim:
         return None
+    _fp32_rows("kv_block_decode_rows", cos, sin)
     cache = block.__dict__.get("_native_block")
     if cache is None:
         cache = block.__dict__["_native_block"] = NativeCache(block, _paths(block), lambda: _build(block))
-    linked = _linked(cache.get(), block, hc, hid, n)
+    linked = _linked(ops, cache.get(), block, hc, hid, n)
     if linked is None:
         return None
-    found = _sequence_layers(attn, batch, rope)
+    found = _sequence_layers(ops, attn, batch, rope)
     if found is None:
         return None
     seqs, emit_cos, emit_sin = found
     return lib, linked[0], seqs, (cos, sin, emit_cos, emit_sin)
 
 
-def _sequence_layers(attn, batch, rope) -> tuple[list, list, list] | None:
+def _sequence_layers(ops: Backend, attn, batch, rope) -> tuple[list, list, list] | None:
     """Each decode row's sequence_layer for `attn`, with the rope (cos, sin) of the entry its
     closing window emits (None, None where none closes), as three lists in row order; or None."""
     seqs, emit_cos, emit_sin = [], [], []
     i = attn.layer_idx
     for seg in batch.segments:
-        found = sequence_layer(attn, seg.state.layers[i], seg.start, rope)
+        found = sequence_layer(ops, attn, seg.state.layers[i], seg.start, rope)
         if found is None:
             return None
         seqs.append(found[0])
@@ -106,21 +108,26 @@ def _sequence_layers(attn, batch, rope) -> tuple[list, list, list] | None:
     return seqs, emit_cos, emit_sin
 
 
-def _rows_serve(n: int, fns) -> bool:
+# the ops whose per-op calls a fused decode call replaces: each must be native.c in the Backend
+_FUSED_OPS = ("rms_norm", "hc", "attention_rows", "moe_rows")
+
+
+def _rows_serve(ops: Backend, n: int, fns) -> bool:
     """Whether the per-op path runs each step of n decode rows natively, as the fused call does:
-    the fused attention halves (`reads_as_stored`), the native MoE rows and every mHC collapse of
-    these `fn`s (the head's included)."""
-    return n <= NATIVE_MOE_ROWS and reads_as_stored(n) and all(native_collapse_serves(n, fn) for fn in fns)
+    the norms, the fused attention halves (`reads_as_stored`), the native MoE rows and every mHC
+    collapse of these `fn`s (the head's included), each one native.c in `ops`."""
+    return n <= NATIVE_MOE_ROWS and all(getattr(ops, op).native is not None for op in _FUSED_OPS) \
+        and reads_as_stored(ops, n) and all(native_collapse_serves(ops, n, fn) for fn in fns)
 
 
-def _linked(layer: BlockLayer | None, block, hc: int, hid: int, rows: int):
+def _linked(ops: Backend, layer: BlockLayer | None, block, hc: int, hid: int, rows: int):
     """`layer` pointed at the block's fused attention halves and MoE layer (returned with it, which
     keeps them alive), for calls of `rows` decode rows; or None where a step of that many rows
     would not run natively (whether the collapse is native depends on the mode and threads of this
     call)."""
     halves, moe_layer = fused_halves(block.self_attn), native_moe_layer(block.mlp)
     if layer is None or halves is None or moe_layer is None or not _rows_serve(
-            rows, [hc_._parameters["fn"] for hc_ in (block.attn_hc, block.ffn_hc)]):
+            ops, rows, [hc_._parameters["fn"] for hc_ in (block.attn_hc, block.ffn_hc)]):
         return None
     layer.hc, layer.hid = hc, hid
     layer.project, layer.output = ctypes.addressof(halves[0]), ctypes.addressof(halves[1])
@@ -130,9 +137,9 @@ def _linked(layer: BlockLayer | None, block, hc: int, hid: int, rows: int):
 
 def _decode_rows(batch) -> bool:
     """Whether the batch is decode rows only (one a sequence), with no profiler listening and no
-    Triton kernels serving."""
+    Triton kernels serving its attention (`batch.ops.sparse_attention`)."""
     return all(seg.r1 - seg.r0 == 1 for seg in batch.segments) and profiling.quiet() \
-        and triton_ops.kernels_for(batch.token_ids.device) is None
+        and batch.ops.sparse_attention.triton is None
 
 
 def _pointers(items) -> ctypes.Array:
@@ -145,11 +152,12 @@ def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
     """`Block.forward` for a batch of n decode rows, one a sequence (streams [n, hc, hidden]), in
     one native call, or None where any of its steps would not run natively (then nothing has been
     written)."""
-    if streams.shape[0] != len(batch.segments) or not _decode_rows(batch) or not native.fp32_cpu(streams):
+    if streams.shape[0] != len(batch.segments) or not _decode_rows(batch):
         return None
     found = _prepared(block, batch, streams.shape[1], streams.shape[2])
     if found is None:
         return None
+    _fp32_rows("kv_block_decode_rows", streams)
     lib, layer, seqs, (cos, sin, emit_cos, emit_sin) = found
     out = torch.empty_like(streams)
     rows = DecodeRows(len(seqs), batch.positions.data_ptr(), batch.token_ids.data_ptr(), cos.data_ptr(),
@@ -162,16 +170,16 @@ def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
     return out
 
 
-def _head_weights(model):
+def _head_weights(ops: Backend, model):
     """native.c's descriptors of the embedding and the lm_head where the per-op path reads them
-    natively too (an fp32 model: a QuantizedWeight, or an fp32 lm_head in batch-invariant mode),
-    else None."""
+    natively too (an fp32 model: a QuantizedWeight, or an fp32 lm_head where `ops.row_mm` is
+    native.c: batch-invariant mode), else None."""
     embed, head = model.model.embed_tokens, model.lm_head
     we = embed._parameters.get("weight")
     e = fp32_native_weights(we if we is not None else embed._modules.get("weight"))
     w = head._parameters.get("weight")
-    if head.act_quant or (w is not None and not in_batch_invariant_scope()):
-        return None  # an fp32 parameter outside batch invariance: torch's GEMM (row_mm)
+    if head.act_quant or (w is not None and ops.row_mm.native is None):
+        return None  # an fp32 parameter where row_mm runs torch's GEMM
     h = fp32_native_weights(w if w is not None else head._modules.get("weight"))
     return None if e is None or h is None else (e, h)
 
@@ -214,16 +222,16 @@ def _plan_paths(model) -> list[str]:
     return paths
 
 
-def _build_plan(model) -> _RowPlan | None:
-    body, lib = model.model, native.library()
-    found = _head_weights(model)
+def _build_plan(ops: Backend, model) -> _RowPlan | None:
+    body, lib = model.model, ops.decode_block.native
+    found = _head_weights(ops, model)
     p = body.hc_head._parameters
     if lib is None or found is None or not native.fp32_cpu(p["hc_fn"], p["hc_base"], p["hc_scale"], body.norm.weight) \
-            or not native_collapse_serves(1, p["hc_fn"]):
+            or not native_collapse_serves(ops, 1, p["hc_fn"]):
         return None
     (embed, vocab, hid), (head, _, _) = found
     hc = model.config.hc_mult
-    built = [_linked(_build(block), block, hc, hid, 1) for block in body.layers]
+    built = [_linked(ops, _build(block), block, hc, hid, 1) for block in body.layers]
     if any(b is None for b in built):
         return None
     head_hc = HcParams(p["hc_fn"].data_ptr(), p["hc_base"].data_ptr(), p["hc_scale"].data_ptr(), 0,
@@ -235,25 +243,38 @@ def _build_plan(model) -> _RowPlan | None:
              for a in (block.self_attn for block in body.layers)]
     fns = [p["hc_fn"], *(hc_._parameters["fn"] for block in body.layers for hc_ in (block.attn_hc, block.ffn_hc))]
     max_rows = 1  # the conditions only tighten as rows are added
-    while max_rows < NATIVE_MOE_ROWS and _rows_serve(max_rows + 1, fns):
+    while max_rows < NATIVE_MOE_ROWS and _rows_serve(ops, max_rows + 1, fns):
         max_rows += 1
     return _RowPlan(lib, layer, [b[0] for b in built], [found, *(b[1] for b in built)], sharded, attns, max_rows)
 
 
-def _plan(model) -> _RowPlan | None:
-    """The model's _RowPlan now (one check of every weight it points into), or None."""
+def _plan(ops: Backend, model) -> _RowPlan | None:
+    """The model's _RowPlan for the kernels of `ops` now (one check of every weight it points
+    into), or None; built again for a Backend of another kind (its native.c and its choices:
+    `Backend.key`, which holds the batch-invariant mode)."""
+    kind = (ops.decode_block.native, ops.key())
     cache = model.__dict__.get("_native_row_plan")
-    if cache is None:
-        cache = model.__dict__["_native_row_plan"] = NativeCache(model, _plan_paths(model), lambda: _build_plan(model))
-    return cache.get(key=(native.library(), in_batch_invariant_scope(), torch.get_num_threads(), model.numerics))
+    if cache is None or model.__dict__.get("_native_row_plan_kind") != kind:
+        cache = model.__dict__["_native_row_plan"] = NativeCache(model, _plan_paths(model),
+                                                                 lambda: _build_plan(ops, model))
+        model.__dict__["_native_row_plan_kind"] = kind
+    return cache.get(key=(torch.get_num_threads(), model.numerics))
 
 
 def _rope_serves(plan: _RowPlan, batch, n: int) -> bool:
     for kind, dim in plan.ropes:
         _, cos, sin = batch.rope[kind]
-        if not native.fp32_cpu(cos, sin) or cos.shape[0] != n or 2 * cos.shape[-1] != dim:
+        if cos.shape[0] != n or 2 * cos.shape[-1] != dim:
             return False
+        _fp32_rows("kv_model_decode_rows", cos, sin)
     return True
+
+
+def _fp32_rows(what: str, *tensors: torch.Tensor) -> None:
+    """KernelError unless every tensor is contiguous fp32 on the CPU, as native.c's `what` reads them."""
+    if not native.fp32_cpu(*tensors):
+        raise KernelError(f"{what} reads contiguous fp32 CPU rows, got "
+                          f"{[(t.dtype, t.device.type, t.is_contiguous()) for t in tensors]}")
 
 
 def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -266,7 +287,7 @@ def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     tokens, positions, n = batch.token_ids, batch.positions, len(batch.segments)
     if not model.fused_decode or not _decode_rows(batch) or not _int64_rows(tokens, positions):
         return None
-    plan = _plan(model)
+    plan = _plan(batch.ops, model)
     if plan is None or n > plan.max_rows or any(m.tp is not None for m in plan.sharded) \
             or not _rope_serves(plan, batch, n):
         return None
@@ -275,7 +296,7 @@ def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
     plan.set_rows(n)
     seqs, emit = [], []
     for attn, kind, _ in plan.attns:
-        found = _sequence_layers(attn, batch, batch.rope[kind][0])
+        found = _sequence_layers(batch.ops, attn, batch, batch.rope[kind][0])
         if found is None:
             return None
         seqs += found[0]

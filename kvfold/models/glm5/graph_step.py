@@ -21,6 +21,7 @@ import torch
 
 from ...layers.mhc import HyperConnection
 from ...layers.moe import SwiGluMLP
+from ...numerics.backend import Backend
 from ...numerics.hc import stream_mean
 from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import LATENT
@@ -56,11 +57,12 @@ def arena_specs(cfg: Glm5Config, dtype: torch.dtype, kda_heads: int, dsa_rows: i
 
 
 @torch.no_grad()
-def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+def decode_step(model, ops: Backend, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
     """Row n: the token tokens[n] at position positions[n] of the state in arena slot slots[n].
     Writes each row's KDA states, latent and indexer rows, and returns (logits [N, vocab] fp32,
-    the final streams [N, hc, hidden]).
+    the final streams [N, hc, hidden]). `ops`: the model's Backend for the step's mode, passed to
+    every layer and op as the forward does.
     `context`: a bound on every position + 1 (default the arena's capacity). `extras` [N, 4]: each
     row's sequence's KDA plan (`Glm5State.graph_inputs`: start, base, new base, end); None: one
     row a sequence, at max_rewind 0."""
@@ -69,18 +71,18 @@ def decode_step(model, arena: SlotArena, tokens: torch.Tensor, positions: torch.
     streams = model.model.embed_tokens(tokens)[:, None, :].expand(-1, cfg.hc_mult, -1).contiguous()
     sel = None  # the last full DSA layer's selection, shared down the layers
     for i, block in enumerate(model.model.layers):
-        x, post, comb = block.attn_hc.collapse(streams)
-        x = block.input_layernorm(x)
+        x, post, comb = block.attn_hc.collapse(streams, ops)
+        x = block.input_layernorm(x, ops)
         if block.kind == KDA:
-            y = _kda(block.self_attn, x, rows, i, extras)
+            y = _kda(ops, block.self_attn, x, rows, i, extras)
         else:
-            y, sel = _mla(block.self_attn, x, rows, i, sel)
-        streams = HyperConnection.expand(streams, y, post, comb)
-        x, post, comb = block.ffn_hc.collapse(streams)
-        x = block.post_attention_layernorm(x)
-        y = block.mlp(x) if isinstance(block.mlp, SwiGluMLP) else _moe(block.mlp, x)
-        streams = HyperConnection.expand(streams, y, post, comb)
-    return model.lm_head(model.model.norm(stream_mean(streams))).float(), streams
+            y, sel = _mla(ops, block.self_attn, x, rows, i, sel)
+        streams = HyperConnection.expand(streams, y, post, comb, ops)
+        x, post, comb = block.ffn_hc.collapse(streams, ops)
+        x = block.post_attention_layernorm(x, ops)
+        y = block.mlp(x, ops) if isinstance(block.mlp, SwiGluMLP) else _moe(ops, block.mlp, x)
+        streams = HyperConnection.expand(streams, y, post, comb, ops)
+    return model.lm_head(model.model.norm(stream_mean(streams), ops), ops).float(), streams
 
 
 def _single_chunk(q, k, v, g, beta, s0):
@@ -91,7 +93,8 @@ def _single_state(k, v, g, beta, s0):
     return kda_chunked(None, k, v, g, beta, s0, starts=[0])[1]
 
 
-def _kda(attn, x: torch.Tensor, rows: ArenaRows, i: int, extras: torch.Tensor | None) -> torch.Tensor:
+def _kda(ops: Backend, attn, x: torch.Tensor, rows: ArenaRows, i: int, extras: torch.Tensor | None
+         ) -> torch.Tensor:
     """KdaAttention.forward of each row's token, as `Glm5State._kda_forward` runs the planned
     forward of a sequence's rows: the state at its start replayed from the base over the inputs
     held (single-token chunks, masked to the plan's count), the rows one after another, then the
@@ -103,9 +106,9 @@ def _kda(attn, x: torch.Tensor, rows: ArenaRows, i: int, extras: torch.Tensor | 
     start, base, nb, end = extras.unbind(1) if extras is not None else (p, p, p + 1, p + 1)
     offset = p - start
     col = lambda t: t[:, None, None, None]  # noqa: E731  (a row mask over states [N, H, dk, dv])
-    mixed = attn.mixed(x)
+    mixed = attn.mixed(x, ops)
     full = torch.cat([_conv_rows(ring, rows, mixed, p, start, base, km1), mixed[:, None, :]], dim=1)
-    q, k, v, g, beta = attn.recurrence_inputs(x, full)
+    q, k, v, g, beta = attn.recurrence_inputs(x, full, ops)
     rec = ring["rec"].index_select(0, sl).view(n, h, dk, dk)
     kept = rec  # the state at the new base where that is at or below the start
     n_in = ring["k"].shape[1] if "k" in ring else 0
@@ -138,7 +141,7 @@ def _kda(attn, x: torch.Tensor, rows: ArenaRows, i: int, extras: torch.Tensor | 
     target = torch.where(writer, sl, scratch)
     ring["conv"][target] = at_nb.to(ring["conv"].dtype)
     ring["rec"][target] = torch.where(col(below), kept, state).reshape(n, -1, dk)
-    return attn.output(x, out)
+    return attn.output(x, out, ops)
 
 
 def _conv_rows(ring: dict, rows: ArenaRows, mixed: torch.Tensor, at: torch.Tensor, start: torch.Tensor,
@@ -160,25 +163,25 @@ def _conv_rows(ring: dict, rows: ArenaRows, mixed: torch.Tensor, at: torch.Tenso
     return torch.stack(parts, dim=1)
 
 
-def _mla(mla, x: torch.Tensor, rows: ArenaRows, i: int, prev_sel: torch.Tensor | None):
+def _mla(ops: Backend, mla, x: torch.Tensor, rows: ArenaRows, i: int, prev_sel: torch.Tensor | None):
     """IndexedMLA.forward of one token per row: its latent row into the pages, its indexer row
     into its slot (full layers), the selection, the attention over the selected latent rows."""
     p = rows.positions
-    q_resid, q, c = mla.project(x)
+    q_resid, q, c = mla.project(x, ops)
     latent, per = rows.pool(i, LATENT, 1)
     latent[rows.entry_rows(p[:, None], per)[:, 0]] = c.to(latent.dtype)
     seq = p + 1
     if mla.indexer is not None:
         ix = mla.indexer
-        k_rows, gate_rows = ix.rows(x)
+        k_rows, gate_rows = ix.rows(x, ops)
         bufs = [rows.arena.rings[(i, part)] for part in ("dsa_k", "dsa_gate", "dsa_valid")]
         bufs[0][rows.slots, p] = k_rows.to(bufs[0].dtype)
         bufs[1][rows.slots, p] = gate_rows.to(bufs[1].dtype)
         bufs[2][rows.slots, p] = 1
         span = min(bufs[0].shape[1], rows.context)  # the rows a position below `context` may select
         k_all, gate_all, valid_all = (b.index_select(0, rows.slots)[:, :span] for b in bufs)
-        qi = ix.wq_b(q_resid).view(x.shape[0], ix.nh, ix.d)
-        w = ix.weights_proj(x).float() * ix.nh ** -0.5
+        qi = ix.wq_b(q_resid, ops).view(x.shape[0], ix.nh, ix.d)
+        w = ix.weights_proj(x, ops).float() * ix.nh ** -0.5
         sel = dsa_select_last(qi, w, k_all, gate_all, valid_all[..., 0], ix.index_kpool_compress_ape, seq,
                               topk=ix.topk, kpool=ix.kpool, select_tail=ix.tail)
     else:
@@ -187,13 +190,13 @@ def _mla(mla, x: torch.Tensor, rows: ArenaRows, i: int, prev_sel: torch.Tensor |
     q_lat = torch.einsum("thd,hdl->thl", q, w_uk.to(q.dtype))
     sel_rows, valid = _selected_rows(sel, seq[:, None])
     keys = latent[rows.entry_rows(sel_rows, per)]  # [N, W, lat]
-    return mla.output(mla.pool_latent(q_lat, keys, valid), w_uv), sel
+    return mla.output(mla.pool_latent(q_lat, keys, valid), w_uv, ops), sel
 
 
-def _moe(moe, x: torch.Tensor) -> torch.Tensor:
+def _moe(ops: Backend, moe, x: torch.Tensor) -> torch.Tensor:
     """Glm5MoE.forward with no host-side grouping (`Experts.gathered`)."""
-    weights, ids = moe.gate(x)
-    y = moe.experts.gathered(x, weights, ids)
+    weights, ids = moe.gate(x, ops)
+    y = moe.experts.gathered(x, weights, ids, ops)
     if moe.shared_experts is not None:
-        y = y + moe.shared_experts(x).float()
+        y = y + moe.shared_experts(x, ops).float()
     return y.to(x.dtype)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ...layers.basic import Linear, _param
+from ...numerics.backend import Backend
 from ...numerics.norms import unweighted_rms_norm
 from ...numerics.rows import l2norm, unary
 
@@ -138,9 +139,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        h = unweighted_rms_norm(x.float(), self.eps)
-        h = self.weight.float() * h * unary("sigmoid", gate.float())
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, ops: Backend) -> torch.Tensor:
+        h = unweighted_rms_norm(ops, x.float(), self.eps)
+        h = self.weight.float() * h * unary(ops, "sigmoid", gate.float())
         return h.to(x.dtype)
 
 
@@ -175,32 +176,32 @@ class KdaAttention(nn.Module):
     def conv_weight(self) -> torch.Tensor:
         return torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d])[:, 0, :]  # [3C, K]
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+    def forget_gate(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
+        f = self.f_b_proj(self.f_a_proj(x, ops), ops).float() + self.dt_bias.float()
         f = f.view(x.shape[0], self.nh, self.dk)
         rate = self.A_log.float().exp()[None, :, None]
         if self.lower_bound is not None:
-            return self.lower_bound * unary("sigmoid", rate * f)
-        return -rate * unary("softplus", f)
+            return self.lower_bound * unary(ops, "sigmoid", rate * f)
+        return -rate * unary(ops, "softplus", f)
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, starts=None,
-                keep_at=()):
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor, ops: Backend,
+                starts=None, keep_at=()):
         """x [T, hidden]; conv_state [K-1, 3C] (pre-conv inputs of the previous K-1 tokens);
         rec_state [H, dk, dv] fp32; `starts` the chunk starts (kda_chunk_starts; default every
         KDA_CHUNK tokens). Neither input is modified. Returns (out [T, hidden], KdaStep), the step
         keeping the recurrent states at the chunk starts `keep_at` (token indices)."""
         t = x.shape[0]
-        full = torch.cat([conv_state.to(x.dtype), self.mixed(x)])  # [K-1+T, 3C]
-        q, k, v, g, beta = self.recurrence_inputs(x, full)
+        full = torch.cat([conv_state.to(x.dtype), self.mixed(x, ops)])  # [K-1+T, 3C]
+        q, k, v, g, beta = self.recurrence_inputs(x, full, ops)
         starts = kda_chunk_starts(t) if starts is None else list(starts)
         o, s, kept = kda_chunked(q, k, v, g, beta, rec_state.float(), starts=starts, keep_at=keep_at)
-        return self.output(x, o), KdaStep(k, v, g, beta, full, starts, s, kept)
+        return self.output(x, o, ops), KdaStep(k, v, g, beta, full, starts, s, kept)
 
-    def mixed(self, x: torch.Tensor) -> torch.Tensor:
+    def mixed(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
         """The pre-conv rows [T, 3C] of x [T, hidden]: the q, k and v projections side by side."""
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return torch.cat([self.q_proj(x, ops), self.k_proj(x, ops), self.v_proj(x, ops)], dim=-1)
 
-    def recurrence_inputs(self, x: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def recurrence_inputs(self, x: torch.Tensor, full: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, ...]:
         """(q, k, v, g, beta) of x's T rows, fp32 and contiguous, from the conv inputs `full`
         [..., K-1+T, 3C] (the conv state, then the rows' pre-conv rows; a leading dim of one
         sequence per row gives each row its own, with T = 1)."""
@@ -210,17 +211,17 @@ class KdaAttention(nn.Module):
         taps = win[..., 0] * w[:, 0]  # the K taps summed in order: elementwise IEEE ops, exact in any kernel
         for j in range(1, self.kw):
             taps = taps + win[..., j] * w[:, j]
-        conv = unary("silu", taps).to(x.dtype)
+        conv = unary(ops, "silu", taps).to(x.dtype)
         q, k, v = (z.float().reshape(t, self.nh, self.dk) for z in conv.split(self.c, dim=-1))
-        q = l2norm(q) * self.dk ** -0.5
+        q = l2norm(ops, q) * self.dk ** -0.5
         # contiguous, as the replay's copies are: the recurrence sees the same tensors either way
-        k, v = l2norm(k).contiguous(), v.contiguous()
-        g = self.forget_gate(x).contiguous()
-        beta = unary("sigmoid", self.b_proj(x).float()).contiguous()
+        k, v = l2norm(ops, k).contiguous(), v.contiguous()
+        g = self.forget_gate(x, ops).contiguous()
+        beta = unary(ops, "sigmoid", self.b_proj(x, ops).float()).contiguous()
         return q, k, v, g, beta
 
-    def output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def output(self, x: torch.Tensor, o: torch.Tensor, ops: Backend) -> torch.Tensor:
         """The layer's output [T, hidden] from the recurrence's o [T, H, dv]: gated norm, o_proj."""
-        gate = self.g_b_proj(self.g_a_proj(x)).view(x.shape[0], self.nh, self.dk)
-        out = self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(x.shape[0], self.c))
+        gate = self.g_b_proj(self.g_a_proj(x, ops), ops).view(x.shape[0], self.nh, self.dk)
+        out = self.o_proj(self.o_norm(o.to(x.dtype), gate, ops).reshape(x.shape[0], self.c), ops)
         return out if self.tp is None else self.tp.all_reduce_sum(out)

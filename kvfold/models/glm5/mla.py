@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...numerics import rms_norm
+from ...numerics.backend import Backend
 from ...numerics.rows import row_mm
 from .dsa_select import dsa_select
 from ...numerics.quant import e4m3_saturate
@@ -45,9 +46,9 @@ class GlmRMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return rms_norm(x, self.weight, self.eps)  # the same formula: one per-row native kernel on the CPU
+            return rms_norm(ops, x, self.weight, self.eps)  # the same formula: one per-row native kernel on the CPU
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -79,18 +80,18 @@ class DsaIndexer(nn.Module):
         self.index_kpool_compress_ape = _param(self.kpool, d, dtype=dtype, device=device)
         self.index_kpool_compress_gate = _param(d, cfg.hidden_size, dtype=dtype, device=device)
 
-    def rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, x: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token rows the state stores: (k_normed [T, d], gate [T, d])."""
-        k = self.k_norm(self.wk(x))
+        k = self.k_norm(self.wk(x, ops))
         # a token-parallel GEMM like the others: in batch-invariant mode native.c's fixed-order dot
-        gate = row_mm(x.to(self.index_kpool_compress_gate.dtype), self.index_kpool_compress_gate)
+        gate = row_mm(ops, x.to(self.index_kpool_compress_gate.dtype), self.index_kpool_compress_gate)
         return k, gate
 
-    def select(self, x: torch.Tensor, q_resid: torch.Tensor, dsa) -> torch.Tensor:
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, dsa, ops: Backend) -> torch.Tensor:
         """Selection [T, width] for the last T rows of `dsa` (already written and advanced)."""
         t = x.shape[0]
-        q = self.wq_b(q_resid).view(t, self.nh, self.d)
-        w = self.weights_proj(x).float() * self.nh ** -0.5
+        q = self.wq_b(q_resid, ops).view(t, self.nh, self.d)
+        w = self.weights_proj(x, ops).float() * self.nh ** -0.5
         return dsa_select(q, w, *dsa.readable(), self.index_kpool_compress_ape, topk=self.topk,
                           kpool=self.kpool, select_tail=self.tail)
 
@@ -113,7 +114,7 @@ class IndexedMLA(nn.Module):
         self.o_proj = Linear(nh * self.dv, h, dtype, device)
         self.indexer = DsaIndexer(cfg, dtype, device) if full else None
 
-    def forward(self, x: torch.Tensor, start: int, latent, dsa, prev_sel: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, start: int, latent, dsa, prev_sel: torch.Tensor | None, ops: Backend):
         """x [T, hidden] at positions start..start+T-1; `latent` [capacity, kv_lora] rows (written
         here at [start, start+T); float8_e4m3fn in an FP8 KV state); `dsa` this full layer's
         Glm5NextDsaState (len == start on entry, advanced by T here) or None for a shared layer,
@@ -124,13 +125,13 @@ class IndexedMLA(nn.Module):
         t = x.shape[0]
         if dsa is not None:
             dsa.ensure_room(t)  # the seed's writer rule: before anything is computed or written
-        q_resid, q, c = self.project(x)
+        q_resid, q, c = self.project(x, ops)
         latent[start:start + t] = e4m3_saturate(c) if latent.dtype == KV_FP8 else c
         if self.indexer is not None:
-            k, gate = self.indexer.rows(x)
+            k, gate = self.indexer.rows(x, ops)
             dsa.write_rows(start, k, gate)
             dsa.advance(t)
-            sel = self.indexer.select(x, q_resid, dsa)
+            sel = self.indexer.select(x, q_resid, dsa, ops)
         else:
             sel = prev_sel
         seq = start + t
@@ -143,13 +144,13 @@ class IndexedMLA(nn.Module):
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
             pooled[b0:b1] = self.pool_latent(q_lat[b0:b1], latent[rows[b0:b1]], valid[b0:b1])
-        return self.output(pooled, w_uv), sel
+        return self.output(pooled, w_uv, ops), sel
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token-parallel: (q_resid [T, q_lora], q [T, H, dn], latent rows c [T, kv_lora])."""
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(x.shape[0], self.nh, self.dn)
-        return q_resid, q, self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
+        q_resid = self.q_a_layernorm(self.q_a_proj(x, ops), ops)
+        q = self.q_b_proj(q_resid, ops).view(x.shape[0], self.nh, self.dn)
+        return q_resid, q, self.kv_a_layernorm(self.kv_a_proj_with_mqa(x, ops), ops)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, dn, lat], W_UV [H, dv, lat]) of kv_b_proj (FP8: decoded here)."""
@@ -164,8 +165,8 @@ class IndexedMLA(nn.Module):
         p = torch.softmax(scores.float(), dim=-1).to(q_lat.dtype)
         return torch.bmm(p, keys.to(p.dtype))
 
-    def output(self, pooled: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    def output(self, pooled: torch.Tensor, w_uv: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Token-parallel: W_UV on the pooled latents [T, H, lat], then o_proj: [T, hidden]."""
         o = torch.einsum("thl,hvl->thv", pooled, w_uv.to(pooled.dtype))
-        y = self.o_proj(o.reshape(pooled.shape[0], self.nh * self.dv))
+        y = self.o_proj(o.reshape(pooled.shape[0], self.nh * self.dv), ops)
         return y if self.tp is None else self.tp.all_reduce_sum(y)

@@ -20,7 +20,8 @@ from ...numerics.hc import stream_mean
 from .mla import GlmRMSNorm, IndexedMLA
 from ...layers.moe import Experts, SwiGluMLP
 from ...layers.rows import RowBatch
-from ...numerics.rows import biased_topk, fresh_rows, own_rows, route_rows, row_mm, in_batch_invariant_scope
+from ...numerics.backend import Backend
+from ...numerics.rows import biased_topk, own_rows, route_rows, row_mm
 from .indexer_state import KV_FP8, Glm5NextDsaState
 from .state import Glm5State, KdaLayerState, MlaLayerState, kda_ring_sizes
 from ...state.arena import SlotArena
@@ -42,11 +43,11 @@ class Glm5Router(nn.Module):
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(cfg.n_routed_experts, dtype=torch.float32, device=device))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if in_batch_invariant_scope():
-            return route_rows(x, self.weight, "sigmoid", self.k, self.scale, bias=self.e_score_correction_bias,
+    def forward(self, x: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+        if ops.batch_invariant:
+            return route_rows(ops, x, self.weight, "sigmoid", self.k, self.scale, bias=self.e_score_correction_bias,
                               n_group=self.n_group, topk_group=self.topk_group, renorm=self.norm)
-        scores = torch.sigmoid(row_mm(x.float(), self.weight.float()))
+        scores = torch.sigmoid(row_mm(ops, x.float(), self.weight.float()))
         ids = biased_topk(scores + self.e_score_correction_bias.float(), self.k, self.n_group, self.topk_group)
         w = scores.gather(1, ids)
         if self.norm:
@@ -67,11 +68,11 @@ class Glm5MoE(nn.Module):
         self.shared_experts = SwiGluMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                         cfg.swiglu_limit, dtype, device) if keep_shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
+        weights, ids = self.gate(x, ops)
+        y = self.experts(x, weights, ids, ops)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
+            y = y + self.shared_experts(x, ops).float()
         if self.tp is not None:
             y = self.tp.all_reduce_sum(y)
         return y.to(x.dtype)
@@ -232,16 +233,17 @@ class Glm5Model(CausalLM):
         return SlotArena(arena_specs(self.config, self.dtype, self.kda_heads, -(-capacity // kp) * kp, max_rewind),
                          slots, pages, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint)
 
-    def decode_graph_step(self, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
+    def decode_graph_step(self, ops: Backend, arena: SlotArena, tokens: torch.Tensor, positions: torch.Tensor,
                           slots: torch.Tensor, context: int | None = None, extras: torch.Tensor | None = None):
         """One token per row, shapes fixed by the inputs' length and `context` (a bound on every
-        position + 1): (logits [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]:
-        each row's state's `graph_inputs`. No checks and no cursor moves: the caller
-        (engine/graphs.py) does both."""
-        return decode_step(self, arena, tokens, positions, slots, context, extras)
+        position + 1), with the kernels of `ops` (`backend(...)` in the caller's mode): (logits
+        [N, vocab] fp32, final streams [N, hc, hidden]). `extras` [N, E]: each row's state's
+        `graph_inputs`. No checks and no cursor moves: the caller (engine/graphs.py) does both."""
+        return decode_step(self, ops, arena, tokens, positions, slots, context, extras)
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        ops = batch.ops
         for seg in batch.segments:
             seg.state._dsa_sync(seg.start, 0)  # reconcile as eager decode does (seed): rewind if ahead
             seg.state._kda_begin(seg.start, seg.length)
@@ -249,35 +251,35 @@ class Glm5Model(CausalLM):
         streams = streams.contiguous()
         sels: list = [None] * len(batch.segments)  # each sequence's DSA selection, shared down its layers
         for i, block in enumerate(self.model.layers):
-            x, post, comb = block.attn_hc.collapse(streams)
-            x = block.input_layernorm(x)
+            x, post, comb = block.attn_hc.collapse(streams, ops)
+            x = block.input_layernorm(x, ops)
             y = x.new_zeros(x.shape) if len(batch.segments) > 1 else None
             for s, seg in enumerate(batch.segments):
-                xs = own_rows(x, seg.rows) if fresh_rows(seg.length, x.device) else x[seg.rows]
-                ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s)
+                xs = own_rows(x, seg.rows) if ops.fresh_rows(seg.length) else x[seg.rows]
+                ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s, ops)
                 if y is None:
                     y = ys
                 else:
                     y[seg.rows] = ys
-            streams = HyperConnection.expand(streams, y, post, comb)
-            x, post, comb = block.ffn_hc.collapse(streams)
-            x = block.post_attention_layernorm(x)
-            y = block.mlp(x)
-            streams = HyperConnection.expand(streams, y, post, comb)
+            streams = HyperConnection.expand(streams, y, post, comb, ops)
+            x, post, comb = block.ffn_hc.collapse(streams, ops)
+            x = block.post_attention_layernorm(x, ops)
+            y = block.mlp(x, ops)
+            streams = HyperConnection.expand(streams, y, post, comb, ops)
         for seg in batch.segments:
             seg.state._kda_commit()
             seg.state.pos = seg.state.written_until = seg.start + seg.length
         scored = streams[batch.scored_rows(last_only)]
-        logits = self.lm_head(self.model.norm(stream_mean(scored))).float()
+        logits = self.lm_head(self.model.norm(stream_mean(scored), ops), ops).float()
         return batch.split_scored(logits, last_only), streams
 
     @staticmethod
-    def _attend(block, x: torch.Tensor, seg, ls, sels: list, s: int) -> torch.Tensor:
+    def _attend(block, x: torch.Tensor, seg, ls, sels: list, s: int, ops: Backend) -> torch.Tensor:
         """One sequence's attention in one layer: KDA runs from its state at start (replayed from the
         base) and stores its inputs (state.py); DSA layers pass their selection on to the next."""
         if block.kind == KDA:
-            return seg.state._kda_forward(block.self_attn, ls, x, seg.start)
-        y, sels[s] = block.self_attn(x, seg.start, ls.latent, ls.dsa, sels[s])
+            return seg.state._kda_forward(block.self_attn, ls, x, seg.start, ops)
+        y, sels[s] = block.self_attn(x, seg.start, ls.latent, ls.dsa, sels[s], ops)
         return y
 
     # ---- multi-token prediction: what the MTP drafter (decoding/drafters.py) calls --------------
@@ -286,14 +288,17 @@ class Glm5Model(CausalLM):
         """A state for the MTP layer's own latent and indexer rows (needs `supports_mtp`)."""
         return self.mtp.new_state(capacity=capacity, max_rewind=max_rewind)
 
-    def mtp_step(self, hidden: torch.Tensor, token_ids, mtp_state: Glm5State) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_step(self, hidden: torch.Tensor, token_ids, mtp_state: Glm5State, ops: Backend | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Advance `mtp_state` over T positions (needs `supports_mtp`). `hidden`: the main model's
         final streams [T, hc, d] at those positions (`forward(..., return_hidden=True)`), reduced
         here to the row its lm_head reads (final norm of the stream mean), or the MTP layer's own
-        previous output [T, d]; `token_ids`: the T tokens one position later. Returns (logits
-        [T, vocab] for two positions ahead, the MTP output [T, d])."""
-        h = self.model.norm(stream_mean(hidden)) if hidden.dim() == 3 else hidden
-        return self.mtp(h, self._as_ids(token_ids), mtp_state, self.model.embed_tokens, self.lm_head)
+        previous output [T, d]; `token_ids`: the T tokens one position later; `ops`: the kernels
+        to run (None: `backend()`, the model's own mode). Returns (logits [T, vocab] for two
+        positions ahead, the MTP output [T, d])."""
+        ops = self.backend() if ops is None else ops
+        h = self.model.norm(stream_mean(hidden), ops) if hidden.dim() == 3 else hidden
+        return self.mtp(h, self._as_ids(token_ids), mtp_state, self.model.embed_tokens, self.lm_head, ops)
 
     # ---- accounting ---------------------------------------------------------------------------
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:

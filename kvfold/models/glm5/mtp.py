@@ -24,6 +24,7 @@ from torch import nn
 
 from ...errors import CapacityError
 from ...layers.basic import Linear
+from ...numerics.backend import Backend
 from .indexer_state import Glm5NextDsaState, indexer_state_bytes
 from .mla import GlmRMSNorm, IndexedMLA
 from .state import Glm5State, MlaLayerState
@@ -77,20 +78,21 @@ class Glm5Mtp(nn.Module):
 
     @torch.inference_mode()
     def forward(self, h: torch.Tensor, next_ids: torch.Tensor, state: Glm5State, embed: nn.Module,
-                lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                lm_head: nn.Module, ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] (the main model's final hidden rows at positions pos..pos+T-1, or this layer's
         previous outputs), next_ids [T] (the tokens one position later) -> (logits [T, vocab]
-        predicting two positions ahead, y [T, hidden]). Advances `state` by T; refuses, before
-        writing, a call past its capacity."""
+        predicting two positions ahead, y [T, hidden]), with the kernels of `ops` (the model's
+        Backend). Advances `state` by T; refuses, before writing, a call past its capacity."""
         state.check_usable(self.fingerprint, self.device, self.dtype)
         t, start = next_ids.numel(), state.pos
         if start + t > state.capacity:
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {start} + {t}")
         state._dsa_sync(start, 0)
         ls = state.layers[0]
-        x = self.eh_proj(torch.cat([self.enorm(embed(next_ids)), self.hnorm(h.to(self.dtype))], dim=-1))
-        a = x + self.self_attn(self.input_layernorm(x), start, ls.latent, ls.dsa, None)[0]
-        out = a + self.mlp(self.post_attention_layernorm(a))
+        x = self.eh_proj(torch.cat([self.enorm(embed(next_ids), ops), self.hnorm(h.to(self.dtype), ops)], dim=-1),
+                         ops)
+        a = x + self.self_attn(self.input_layernorm(x, ops), start, ls.latent, ls.dsa, None, ops)[0]
+        out = a + self.mlp(self.post_attention_layernorm(a, ops), ops)
         state.pos = state.written_until = start + t
-        y = self.shared_head.norm(out)
-        return lm_head(y).float(), y
+        y = self.shared_head.norm(out, ops)
+        return lm_head(y, ops).float(), y

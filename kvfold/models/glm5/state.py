@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import RewindError
+from ...numerics.backend import Backend
 from ...state import blob
 from ...state.blob import DTYPE_CODES, Section
 from ...state.pages import check_restore_pages, shared_tokens
@@ -185,14 +186,15 @@ class Glm5State(SequenceState):
         low = max(wu - self.n_mix, min(self.kda_mix_low, start))
         self._kda_plan = (start, t, nb, [b for b in bounds if b >= nb], low, starts)
 
-    def _kda_forward(self, attn, ls: KdaLayerState, x: torch.Tensor, start: int) -> torch.Tensor:
+    def _kda_forward(self, attn, ls: KdaLayerState, x: torch.Tensor, start: int, ops: Backend) -> torch.Tensor:
         """One KDA layer's forward of x at `start`, as planned by `_kda_begin`: its state at start
-        replayed from the base, then its inputs stored and the new base kept."""
+        replayed from the base, then its inputs stored and the new base kept. `ops`: the model's
+        Backend (numerics/backend.py), passed to the layer."""
         _, t, nb, _, _, starts = self._kda_plan
         wu = start + t
         conv0, rec0, cap = self._kda_at(ls, start, capture=nb if nb <= start else None)
         inside = start < nb < wu
-        y, step = attn(x, conv0, rec0, starts=starts, keep_at=[nb - start] if inside else [])
+        y, step = attn(x, conv0, rec0, ops, starts=starts, keep_at=[nb - start] if inside else [])
         if nb <= start:
             base = cap
         elif nb == wu:
