@@ -36,6 +36,7 @@ from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import COMPRESSOR, INDEXER
 from .attention import sink_attention
 from .config import CSA, SLIDING, Dsv4Config
+from .indexer import index_scores
 from .state import compressor_ring_rows
 
 
@@ -159,9 +160,7 @@ def _select(ops: Backend, indexer, q: torch.Tensor, w: torch.Tensor, rows: Arena
     kernels = ops.index_topk.triton
     if kernels is not None:  # the scores read the pool in place (`ops.index_topk`, off by default)
         return kernels.topk_lower_index(kernels.index_scores(q, w, storage, visible, rows=at), indexer.topk)
-    keys = storage[at]  # [N, E, d]
-    s = torch.relu(q @ keys.to(q.dtype).transpose(1, 2))  # [N, H, E]
-    scores = torch.bmm(w[:, None, :], s)[:, 0]
+    scores = index_scores(q, w, storage[at].to(q.dtype))  # keys [N, E, d]
     scores = scores.masked_fill(entries[None, :] >= visible[:, None], float("-inf"))
     return topk_lower_index(scores.float(), indexer.topk, host_sync=False)
 

@@ -96,8 +96,7 @@ class Indexer(Compressor):
         out = torch.empty(t, k, dtype=torch.long, device=q.device)
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
-            s = torch.relu(q[b0:b1] @ keys.t())
-            scores = torch.bmm(w[b0:b1, None, :], s)[:, 0]
+            scores = index_scores(q[b0:b1], w[b0:b1], keys)
             if b1 - b0 > 1 or b1 < t:  # the chunk's last query sees every entry
                 scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_lower_index(scores if scores.dtype == f32 else scores.float(), k)
@@ -121,6 +120,15 @@ class Indexer(Compressor):
             scores = scores.masked_fill(entry_ids[None, :] >= visible[b0:b1, None], float("-inf"))
             out[b0:b1] = topk_descending(scores, k)
         return out
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's score of every entry for each query: sum_h w[h] * relu(q[h] . key),
+    [B, E]. q [B, H, d], w [B, H]; keys [E, d] (every query's) or [B, E, d] (one set per query,
+    the graph step's). The torch reference of `ops.index_topk`'s kernels, the forward's and the
+    graph step's alike."""
+    s = torch.relu(q @ keys.transpose(-1, -2))  # [B, H, E]
+    return torch.bmm(w[:, None, :], s)[:, 0]
 
 
 def _native_topk_one(ops: Backend, q: torch.Tensor, w: torch.Tensor, n_heads: int, head_dim: int, pool,
