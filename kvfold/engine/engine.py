@@ -32,6 +32,7 @@ from .sequence import RequestOutput, SamplingParams, Sequence
 from .replicas import HEARTBEAT_S, EngineReplicas
 from .sizing import BLOCK, check_limits, page_pool
 from .speculation import EngineSpeculation
+from .transcripts import continue_conversation, conversation_store, record_conversation
 from .stats import engine_metrics
 
 
@@ -51,7 +52,8 @@ class Engine:
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
                  prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
                  batch_invariant: bool | None = None, speculative: str | None = None, num_draft: int = 4,
-                 decode_graphs: bool = False, cache_dir: str | None = None, cache_disk_bytes: int = 0):
+                 decode_graphs: bool = False, cache_dir: str | None = None, cache_disk_bytes: int = 0,
+                 conversations: int = 0):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
@@ -81,7 +83,10 @@ class Engine:
         or GLM-5.3, numerics "hf", plain expert stacks), outside batch-invariant mode
         (batch_invariant=None leaves it off then) except for DeepSeek-V4 with the Triton kernels
         on (`graph_invariance_unsupported`): ConfigError otherwise. Its rows agree with the
-        forward's to rounding, not bit for bit."""
+        forward's to rounding, not bit for bit. `conversations`: keep up to this many tokens of
+        the conversations the engine produced (0: none), so that a prompt rendering one again
+        continues its exact state (transcripts.py: its earlier outputs fed one token a call, the
+        last state restored from the prefix cache); off under speculation and graph decode."""
         batch_invariant = check_limits(
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
@@ -112,6 +117,9 @@ class Engine:
                                                   batch_invariant)
         self.prefix_cache = engine_prefix_cache(model, self.pages, prefill_chunk, prefix_cache_bytes,
                                                 self.max_rewind, cache_dir, cache_disk_bytes)
+        # the conversations it produced, up to `conversations` tokens, which a prompt that renders one
+        # again continues exactly (transcripts.py)
+        self.transcripts = conversation_store(model, conversations, speculative, decode_graphs)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request
         self.latency = RequestLatency()
         self._ids = itertools.count()
@@ -172,7 +180,8 @@ class Engine:
         if not params or len(ids) != len(params) or len(set(named)) < len(named):
             raise InvalidRequestError("add_choices needs one or more params and, if given, as many distinct ids")
         try:
-            seqs = [self._make_sequence(prompt_ids, p, rid) for p, rid in zip(params, ids)]
+            prompt_ids, spans = continue_conversation(self, prompt_ids)
+            seqs = [self._make_sequence(prompt_ids, p, rid, spans) for p, rid in zip(params, ids)]
             leader = seqs[0]
             leader.checkpoint = checkpoint if self._replicas is None else None
             leader.followers = seqs[1:]
@@ -193,7 +202,7 @@ class Engine:
             self._replicas.record("add", list(leader.prompt), list(params), rids)
         return rids
 
-    def _make_sequence(self, prompt_ids, params, request_id) -> Sequence:
+    def _make_sequence(self, prompt_ids, params, request_id, decode_spans=()) -> Sequence:
         params = SamplingParams() if params is None else params
         params.validate(self.vocab_size)
         if isinstance(prompt_ids, torch.Tensor):
@@ -212,7 +221,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | {int(i) for i in params.stop_token_ids or ()}
         grammar = self._compile(params.grammar)
-        seq = Sequence(request_id, prompt, params, frozenset(stop_ids), self.tokenizer, grammar=grammar)
+        seq = Sequence(request_id, prompt, params, frozenset(stop_ids), self.tokenizer, grammar=grammar,
+                       decode_spans=decode_spans)
         if seq.capacity > self.max_seq_len:
             raise RequestTooLongError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {seq.capacity} passes "
@@ -458,7 +468,8 @@ class Engine:
             return True
         cached, keep = 0, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None and not resumes(self, seq):
-            cached, keep, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False)
+            cached, keep, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt), count=False,
+                                                         ids=seq.prompt, spans=seq.decode_spans)
             cached = cached if entry is not None and entry.pages else 0  # a disk hit shares no pages
         need = self._group_pages(seq, cached) + self._reserved_pages
         if self.pages.free_pages >= need:
@@ -475,7 +486,8 @@ class Engine:
             return
         n, key, entry = 0, None, None
         if self.prefix_cache is not None and seq.params.prompt_logprobs is None:  # a hit skips the prompt's logits
-            n, key, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt))
+            n, key, entry = self.prefix_cache.find(self._keys(seq), len(seq.prompt), ids=seq.prompt,
+                                                   spans=seq.decode_spans)
         kw = self._state_kw()
         prefix = {"prefix_pages": list(entry.pages)} if entry is not None and entry.pages else {}
         try:
@@ -522,8 +534,8 @@ class Engine:
         pos = seq.state.pos
         if seq.checkpoint is not None:
             take_checkpoint(seq, self.prefill_chunk)
-        if self.prefix_cache is None or pos % self.prefill_chunk:
-            return
+        if self.prefix_cache is None or pos % self.prefill_chunk or (seq.decode_spans and pos > seq.decode_spans[0][0]):
+            return  # (past a decode span the state is not a cold run's: only its last one is kept)
         key = self._keys(seq)[pos // self.prefill_chunk - 1]
         if key in self.prefix_cache:
             self.prefix_cache.touch(key)
@@ -541,6 +553,7 @@ class Engine:
             self.prefix_cache.shrink()  # pages only the cache holds now count against its budget
 
     def _finish(self, seq: Sequence) -> None:
+        record_conversation(self, seq)
         self._seqs.pop(seq.request_id, None)
         self._drop(seq)
         self._c[f"finished_{seq.finish_reason}"] += 1

@@ -22,6 +22,11 @@ rest at a clean shutdown; a lookup that finds a longer prefix on disk than in me
 snapshot go to disk: the longest one of each prompt (a leaf) and those a request has hit (a
 shared system prompt, a conversation's earlier turn). Every block of a prompt holds an entry,
 and full snapshots of all of them would write the prompt's rows once per block.
+
+A conversation kvfold produced also leaves its last state (`insert_tail`, engine/transcripts.py),
+at any position, keyed by every id so far and the positions that were decoded one token a call
+(its path: the same ids fed another way are another state). Such an entry holds a full snapshot,
+no pages, and stays in memory (the disk tier keeps block entries only).
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ class PrefixCache:
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # oldest first
         self._page_refs: Counter[int] = Counter()  # references the cache holds, per page
         self._hit_keys: set[bytes] = set()  # entries a request has been served from
+        self._tails: dict[bytes, int] = {}  # conversations' last states: key -> tokens held
+        self._tail_lengths: Counter[int] = Counter()
         self.blob_bytes = 0
         # counters for metrics
         self.lookups = 0
@@ -113,20 +120,27 @@ class PrefixCache:
     def keys_for(self, ids: Sequence[int]) -> list[bytes]:
         return block_hashes(ids, self.block, self.root)
 
-    def find(self, keys: Sequence[bytes], n_tokens: int, count: bool = True
-             ) -> tuple[int, bytes | None, CacheEntry | None]:
+    def find(self, keys: Sequence[bytes], n_tokens: int, count: bool = True, ids: Sequence[int] | None = None,
+             spans: Sequence[tuple[int, int]] = ()) -> tuple[int, bytes | None, CacheEntry | None]:
         """Longest cached prefix of a prompt of `n_tokens` tokens whose block keys are `keys`:
         whole blocks only, strictly shorter than the prompt (at least one token must still run
         to produce logits). Returns (tokens covered, key, entry) or (0, None, None). `count`:
-        record the lookup in the hit counters and refresh the entry's LRU position."""
+        record the lookup in the hit counters and refresh the entry's LRU position. `ids`, `spans`:
+        the prompt and the positions it feeds one token a call (a conversation it continues): block
+        entries then serve only up to the first span, and a conversation's last state beyond."""
         if count:
             self.lookups += 1
             self.lookup_tokens += n_tokens
-        n, key, entry = self._find_in_memory(keys, n_tokens)
+        blocks_end = min(n_tokens, spans[0][0] + 1) if spans else n_tokens  # (block states are a cold run's)
+        n, key, entry = self._find_in_memory(keys, blocks_end)
         if self.disk is not None:
-            hit = self.disk.find(keys, n_tokens, longer_than=n)
+            hit = self.disk.find(keys, blocks_end, longer_than=n)
             if hit is not None:
                 n, key, entry = hit.n_tokens, hit.key, hit
+        if ids is not None and self._tail_lengths:
+            tail = self.find_tail(ids, spans, longer_than=n)
+            if tail[2] is not None:
+                n, key, entry = tail
         if entry is not None and count:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -134,6 +148,35 @@ class PrefixCache:
             self.hits += 1
             self.hit_tokens += n
         return n, key, entry
+
+    # ---- conversations' last states (engine/transcripts.py) -----------------------------------
+    def tail_key(self, ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> bytes:
+        """The key of the state after `ids`, fed one token a call over `spans`."""
+        path = array("q", [x for span in spans for x in span]).tobytes()
+        return hashlib.sha256(self.root + b"tail" + len(path).to_bytes(8, "little") + path
+                              + array("q", ids).tobytes()).digest()
+
+    def insert_tail(self, ids: Sequence[int], spans: Sequence[tuple[int, int]], blob: bytes) -> bool:
+        """Keep a finished conversation's last state: the full snapshot `blob` after `ids`."""
+        key = self.tail_key(ids, spans)
+        stored = self.insert(key, blob, (), tuple(ids), len(ids))
+        if stored:
+            self._tails[key] = len(ids)
+            self._tail_lengths[len(ids)] += 1
+        return stored
+
+    def find_tail(self, ids: Sequence[int], spans: Sequence[tuple[int, int]], longer_than: int
+                  ) -> tuple[int, bytes | None, CacheEntry | None]:
+        """The longest conversation's last state that `ids` (fed so over `spans`) continues,
+        covering more than `longer_than` tokens and fewer than all of them; counted as a hit."""
+        for n in sorted((n for n in self._tail_lengths if longer_than < n < len(ids)), reverse=True):
+            key = self.tail_key(ids[:n], tuple((a, min(b, n)) for a, b in spans if a < n))
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self._hit_keys.add(key)
+                return n, key, entry
+        return 0, None, None
 
     def _find_in_memory(self, keys: Sequence[bytes], n_tokens: int) -> tuple[int, bytes | None, CacheEntry | None]:
         usable = (n_tokens - 1) // self.block
@@ -177,6 +220,11 @@ class PrefixCache:
         return key in self._entries
 
     def _drop(self, key: bytes, to_disk: bool = False) -> None:
+        n = self._tails.pop(key, None)
+        if n is not None:
+            self._tail_lengths[n] -= 1
+            if self._tail_lengths[n] <= 0:
+                del self._tail_lengths[n]
         if to_disk and self.disk is not None and self._worth_a_file(key):
             self._write_to_disk(key, self._entries[key])
         self._hit_keys.discard(key)
@@ -230,6 +278,8 @@ class PrefixCache:
     def _worth_a_file(self, key: bytes, longest: dict[int, int] | None = None) -> bool:
         """A prompt's longest entry, or one a request has hit (see the module docstring).
         `longest`: each prompt's (ids object's) longest entry, from `_longest()`."""
+        if key in self._tails:
+            return False
         entry = self._entries[key]
         longest = self._longest() if longest is None else longest
         return key in self._hit_keys or longest[id(entry.ids)] == entry.n_tokens

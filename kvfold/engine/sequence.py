@@ -119,6 +119,9 @@ class Sequence:
     followers: list["Sequence"] = field(default_factory=list)
     ghost: bool = False  # a cancelled leader that still prefills for its followers (no output)
     checkpoint: Any = None  # its exact starting point and/or the one to capture (engine/checkpoint.py)
+    # prompt positions [a, b) fed one token a model call, as decoding fed them: the earlier outputs
+    # of a conversation kvfold produced, which this prompt continues (transcripts.py)
+    decode_spans: tuple[tuple[int, int], ...] = ()
     prompt_logprobs: list[TokenLogprob | None] | None = None
     drafter: Any = None  # its own drafter under speculative decoding (speculation.py)
     drafts: list[int] = field(default_factory=list)  # this step's drafts after the last token
@@ -163,10 +166,17 @@ class Sequence:
     def next_input(self, chunk: int) -> list[int]:
         """Ids to feed this step: the prompt up to the next multiple of `chunk` (so chunk boundaries
         never depend on scheduling and a prefix-cache restore continues exactly like a cold run),
-        or, once prefilled, the last chosen token."""
+        one token inside a decode span and never across a span's start, or, once prefilled, the
+        last chosen token."""
         pos = self.state.pos
         if pos < len(self.prompt):
-            return self.prompt[pos:min(len(self.prompt), (pos // chunk + 1) * chunk)]
+            end = min(len(self.prompt), (pos // chunk + 1) * chunk)
+            for a, b in self.decode_spans:
+                if a <= pos < b:
+                    return self.prompt[pos:pos + 1]
+                if pos < a < end:
+                    end = a
+            return self.prompt[pos:end]
         return [self.output[-1]]
 
     # ---- output ------------------------------------------------------------------------------

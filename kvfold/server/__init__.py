@@ -52,6 +52,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--responses-store-mib", type=float, default=512.0,
                    help="memory for stored /v1/responses (their items and the state snapshots previous_response_id "
                         "resumes from), least recently used out; 0 stores none (default 512)")
+    p.add_argument("--conversation-tokens", type=_int_at_least(0), default=1 << 22,
+                   help="tokens of finished conversations kept, so that a client re-sending one (every coding "
+                        "agent does) continues its exact state from the prefix cache; 0 keeps none (default 4Mi)")
     p.add_argument("--kv-page-bytes", type=_int_at_least(0), default=None,
                    help="bytes of the shared compressed-KV page pool, 0 for private per-sequence pools "
                         "(default: room for max-running sequences of max-seq-len)")
@@ -122,7 +125,8 @@ def build_engine(args: argparse.Namespace):
                       kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
                       speculative=args.speculative, num_draft=args.num_draft,
                       decode_graphs=getattr(args, "decode_graphs", False), cache_dir=getattr(args, "cache_dir", None),
-                      cache_disk_bytes=int(getattr(args, "cache_disk_gib", 0) * (1 << 30)))
+                      cache_disk_bytes=int(getattr(args, "cache_disk_gib", 0) * (1 << 30)),
+                      conversations=getattr(args, "conversation_tokens", 0))
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
 
