@@ -286,7 +286,7 @@ def _write_kernels(out, model) -> None:
     out.write(f"kernels ({model.device.type}, {str(model.dtype).removeprefix('torch.')}, numerics {model.numerics}, "
               f"batch-invariant {'on' if ops.batch_invariant else 'off'}):\n")
     for op, impl, why in ops.describe():
-        out.write(f"  {op:<17} {impl:<58} {why}\n")
+        out.write(f"  {op:<17} {impl:<61} {why}\n")
 
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:

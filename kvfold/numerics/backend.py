@@ -139,7 +139,10 @@ class Backend:
         if op.triton and triton is not None:
             return Choice(op.name, "triton", "Triton kernels on (KernelSet.triton)", triton=triton)
         if op.native and lib is not None and self.dtype in op.dtypes:
-            return Choice(op.name, "native", f"{_dtype_name(self.dtype)} model on the CPU", native=lib)
+            why = {"always": "", "invariant": ", batch-invariant mode",
+                   "fixed_order": ", the fixed order of batch-invariant mode" if self.batch_invariant
+                   else ", the fixed order of reference numerics"}[op.when]
+            return Choice(op.name, "native", f"{_dtype_name(self.dtype)} model on the CPU{why}", native=lib)
         if op.native and lib is not None:
             return Choice(op.name, "torch", f"native.c reads {', '.join(map(_dtype_name, op.dtypes))} models")
         if op.native:
