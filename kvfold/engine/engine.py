@@ -343,6 +343,7 @@ class Engine:
         if self.graphs is not None:
             return self.graphs.step_beside_forward(pairs, [seq.output for seq, _ in batch], last_only, hidden)
         return self.model.forward_batch(pairs, last_only=last_only, batch_invariant=self.batch_invariant,
+                                        decode_rows=[bool(seq.drafts) for seq, _ in batch],  # verify rows
                                         **({"return_hidden": True} if hidden else {}))
 
     def _step(self) -> list[RequestOutput]:

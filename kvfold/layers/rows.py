@@ -23,10 +23,19 @@ class Segment:
     r1: int
     start: int
     state: object  # the sequence's state (its `layers[i]` is layer i's LayerState)
+    # each row as a decode row, one after another (a verify step: its rows' bits are plain decoding's)
+    decode_rows: bool = False
 
     @property
     def rows(self) -> slice:
         return slice(self.r0, self.r1)
+
+    def parts(self) -> list["Segment"]:
+        """The per-sequence work units: the segment whole, or with `decode_rows` each row alone,
+        in order (each then sees the rows before it in the state, as decoding does)."""
+        if not self.decode_rows or self.length == 1:
+            return [self]
+        return [Segment(r, r + 1, self.start + r - self.r0, self.state) for r in range(self.r0, self.r1)]
 
     @property
     def length(self) -> int:
@@ -42,12 +51,14 @@ class RowBatch:
     rope: dict = field(default_factory=dict)  # kind -> (RopeTable, cos [R, rd/2], sin [R, rd/2])
 
     @classmethod
-    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device, ops: Backend) -> "RowBatch":
-        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order."""
+    def build(cls, pieces: list[tuple[torch.Tensor, object]], device: torch.device, ops: Backend,
+              decode_rows: frozenset[int] = frozenset()) -> "RowBatch":
+        """pieces: (token ids [T_i], state at position state.pos) per sequence, in row order.
+        `decode_rows`: the ids of the states whose rows run as decode rows (`Segment.parts`)."""
         segments, ids, pos_parts, r = [], [], [], 0
         for tok, st in pieces:
             t = tok.numel()
-            segments.append(Segment(r, r + t, st.pos, st))
+            segments.append(Segment(r, r + t, st.pos, st, id(st) in decode_rows))
             ids.append(tok)
             pos_parts.append(torch.arange(st.pos, st.pos + t, device=device))
             r += t

@@ -192,17 +192,19 @@ class CausalLM(nn.Module):
         return ids
 
     @torch.no_grad()
-    def forward(self, token_ids, state, return_hidden: bool = False, last_only: bool = False):
+    def forward(self, token_ids, state, return_hidden: bool = False, last_only: bool = False,
+                decode_rows: bool = False):
         """Consume T >= 1 tokens at positions state.pos.. and return their logits [T, vocab]
         (and, with `return_hidden`, the final residual streams [T, hc_mult, hidden], which an MTP
         drafter reads). `last_only` returns just the last row's logits [1, vocab]: a long prompt
-        never materialises T x vocab logits. Every check runs before any buffer is written: a
-        refused call changes nothing."""
+        never materialises T x vocab logits. `decode_rows`: each row as a decode row (`forward_batch`).
+        Every check runs before any buffer is written: a refused call changes nothing."""
         ids = self._checked(token_ids, state)
-        return run_in_chunks(self._forward_chunk, ids, state, self.max_chunk, last_only, return_hidden)
+        chunk = functools.partial(self._forward_chunk, decode_rows=decode_rows)
+        return run_in_chunks(chunk, ids, state, self.max_chunk, last_only, return_hidden)
 
     def forward_batch(self, batch: list, last_only: bool | list[bool] = True, return_hidden: bool = False,
-                      batch_invariant: bool | None = None):
+                      batch_invariant: bool | None = None, decode_rows: bool | list[bool] = False):
         """Advance several sequences in ONE model call: each (token_ids, state) pair as `forward`
         would (decode tokens and prefill chunks alike). Returns one logits tensor per pair
         ([1, vocab] with `last_only`, else [T_i, vocab]; one flag for all pairs, or one per pair:
@@ -210,26 +212,32 @@ class CausalLM(nn.Module):
         also each pair's final streams [T_i, hc_mult, hidden] (what an MTP drafter reads); in
         batch-invariant mode they are bit-identical to what the pair would get alone.
         `batch_invariant`: this call's mode (an engine passes its own); None: the model's
-        (`set_batch_invariant`). Every pair is validated before any state is touched."""
+        (`set_batch_invariant`). `decode_rows` (one flag, or one per pair): run the pair's rows as
+        decode rows, one after another, so each row's logits are the bits decoding computes there
+        (a verify step; DeepSeek-V4; in batch-invariant mode). Every pair is validated before any
+        state is touched."""
         invariant = self.batch_invariant if batch_invariant is None else bool(batch_invariant)
         self.invariance_refusal(invariant)
         checked = [(self._checked(ids, st), st) for ids, st in batch]
         if len({id(st) for _, st in checked}) != len(checked):
             raise KvfoldError("forward_batch got the same state twice; a state advances once per call")
-        rows = functools.partial(self._forward_rows, invariant=invariant)
+        flags = [decode_rows] * len(checked) if isinstance(decode_rows, bool) else list(decode_rows)
+        rowwise = frozenset(id(st) for (_, st), f in zip(checked, flags) if f)
+        rows = functools.partial(self._forward_rows, invariant=invariant, decode_rows=rowwise)
         return run_batch_in_rounds(rows, checked, self.max_chunk, last_only, return_hidden)
 
-    def _forward_chunk(self, ids: torch.Tensor, state, last_only: bool = False):
-        logits, streams = self._forward_rows([(ids, state)], last_only)
+    def _forward_chunk(self, ids: torch.Tensor, state, last_only: bool = False, decode_rows: bool = False):
+        logits, streams = self._forward_rows([(ids, state)], last_only,
+                                             decode_rows=frozenset((id(state),)) if decode_rows else frozenset())
         return logits[0], streams[:ids.numel()]
 
-    def _forward_rows(self, pieces: list, last_only: bool | list[bool], invariant: bool | None = None
-                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _forward_rows(self, pieces: list, last_only: bool | list[bool], invariant: bool | None = None,
+                      decode_rows: frozenset[int] = frozenset()) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One model call over the concatenated rows of every (ids, state) piece; advances each
         state. Returns (logits per piece, all rows' final streams). `invariant`: the call's
         batch-invariant mode (None: the model's)."""
         ops = self.backend(invariant)
-        return self._run_rows(RowBatch.build(pieces, self.device, ops), last_only)
+        return self._run_rows(RowBatch.build(pieces, self.device, ops, decode_rows), last_only)
 
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
         raise NotImplementedError

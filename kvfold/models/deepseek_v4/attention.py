@@ -143,13 +143,14 @@ class Attention(nn.Module):
         if rows is None:
             first = batch.segments[0].start if t == 1 else None  # a lone decode row: no index tensor
             rows = self.project(x, batch.positions, first, cos, sin, ops)
-        out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(batch.segments) > 1 else None
-        for seg in batch.segments:
-            o = self._one_sequence(seg, self._taker(seg, t, ops), rows, rope, ops)
+        parts = [p for seg in batch.segments for p in seg.parts()]  # (verify rows: each alone, in order)
+        out = x.new_zeros(t, self.n_heads, self.head_dim, dtype=torch.float32) if len(parts) > 1 else None
+        for part in parts:
+            o = self._one_sequence(part, self._taker(part, t, ops), rows, rope, ops)
             if out is None:
                 out = o
             else:
-                out[seg.rows] = o
+                out[part.rows] = o
         return self.output(out, x.dtype, cos, sin, ops)
 
     def output(self, out: torch.Tensor, dtype: torch.dtype, cos: torch.Tensor, sin: torch.Tensor,

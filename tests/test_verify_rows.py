@@ -1,0 +1,98 @@
+"""A verify step's rows are decode rows (issue 45, item 1, DeepSeek-V4): with `decode_rows`, the
+k + 1 rows of one sequence's verify run one after another through the decode row's path, each
+seeing the state and the rows before it, so the logits at every verified position, accepted or
+not, are the bits plain decoding computes there (batch-invariant mode: the token-parallel ops give
+a row its bits in any batch). Hence speculative greedy output is plain greedy output by
+construction, not to rounding."""
+import pytest
+import torch
+
+import kvfold
+from kvfold import Engine, SamplingParams
+
+from helpers import random_ids
+
+
+def threads(n: int):
+    class _T:
+        def __enter__(self):
+            self.before = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.before)
+    return _T()
+
+
+def decoded(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits plain decoding computes after the prompt and each of `tokens`: [len, vocab]."""
+    st = model.new_state(capacity=len(prompt) + len(tokens) + 1)
+    model.forward(prompt, st, last_only=True)
+    rows = torch.cat([model.forward([t], st) for t in tokens])
+    st.free()
+    return rows
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("prompt_len", [7, 130, 300])  # inside the window, past a block, past window and ratio
+def test_verify_rows_are_plain_decodings_bits(tiny, n_threads, prompt_len):
+    vocab = tiny.config.vocab_size
+    prompt = random_ids(prompt_len, vocab, seed=prompt_len).tolist()
+    drafts = random_ids(5, vocab, seed=prompt_len + 1).tolist()  # (the last token, then 4 drafts)
+    with threads(n_threads):
+        want = decoded(tiny, prompt, drafts)
+        st = tiny.new_state(capacity=prompt_len + 8)
+        tiny.forward(prompt, st, last_only=True)
+        got = tiny.forward(drafts, st, decode_rows=True)
+        assert torch.equal(got, want)
+        # beside other sequences in one call: a prefill chunk and another verify
+        a, b = tiny.new_state(capacity=prompt_len + 8), tiny.new_state(capacity=64)
+        tiny.forward(prompt, a, last_only=True)
+        other = random_ids(40, vocab, seed=9).tolist()
+        out = tiny.forward_batch([(other, b), (drafts, a)], last_only=[True, False], decode_rows=[False, True])
+        assert torch.equal(out[1], want)
+        # the control: the same rows as one chunk are computed another way, not these bits
+        c = tiny.new_state(capacity=prompt_len + 8)
+        tiny.forward(prompt, c, last_only=True)
+        assert not torch.equal(tiny.forward(drafts, c), want)
+        for s in (st, a, b, c):
+            s.free()
+
+
+def test_a_rejected_draft_rewinds_to_the_decoded_state(tiny):
+    """Verify rows write the state exactly as decoding would: after a rewind to the accepted
+    prefix, the state continues as plain decoding does (the snapshot bytes are the same)."""
+    vocab = tiny.config.vocab_size
+    prompt, drafts = random_ids(150, vocab, seed=3).tolist(), random_ids(5, vocab, seed=4).tolist()
+    plain = tiny.new_state(capacity=200, max_rewind=4)
+    tiny.forward(prompt, plain, last_only=True)
+    for t in drafts[:3]:
+        tiny.forward([t], plain)
+    spec = tiny.new_state(capacity=200, max_rewind=4)
+    tiny.forward(prompt, spec, last_only=True)
+    tiny.forward(drafts, spec, decode_rows=True)
+    spec.rewind_to(plain.pos)
+    assert spec.snapshot() == plain.snapshot()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_speculative_greedy_logprobs_are_plain_greedy_bits(kind):
+    """Through the engine: every accepted token's logprob bits equal plain decoding's."""
+    model = kvfold.load_model("tiny")
+    prompts = [model.tokenizer.encode(t) for t in ("The engine keeps", "A state is explicit data and")]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+
+    def run(engine):
+        outs = {}
+        for rid in [engine.add_request(p, params) for p in prompts]:
+            outs[rid] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs[o.request_id] += [(lp.token, lp.logprob) for lp in o.logprobs or ()]
+        return list(outs.values())
+
+    plain = run(Engine(model, max_seq_len=256))
+    spec_engine = Engine(model, max_seq_len=256, speculative=kind, num_draft=3)
+    spec = run(spec_engine)
+    assert spec == plain
+    assert spec_engine.spec.accepted > 0  # drafts were verified and kept, not all rejected
