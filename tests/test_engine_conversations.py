@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvfold
+
 from kvfold import Engine, SamplingParams
 from kvfold.engine.transcripts import TranscriptStore
 from kvfold.models.registry import TINY_DIR
@@ -134,3 +136,23 @@ def glm_tiny(tiny):
     _, model = gpu_check.tiny_pair("glm5_next", torch.float32, torch.device("cpu"))
     model.tokenizer = tiny.tokenizer
     return model
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_a_speculative_engine_continues_conversations_to_the_same_bits(kind):
+    """Verify rows are decode rows (tests/test_verify_rows.py), so a conversation decoded with drafts
+    is the one a growing state decodes, and continues so."""
+    model = kvfold.load_model("tiny")
+    tok = model.tokenizer
+    turns = [tok.encode("The state is explicit data. " * 12), tok.encode(" And then?"), tok.encode(" Why?")]
+    want = growing_turns(model, turns, max_tokens=16)
+    engine = Engine(model, max_seq_len=1024, conversations=1 << 16, speculative=kind, num_draft=3)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = []
+    for k, (new, (reply, rows)) in enumerate(zip(turns, want)):
+        prompt = prompt + new
+        tokens, logprobs, cached = run(engine, prompt, params)
+        assert tokens == reply, k
+        assert logprobs == [float(torch.log_softmax(r.float(), -1)[t]) for r, t in zip(rows, reply)], k
+        prompt = prompt + tokens
+    assert engine.transcripts.aligned == 2 and engine.spec.accepted > 0

@@ -17,8 +17,8 @@ def modes_seen(monkeypatch):
     seen = []
     run_rows = CausalLM._forward_rows
 
-    def spy(self, pieces, last_only, invariant=None):
-        out = run_rows(self, pieces, last_only, invariant)
+    def spy(self, pieces, last_only, invariant=None, **kw):
+        out = run_rows(self, pieces, last_only, invariant, **kw)
         seen.append(self._last_mode)
         return out
 

@@ -1,9 +1,12 @@
-"""A verify step's rows are decode rows (issue 45, item 1, DeepSeek-V4): with `decode_rows`, the
+"""A verify step's rows are decode rows (issue 45, item 1): with `decode_rows`, the
 k + 1 rows of one sequence's verify run one after another through the decode row's path, each
 seeing the state and the rows before it, so the logits at every verified position, accepted or
 not, are the bits plain decoding computes there (batch-invariant mode: the token-parallel ops give
 a row its bits in any batch). Hence speculative greedy output is plain greedy output by
 construction, not to rounding."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,9 @@ import kvfold
 from kvfold import Engine, SamplingParams
 
 from helpers import random_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import gpu_check  # noqa: E402  (the GPU run's tiny models)
 
 
 def threads(n: int):
@@ -96,3 +102,24 @@ def test_speculative_greedy_logprobs_are_plain_greedy_bits(kind):
     spec = run(spec_engine)
     assert spec == plain
     assert spec_engine.spec.accepted > 0  # drafts were verified and kept, not all rejected
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_glm_verify_rows_are_plain_decodings_bits(n_threads):
+    """GLM-5.3: MLA runs the verify rows one after another as decode rows; KDA runs them as its
+    recurrence's single steps (the last max_rewind rows of any call are)."""
+    _, glm = gpu_check.tiny_pair("glm5_next", torch.float32, torch.device("cpu"))
+    vocab = glm.config.vocab_size
+    for prompt_len in (7, 140):
+        prompt, drafts = random_ids(prompt_len, vocab, seed=prompt_len).tolist(), random_ids(5, vocab, seed=2).tolist()
+        with threads(n_threads):
+            st = glm.new_state(capacity=prompt_len + 8, max_rewind=4)
+            glm.forward(prompt, st, last_only=True)
+            want = torch.cat([glm.forward([t], st) for t in drafts])
+            spec = glm.new_state(capacity=prompt_len + 8, max_rewind=4)
+            glm.forward(prompt, spec, last_only=True)
+            got = glm.forward(drafts, spec, decode_rows=True)
+            assert torch.equal(got, want), prompt_len
+            chunk = glm.new_state(capacity=prompt_len + 8, max_rewind=4)
+            glm.forward(prompt, chunk, last_only=True)
+            assert not torch.equal(glm.forward(drafts, chunk), want)  # the control

@@ -342,7 +342,8 @@ class _Run:
         """Feed the pending token (plus drafts, if any), choose the next token(s); True when done."""
         y, pos0 = self.out.tokens[-1], self.state.pos
         drafts, q = self._propose()
-        logits, hidden = self._forward([y] + drafts, decode_rows=True)  # each row plain decoding's bits
+        # verify rows as decode rows: each row's logits are plain decoding's bits
+        logits, hidden = self._forward([y] + drafts, **({"decode_rows": True} if drafts else {}))
         if drafts:
             n, nxt = verify_drafts(logits, drafts, q, self.sampler, self.out.tokens)
             n, code = self._agree([n, -1 if nxt is None else nxt])

@@ -86,7 +86,7 @@ class Engine:
         forward's to rounding, not bit for bit. `conversations`: keep up to this many tokens of
         the conversations the engine produced (0: none), so that a prompt rendering one again
         continues its exact state (transcripts.py: its earlier outputs fed one token a call, the
-        last state restored from the prefix cache); off under speculation and graph decode."""
+        last state restored from the prefix cache); off under graph decode."""
         batch_invariant = check_limits(
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
@@ -119,7 +119,7 @@ class Engine:
                                                 self.max_rewind, cache_dir, cache_disk_bytes)
         # the conversations it produced, up to `conversations` tokens, which a prompt that renders one
         # again continues exactly (transcripts.py)
-        self.transcripts = conversation_store(model, conversations, speculative, decode_graphs)
+        self.transcripts = conversation_store(model, conversations, decode_graphs)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request
         self.latency = RequestLatency()
         self._ids = itertools.count()

@@ -196,11 +196,11 @@ def _runs(ids: Seq[int], control: frozenset[int]):
 
 # ---- what the engine calls (engine.py) ----------------------------------------------------------
 
-def conversation_store(model: Any, max_tokens: int, speculative: Any, decode_graphs: bool) -> TranscriptStore | None:
+def conversation_store(model: Any, max_tokens: int, decode_graphs: bool) -> TranscriptStore | None:
     """The engine's store, or None: off (0 tokens), no tokenizer to compare text with, or a decode
-    path that a replay one token a call would not reproduce (verify rows of speculative decoding,
-    graph decode's own step)."""
-    if not max_tokens or model.tokenizer is None or speculative is not None or decode_graphs:
+    path that a replay one token a call would not reproduce (graph decode's own step; speculative
+    decoding's verify rows are decode rows, so its outputs replay to the same bits)."""
+    if not max_tokens or model.tokenizer is None or decode_graphs:
         return None
     return TranscriptStore(model.tokenizer, max_tokens)
 

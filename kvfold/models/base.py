@@ -214,7 +214,7 @@ class CausalLM(nn.Module):
         `batch_invariant`: this call's mode (an engine passes its own); None: the model's
         (`set_batch_invariant`). `decode_rows` (one flag, or one per pair): run the pair's rows as
         decode rows, one after another, so each row's logits are the bits decoding computes there
-        (a verify step; DeepSeek-V4; in batch-invariant mode). Every pair is validated before any
+        (a verify step; in batch-invariant mode). Every pair is validated before any
         state is touched."""
         invariant = self.batch_invariant if batch_invariant is None else bool(batch_invariant)
         self.invariance_refusal(invariant)

@@ -249,12 +249,16 @@ class Glm5Model(CausalLM):
             seg.state._kda_begin(seg.start, seg.length)
         streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
         streams = streams.contiguous()
-        sels: list = [None] * len(batch.segments)  # each sequence's DSA selection, shared down its layers
+        # MLA runs verify rows one after another, as decode rows (`Segment.parts`); KDA runs a
+        # sequence's rows as its recurrence does, whose last max_rewind rows are single steps already
+        parts = [p for seg in batch.segments for p in seg.parts()]
+        sels: list = [None] * len(parts)  # each unit's DSA selection, shared down its layers
         for i, block in enumerate(self.model.layers):
             x, post, comb = block.attn_hc.collapse(streams, ops)
             x = block.input_layernorm(x, ops)
-            y = x.new_zeros(x.shape) if len(batch.segments) > 1 else None
-            for s, seg in enumerate(batch.segments):
+            units = batch.segments if block.kind == KDA else parts
+            y = x.new_zeros(x.shape) if len(units) > 1 else None
+            for s, seg in enumerate(units):
                 xs = own_rows(x, seg.rows) if ops.fresh_rows(seg.length) else x[seg.rows]
                 ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s, ops)
                 if y is None:
