@@ -117,9 +117,7 @@ class Engine:
                                                   batch_invariant)
         self.prefix_cache = engine_prefix_cache(model, self.pages, prefill_chunk, prefix_cache_bytes,
                                                 self.max_rewind, cache_dir, cache_disk_bytes)
-        # the conversations it produced, up to `conversations` tokens, which a prompt that renders one
-        # again continues exactly (transcripts.py)
-        self.transcripts = conversation_store(model, conversations, decode_graphs)
+        self.transcripts = conversation_store(model, conversations, decode_graphs)  # (see `conversations`)
         self._seqs: dict[str, Sequence] = {}  # every unfinished request
         self.latency = RequestLatency()
         self._ids = itertools.count()
