@@ -228,6 +228,9 @@ def _generate_summary(args: argparse.Namespace, model: Any, result: Any) -> str:
         summary += f" ({per_token(**({'kv_dtype': args.kv_dtype} if args.kv_dtype else {})):.0f} B/token)"
     if args.speculative is not None:
         summary += f" | accept {100.0 * result.acceptance_rate:.1f}%"
+        if result.accepted_per_position:  # as peers report it: by draft position, and tokens a verify step
+            summary += (" (by position " + ", ".join(f"{100.0 * r:.0f}%" for r in result.accepted_per_position)
+                        + f"; {result.mean_accepted_length:.2f} tokens per verify step)")
     return summary
 
 

@@ -61,3 +61,5 @@ def test_an_engines_metrics_read_as_vllms():
     assert sum(per_pos) == m["kvfold_spec_decode_num_accepted_tokens_total"]
     assert m["kvfold_spec_decode_num_draft_tokens_total"] >= m["kvfold_spec_decode_num_accepted_tokens_total"]
     assert 0 < m["kvfold_spec_decode_num_drafts_total"] <= m["kvfold_spec_decode_num_draft_tokens_total"]
+    assert m["kvfold_spec_decode_mean_accepted_length"] == \
+        1 + m["kvfold_spec_decode_num_accepted_tokens_total"] / m["kvfold_spec_decode_num_drafts_total"]

@@ -69,6 +69,8 @@ def test_ngram_greedy_equals_plain_greedy(tiny, plain):
             assert res.tokens == plain[name], (name, k)
             assert res.drafted >= res.accepted >= 0
             assert res.acceptance_rate == (res.accepted / res.drafted if res.drafted else 0.0)
+            assert len(res.accepted_per_position) <= k and all(0 <= r <= 1 for r in res.accepted_per_position)
+            assert res.mean_accepted_length == 0.0 or 1.0 <= res.mean_accepted_length <= k + 1
             # each verify step emits one token plus its accepted drafts; the prefill emits the first
             assert res.verify_steps + res.accepted == N_NEW - 1
             accepted += res.accepted
@@ -355,8 +357,16 @@ def test_cli_speculative_summary(tiny, monkeypatch, capsys):
                    "--num-draft", "3"])
     assert rc == 0
     summary = capsys.readouterr().out.splitlines()[-1]
-    assert re.match(r"^\[kvfold\] prompt 15 tok \| generated \d+ tok \| .* \| state [\d.]+ MiB \(\d+ B/token\) \| accept \d+\.\d%$",
-                    summary), summary
+    m = re.match(r"^\[kvfold\] prompt 15 tok \| generated \d+ tok \| .* \| state [\d.]+ MiB \(\d+ B/token\) \| "
+                 r"accept (\d+\.\d)%(?: \(by position (\d+%(?:, \d+%){0,2}); ([\d.]+) tokens per verify step\))?$",
+                 summary)
+    assert m, summary
+    # as peers report it, once anything was drafted: the share accepted at each draft position
+    # (up to num_draft of them), and the tokens a verify step emitted
+    if m.group(2) is not None:
+        assert len(m.group(2).split(", ")) <= 3 and 1.0 <= float(m.group(3)) <= 4.0
+    else:
+        assert m.group(1) == "0.0"
 
 
 def test_cli_mtp_without_mtp_weights_exits_2(no_mtp, monkeypatch, capsys):
@@ -476,3 +486,15 @@ def test_decoding_imports_point_one_way():
 
 def test_supports_mtp_reads_the_checkpoint(tiny, no_mtp):
     assert tiny.supports_mtp and not no_mtp.supports_mtp
+
+
+def test_generate_reports_acceptance_by_draft_position_as_peers_do():
+    """The trained tiny's MTP drafts are accepted often: each draft position's share, and the
+    tokens a verify step emits (1 + accepted / verify steps with drafts)."""
+    model = kvfold.load_model("tiny")
+    res = kvfold.generate(model, model.tokenizer.encode("The state is explicit data"), 32, stop_ids=[],
+                          speculative="mtp", num_draft=3)
+    assert len(res.accepted_per_position) == 3 and all(0 < r <= 1 for r in res.accepted_per_position)
+    assert res.accepted_per_position[0] >= res.acceptance_rate  # the first draft is the likeliest kept
+    # steps with drafts are at most all verify steps (the last may have no room left to draft)
+    assert 1 + res.accepted / res.verify_steps <= res.mean_accepted_length <= 4

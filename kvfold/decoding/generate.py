@@ -14,7 +14,7 @@ Model contract used here (and nothing more):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -37,6 +37,10 @@ class GenerationResult:
     accepted: int = 0  # of those, how many the main model accepted
     acceptance_rate: float = 0.0  # accepted / drafted (0 when nothing was drafted)
     verify_steps: int = 0  # forward passes after the prefill (each emits 1 + its accepted drafts)
+    # of the drafts at each draft position, the share accepted (a draft counts only when every
+    # draft before it was accepted: what peers report per position)
+    accepted_per_position: tuple[float, ...] = ()
+    mean_accepted_length: float = 0.0  # tokens a step with drafts emitted on average: 1 + accepted / such steps
 
 
 def generation_capacity(n_input: int, max_new_tokens: int, speculative: Any = None,
@@ -247,6 +251,8 @@ def _result(n_prompt: int, run: "_Run", prefill_s: float, decode_s: float, state
         accepted=run.accepted,
         acceptance_rate=run.accepted / run.drafted if run.drafted else 0.0,
         verify_steps=run.steps,
+        accepted_per_position=tuple(a / d for a, d in zip(run.accepted_at, run.drafted_at) if d),
+        mean_accepted_length=1 + run.accepted / run.draft_steps if run.draft_steps else 0.0,
     )
 
 
@@ -263,6 +269,12 @@ class _Run:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    draft_steps: int = 0  # steps that verified drafts
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: drafts verified there
+    accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
+
+    def __post_init__(self) -> None:
+        self.drafted_at, self.accepted_at = [0] * self.num_draft, [0] * self.num_draft
 
     def timed(self, prompt: list[int]) -> tuple[float, float]:
         """Prefill, then step until done; returns (prefill seconds, decode seconds)."""
@@ -355,6 +367,10 @@ class _Run:
         self.steps += 1
         self.drafted += len(drafts)
         self.accepted += n
+        self.draft_steps += bool(drafts)
+        for j in range(len(drafts)):  # position j was drafted; accepted when all before it were
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < n
         new = drafts[:n] + ([] if nxt is None else [nxt])
         m, done = 0, False
         for tok in new:

@@ -90,6 +90,9 @@ _VLLM = [
     ("spec_drafts", "kvfold_spec_decode_num_drafts_total", "counter", "Verify steps of sequences with drafts."),
     ("spec_draft_tokens", "kvfold_spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed."),
     ("spec_accepted_tokens", "kvfold_spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    (lambda m: 1 + m.get("spec_accepted_tokens", 0) / m["spec_drafts"] if m.get("spec_drafts") else 0,
+     "kvfold_spec_decode_mean_accepted_length", "gauge",
+     "Tokens a verify step with drafts emits on average: 1 + accepted / verify steps (0 before any)."),
 ]
 _HISTOGRAMS = [
     ("time_to_first_token_seconds", "kvfold_time_to_first_token_seconds",
