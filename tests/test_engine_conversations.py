@@ -71,6 +71,22 @@ def run(engine, prompt: list[int], params) -> tuple[list[int], list[float], int]
     return tokens, logprobs, cached
 
 
+def converse(engine, turns: list[list[int]], want, max_tokens: int) -> list[int]:
+    """Send the conversation turn by turn, each prompt the whole conversation so far; every reply's
+    tokens and logprob bits must be the growing state's (log_softmax of its rows). Returns each
+    turn's cached prompt tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0)
+    prompt, cached = [], []
+    for k, (new, (reply, rows)) in enumerate(zip(turns, want)):
+        prompt = prompt + new
+        tokens, logprobs, n = run(engine, prompt, params)
+        assert tokens == reply, k
+        assert logprobs == [float(torch.log_softmax(r.float(), -1)[t]) for r, t in zip(rows, reply)], k
+        cached.append(n)
+        prompt = prompt + tokens
+    return cached
+
+
 @pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next"])
 def test_each_turn_is_bit_identical_to_one_growing_state(tiny, glm_tiny, family):
     model = tiny if family == "deepseek_v4" else glm_tiny
@@ -79,17 +95,9 @@ def test_each_turn_is_bit_identical_to_one_growing_state(tiny, glm_tiny, family)
              random_ids(9, vocab, seed=3).tolist(), random_ids(150, vocab, seed=4).tolist()]
     want = growing_turns(model, turns, max_tokens=20)
     engine = Engine(model, max_seq_len=2048, conversations=1 << 16)
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0)
-    prompt = []
-    for k, (new, (reply, rows)) in enumerate(zip(turns, want)):
-        prompt = prompt + new
-        tokens, logprobs, cached = run(engine, prompt, params)
-        assert tokens == reply, k
-        # the logprob bits of every reply token are the growing state's (log_softmax of its rows)
-        assert logprobs == [float(torch.log_softmax(r.float(), -1)[t]) for r, t in zip(rows, reply)], k
-        if k:  # the whole conversation before this turn's new ids came from the last turn's state
-            assert cached == len(prompt) - len(new) - 1
-        prompt = prompt + tokens
+    cached = converse(engine, turns, want, max_tokens=20)
+    # from turn 2 on, the whole conversation before the turn's new ids came from the last turn's state
+    assert cached[1:] == [sum(map(len, turns[:k])) + 20 * k - 1 for k in range(1, len(turns))]
     assert engine.transcripts.aligned == 3
 
 
@@ -147,12 +155,5 @@ def test_a_speculative_engine_continues_conversations_to_the_same_bits(kind):
     turns = [tok.encode("The state is explicit data. " * 12), tok.encode(" And then?"), tok.encode(" Why?")]
     want = growing_turns(model, turns, max_tokens=16)
     engine = Engine(model, max_seq_len=1024, conversations=1 << 16, speculative=kind, num_draft=3)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    prompt = []
-    for k, (new, (reply, rows)) in enumerate(zip(turns, want)):
-        prompt = prompt + new
-        tokens, logprobs, cached = run(engine, prompt, params)
-        assert tokens == reply, k
-        assert logprobs == [float(torch.log_softmax(r.float(), -1)[t]) for r, t in zip(rows, reply)], k
-        prompt = prompt + tokens
+    converse(engine, turns, want, max_tokens=16)
     assert engine.transcripts.aligned == 2 and engine.spec.accepted > 0
