@@ -304,9 +304,9 @@ def test_memory_is_one_kda_state_plus_per_token_inputs(model):
     meta = Glm5Model.__new__(Glm5Model)
     meta.config, meta.dtype = flash, torch.bfloat16
     state = 64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2  # 4,341,760 B per layer
-    per_token = 2 * 8192 * 4 + 8192 * 2 + 64 * 2  # k, g fp32; v, beta bf16: 82,048 B
+    per_token = 2 * 8192 * 4 + 8192 * 2 + 64 * 4  # k, g, beta fp32; v bf16: 82,176 B
     row = 3 * 8192 * 2  # one pre-conv row: 49,152 B
-    assert len(flash.kda_layers) == 34 and state == 4_341_760 and per_token == 82_048
+    assert len(flash.kda_layers) == 34 and state == 4_341_760 and per_token == 82_176
     mib = 2 ** 20
     got = {r: meta.fixed_state_bytes(r) for r in (0, 4, 8)}
     assert got[0] == 34 * state  # 140.8 MiB, as before

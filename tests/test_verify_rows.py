@@ -123,3 +123,77 @@ def test_glm_verify_rows_are_plain_decodings_bits(n_threads):
             chunk = glm.new_state(capacity=prompt_len + 8, max_rewind=4)
             glm.forward(prompt, chunk, last_only=True)
             assert not torch.equal(glm.forward(drafts, chunk), want)  # the control
+
+
+def _counting_model_row(monkeypatch) -> list:
+    """The results of every fused whole-model call (None where it declined) from now on."""
+    from kvfold.models.deepseek_v4 import model as dsv4_model
+    real, seen = dsv4_model.model_row, []
+
+    def counted(model, batch):
+        out = real(model, batch)
+        seen.append(out)
+        return out
+    monkeypatch.setattr(dsv4_model, "model_row", counted)
+    return seen
+
+
+def _verify_beside_others(model, prompt_len: int, lengths=(5, 1, 3)) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One call of a sequence per length: by default a verify of 5 rows, a decode row and a verify
+    of 3 rows; with the logits plain decoding computes for each (got, want)."""
+    vocab = model.config.vocab_size
+    prompts = [random_ids(prompt_len + i, vocab, seed=20 + i).tolist() for i in range(len(lengths))]
+    rows = [random_ids(n, vocab, seed=30 + n).tolist() for n in lengths]
+    want = [decoded(model, p, r) for p, r in zip(prompts, rows)]
+    states = [model.new_state(capacity=prompt_len + 10, max_rewind=4) for _ in prompts]
+    for p, st in zip(prompts, states):
+        model.forward(p, st, last_only=True)
+    got = model.forward_batch(list(zip(rows, states)), last_only=False, decode_rows=[n > 1 for n in lengths])
+    for st in states:
+        st.free()
+    return got, want
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_verify_rows_run_in_the_decode_steps_one_native_call(tiny, monkeypatch, n_threads):
+    """Beside other sequences' decode and verify rows, a verify step's rows take the fused
+    whole-model call (kv_model_decode_rows) a decode step takes, with plain decoding's bits."""
+    with threads(n_threads):
+        for prompt_len in (9, 131):  # a CSA window closes inside the verify at 131 + 1
+            fused = _counting_model_row(monkeypatch)
+            got, want = _verify_beside_others(tiny, prompt_len)
+            assert fused and fused[-1] is not None  # the three sequences' rows in the one fused call
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A random V4 in the release's formats (FP8 blocks, FP4 experts), read as stored."""
+    from test_official_checkpoint import official_tensors, tiny_v4, write_official
+    original = tiny_v4()
+    path = write_official(tmp_path_factory.mktemp("official"), official_tensors(original), original.config)
+    return kvfold.load_model(path, weights="quantized")
+
+
+def test_verify_rows_on_quantized_weights_are_plain_decodings_bits(quantized, monkeypatch):
+    assert quantized.quantized_weights()
+    fused = _counting_model_row(monkeypatch)
+    got, want = _verify_beside_others(quantized, 40)
+    assert fused[-1] is not None
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "glm5_next"])
+def test_bf16_verify_rows_are_plain_decodings_bits_in_batch_invariant_mode(family):
+    """bf16 runs batch-invariant on the Triton row kernels (CUDA's path; here in Triton's
+    interpreter): there too a verify row is a decode row. (Outside batch-invariant mode a bf16
+    row's bits depend on how many rows its matmuls take, for decoding too.)"""
+    from test_gpu_invariance import CUDA_PATH
+    model, _ = gpu_check.tiny_pair(family, torch.bfloat16, torch.device("cpu"))
+    model.set_kernels(CUDA_PATH)
+    model.set_batch_invariant(True)
+    got, want = _verify_beside_others(model, 2, lengths=(3, 1))  # (Triton's interpreter is slow)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -1,5 +1,6 @@
 /* kvfold native kernels: a whole DeepSeek-V4 block, and the whole model, for a batch of decode rows
- * (one row per sequence), one call each (models/deepseek_v4/native_block.py enters them).
+ * (a decode step's one row per sequence, and verify steps' rows, each a decode row in row order),
+ * one call each (models/deepseek_v4/native_block.py enters them).
  * Included at the end of native.c, after the kernels it composes.
  *
  * It is Block.forward's sequence of native calls for those rows, in the same order on the same
@@ -68,9 +69,10 @@ static attn_rows attn_row(const attn_project_layer *P, float *buf, int64_t n, in
     return A;
 }
 
-/* n decode rows, one a sequence: row r at position start[r] with token id token[r]; (cs, sn)
- * [n, half]: the layer's rope at the rows' positions; (emit_cs[r], emit_sn[r]): the rope of the
- * entry row r's closing window emits (NULL when none closes) */
+/* n decode rows (a sequence's verify rows consecutive, in row order): row r at position start[r]
+ * with token id token[r]; (cs, sn) [n, half]: the layer's rope at the rows' positions;
+ * (emit_cs[r], emit_sn[r]): the rope of the entry row r's closing window emits (NULL when none
+ * closes) */
 typedef struct {
     int64_t n;
     const int64_t *start, *token;
@@ -122,7 +124,7 @@ typedef struct {
     int64_t head_threads;
 } model_layer;
 
-/* n decode rows, one a sequence, of the whole model: row r at position start[r] with token id
+/* n decode rows of the whole model (as decode_rows): row r at position start[r] with token id
  * token[r]; block i's rope rope[2i], rope[2i + 1] = cos, sin [n, half] and the rope of the entry
  * row r's closing window emits there emit[2 (i n + r)] = cos, emit[2 (i n + r) + 1] = sin (NULL
  * when none closes) */

@@ -268,7 +268,9 @@ class Dsv4Model(CausalLM):
             batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(ops, batch.positions))
         fused = model_row(self, batch)  # decode rows: all of the below as one native call
         if fused is not None:
-            logits, streams = fused
+            logits, streams = fused  # every row's
+            if any(seg.length > 1 for seg in batch.segments):  # verify rows: keep the scored ones
+                logits = logits[batch.scored_rows(last_only)]
         else:
             streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
             streams = streams.contiguous()

@@ -1,5 +1,6 @@
-"""A V4 block, and the whole model, for a batch of decode rows (one row per sequence: a decode
-step of one or several sequences) in one native call each (native_block.h).
+"""A V4 block, and the whole model, for a batch of decode rows (a decode step of one or several
+sequences, and the rows of verify steps, which run as decode rows one after another:
+`Segment.parts`) in one native call each (native_block.h).
 
 `Block.forward` on such rows runs a fixed sequence of native calls when the model is fp32 on the
 CPU: the attention's mHC collapse and input norm, its fused projections, each sequence's decode
@@ -70,7 +71,7 @@ def _prepared(block, batch, hc: int, hid: int):
     sequence_layers (one per row), (cos, sin, emit_cos per row, emit_sin per row)), or None where
     a step would not run natively. A shared page under an entry a row would write refuses here
     (PageError), before any write."""
-    attn, moe, n, ops = block.self_attn, block.mlp, len(batch.segments), batch.ops
+    attn, moe, n, ops = block.self_attn, block.mlp, batch.rows, batch.ops
     if attn.tp is not None or moe.tp is not None or not block.fused_decode:
         return None
     lib = ops.decode_block.native
@@ -95,11 +96,13 @@ def _prepared(block, batch, hc: int, hid: int):
 
 def _sequence_layers(ops: Backend, attn, batch, rope) -> tuple[list, list, list] | None:
     """Each decode row's sequence_layer for `attn`, with the rope (cos, sin) of the entry its
-    closing window emits (None, None where none closes), as three lists in row order; or None."""
+    closing window emits (None, None where none closes), as three lists in row order; or None.
+    A verify step's rows each get their own (its position's), on the one state they share: native
+    code runs them in row order, so each sees the rows before it, as decoding does."""
     seqs, emit_cos, emit_sin = [], [], []
     i = attn.layer_idx
-    for seg in batch.segments:
-        found = sequence_layer(ops, attn, seg.state.layers[i], seg.start, rope)
+    for part in (p for seg in batch.segments for p in seg.parts()):
+        found = sequence_layer(ops, attn, part.state.layers[i], part.start, rope)
         if found is None:
             return None
         seqs.append(found[0])
@@ -136,9 +139,10 @@ def _linked(ops: Backend, layer: BlockLayer | None, block, hc: int, hid: int, ro
 
 
 def _decode_rows(batch) -> bool:
-    """Whether the batch is decode rows only (one a sequence), with no profiler listening and no
-    Triton kernels serving its attention (`batch.ops.sparse_attention`)."""
-    return all(seg.r1 - seg.r0 == 1 for seg in batch.segments) and profiling.quiet() \
+    """Whether the batch is decode rows only (a sequence's one row, or its verify rows, which run
+    as decode rows), with no profiler listening and no Triton kernels serving its attention
+    (`batch.ops.sparse_attention`)."""
+    return all(seg.length == 1 or seg.decode_rows for seg in batch.segments) and profiling.quiet() \
         and batch.ops.sparse_attention.triton is None
 
 
@@ -149,10 +153,9 @@ def _pointers(items) -> ctypes.Array:
 
 
 def block_row(block, streams: torch.Tensor, batch) -> torch.Tensor | None:
-    """`Block.forward` for a batch of n decode rows, one a sequence (streams [n, hc, hidden]), in
-    one native call, or None where any of its steps would not run natively (then nothing has been
-    written)."""
-    if streams.shape[0] != len(batch.segments) or not _decode_rows(batch):
+    """`Block.forward` for a batch of n decode rows (streams [n, hc, hidden]), in one native call,
+    or None where any of its steps would not run natively (then nothing has been written)."""
+    if streams.shape[0] != batch.rows or not _decode_rows(batch):
         return None
     found = _prepared(block, batch, streams.shape[1], streams.shape[2])
     if found is None:
@@ -278,13 +281,13 @@ def _fp32_rows(what: str, *tensors: torch.Tensor) -> None:
 
 
 def model_row(model, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`Dsv4Model._run_rows` for a batch of n decode rows, one a sequence, in one native call: the
+    """`Dsv4Model._run_rows` for a batch of n decode rows (`_decode_rows`) in one native call: the
     embedding, every block, the mHC head, the norm and the lm_head (native_block.h). Returns
     (logits [n, vocab], final streams [n, hc, hidden]), or None where any step would not run
     natively, the model's fused decode is off or a profiler listens (then nothing has been
     written). A shared page under an entry a row would write refuses (PageError) before any
     write."""
-    tokens, positions, n = batch.token_ids, batch.positions, len(batch.segments)
+    tokens, positions, n = batch.token_ids, batch.positions, batch.rows
     if not model.fused_decode or not _decode_rows(batch) or not _int64_rows(tokens, positions):
         return None
     plan = _plan(batch.ops, model)

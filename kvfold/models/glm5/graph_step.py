@@ -47,7 +47,7 @@ def arena_specs(cfg: Glm5Config, dtype: torch.dtype, kda_heads: int, dsa_rows: i
                       RingSpec((i, "rec"), kda_heads * dk, dk, torch.float32)]
             if n_in:
                 specs += [RingSpec((i, "k"), n_in, c, torch.float32), RingSpec((i, "g"), n_in, c, torch.float32),
-                          RingSpec((i, "v"), n_in, c, dtype), RingSpec((i, "beta"), n_in, kda_heads, dtype),
+                          RingSpec((i, "v"), n_in, c, dtype), RingSpec((i, "beta"), n_in, kda_heads, torch.float32),
                           RingSpec((i, "mixed"), n_mix, 3 * c, dtype)]
         elif cfg.indexer_types[i] == "full":
             specs += [RingSpec((i, "dsa_k"), dsa_rows, cfg.index_head_dim, dtype),

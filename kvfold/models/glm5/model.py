@@ -222,7 +222,7 @@ class Glm5Model(CausalLM):
             conv=buffer((i, "conv"), (cfg.linear_conv_kernel_dim - 1, 3 * nh * dk), dt),
             rec=buffer((i, "rec"), (nh, dk, dk), f32),
             k=buffer((i, "k"), (n_in, nh, dk), f32), g=buffer((i, "g"), (n_in, nh, dk), f32),
-            v=buffer((i, "v"), (n_in, nh, dk), dt), beta=buffer((i, "beta"), (n_in, nh), dt),
+            v=buffer((i, "v"), (n_in, nh, dk), dt), beta=buffer((i, "beta"), (n_in, nh), f32),
             mixed=buffer((i, "mixed"), (n_mix, 3 * nh * dk), dt))
 
     # ---- a decode step a CUDA graph captures (graph_step.py; engine/graphs.py replays it) -------
@@ -317,7 +317,7 @@ class Glm5Model(CausalLM):
         c = self.kda_heads * cfg.linear_head_dim  # this rank's heads under tensor parallelism
         n_in, n_mix = kda_ring_sizes(max_rewind, cfg.linear_conv_kernel_dim)
         kda = (c * cfg.linear_head_dim * 4 + (cfg.linear_conv_kernel_dim - 1 + n_mix) * 3 * c * esz
-               + n_in * (2 * c * 4 + c * esz + self.kda_heads * esz))
+               + n_in * (2 * c * 4 + c * esz + self.kda_heads * 4))
         kp = max(cfg.index_kpool, 1)
         pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * kv_esz)]
         if cfg.full_dsa_layers:

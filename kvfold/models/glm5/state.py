@@ -4,8 +4,9 @@ Per layer:
 * KDA layer: ONE state, the conv state (pre-conv inputs of the K-1 tokens before it, [K-1, 3C],
   model dtype) and the recurrent state S ([H, dk, dv], fp32) at the **base** position `kda_base`,
   plus, when max_rewind > 0, what the recurrence consumed per token since the base: k and g
-  ([H, dk] fp32), v ([H, dv]) and beta ([H]) in the model dtype (they are model-dtype values cast to
-  fp32, so the cast back is exact), in a ring of `max_rewind` slots, and the pre-conv rows [3C] of
+  ([H, dk] fp32), v ([H, dv]) in the model dtype (the conv's model-dtype output cast to fp32, so the
+  cast back is exact) and beta ([H] fp32: a sigmoid computed in fp32, which the model dtype would
+  round, and then a replay would not see the forward's values), in a ring of `max_rewind` slots, and the pre-conv rows [3C] of
   the last `max_rewind + K - 1` tokens (ring `mixed`). The state at any held position n (pos after
   a rewind, the start of the next forward, a snapshot) is replayed from the base: the recurrence
   runs `kda_chunked` over the stored inputs, chunk by chunk, and the conv state is copied from the
@@ -93,7 +94,7 @@ class KdaLayerState:
     k: torch.Tensor  # [n_in, H, dk] fp32, slot p % n_in: position p's inputs of the recurrence
     g: torch.Tensor  # [n_in, H, dk] fp32
     v: torch.Tensor  # [n_in, H, dv], model dtype
-    beta: torch.Tensor  # [n_in, H], model dtype
+    beta: torch.Tensor  # [n_in, H] fp32 (an fp32 sigmoid: the model dtype would round it)
     mixed: torch.Tensor  # [n_mix, 3C], model dtype, slot p % n_mix: position p's pre-conv row
 
     @property
@@ -166,7 +167,7 @@ class Glm5State(SequenceState):
             b1 = min(b1, n)
             idx = torch.arange(b0, b1, device=ls.k.device) % self.n_in
             # one forward chunk (or its head up to n); kda_chunked copies its inputs afresh (kda.py)
-            _, rec, _ = kda_chunked(None, ls.k[idx], ls.v[idx].float(), ls.g[idx], ls.beta[idx].float(), rec,
+            _, rec, _ = kda_chunked(None, ls.k[idx], ls.v[idx].float(), ls.g[idx], ls.beta[idx], rec,
                                     starts=[0])
             if capture == b1:
                 cap = (self._kda_conv(ls, b1), rec)
@@ -205,7 +206,7 @@ class Glm5State(SequenceState):
         if first < wu:
             idx, i = torch.arange(first, wu, device=ls.k.device) % self.n_in, first - start
             ls.k[idx], ls.g[idx] = step.k[i:], step.g[i:]
-            ls.v[idx], ls.beta[idx] = step.v[i:].to(ls.v.dtype), step.beta[i:].to(ls.beta.dtype)
+            ls.v[idx], ls.beta[idx] = step.v[i:].to(ls.v.dtype), step.beta[i:]
         first = max(start, wu - self.n_mix)
         if first < wu:
             idx = torch.arange(first, wu, device=ls.k.device) % self.n_mix
