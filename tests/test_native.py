@@ -107,6 +107,30 @@ def test_native_rows_are_bit_identical_alone_or_in_any_batch():
         assert torch.equal(rms_norm(NATIVE, streams[i:i + 1, 0].contiguous(), w, 1e-6)[0], norm_all[i])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_tile_of_the_matmul_gives_a_row_its_lone_bits(threads):
+    """native_dot.h's matmul tiles 4, 3, 2 or 1 rows at a time (a verify step's 2 to 5 rows share
+    each weight load): whatever tile a row lands in, its outputs are its bits alone, for column
+    counts with every remainder and a K with a tail past the 8 lanes."""
+    from kvfold.numerics.rows import row_mm
+    ops = ops_for(invariant=True)
+    g = torch.Generator().manual_seed(6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((37, 77), (64, 256)):
+            w = torch.randn(n, k, generator=g)
+            x = torch.randn(9, k, generator=g)
+            alone = torch.cat([row_mm(ops, x[i:i + 1], w) for i in range(9)])
+            # a K-term fp32 sum of fp32 products: within k * eps * sum |x w| of the exact dot
+            bound = k * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().t())
+            assert ((alone.double() - x.double() @ w.double().t()).abs() <= bound).all()
+            for m in range(1, 10):
+                assert torch.equal(row_mm(ops, x[:m], w), alone[:m]), (n, k, m)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_strided_inputs_run_native_and_inputs_the_kernel_cannot_read_are_refused():
     """The kernel chosen at set-up serves every call (numerics/backend.py): strided fp32 rows are
     made contiguous and run native.c (the bits of the contiguous rows); a bf16 tensor handed to an

@@ -70,6 +70,10 @@ static inline float lanes_sum(__m256 v, float tail) {
 #endif
 DOT_TILE(1, 1)
 DOT_TILE(1, 4)
+DOT_TILE(2, 1)
+DOT_TILE(2, 4)
+DOT_TILE(3, 1)
+DOT_TILE(3, 4)
 DOT_TILE(4, 1)
 DOT_TILE(4, 2)
 DOT_TILE(4, 3)
@@ -92,8 +96,9 @@ static inline double sum_squares(const float *x, int64_t n) {
 }
 
 /* out[m, j] = dot(x row m, w row j) for x [M, K] (row stride ldx), w [N, K], out (row stride ldo),
- * over columns [n0, n1). Tiles of 4 rows x 2 columns (1 x 4 for a single row) share their loads;
- * every output is still the one `dot` above. */
+ * over columns [n0, n1). Tiles of 4 rows x 3 or 2 columns, then the last 3, 2 or 1 rows together
+ * (3 x 4, 2 x 4, 1 x 4: so a verify step's 2 or 3 rows read each weight once, not once a row),
+ * share their loads; every output is still the one `dot` above. */
 static void matmul_cols(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m,
                         int64_t n0, int64_t n1, int64_t k) {
     int64_t r = 0;
@@ -103,10 +108,18 @@ static void matmul_cols(const float *x, int64_t ldx, const float *w, float *out,
         for (; c + 2 <= n1; c += 2) dot_tile_4x2(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
         for (; c < n1; c++) dot_tile_4x1(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
     }
-    for (; r < m; r++) {
-        int64_t c = n0;
-        for (; c + 4 <= n1; c += 4) dot_tile_1x4(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, 1);
-        for (; c < n1; c++) dot_tile_1x1(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, 1);
+    const float *xr = x + r * ldx;
+    float *o = out + r * ldo;
+    int64_t c = n0;
+    if (m - r == 3) {
+        for (; c + 4 <= n1; c += 4) dot_tile_3x4(xr, ldx, w + c * k, k, k, o + c, ldo);
+        for (; c < n1; c++) dot_tile_3x1(xr, ldx, w + c * k, k, k, o + c, ldo);
+    } else if (m - r == 2) {
+        for (; c + 4 <= n1; c += 4) dot_tile_2x4(xr, ldx, w + c * k, k, k, o + c, ldo);
+        for (; c < n1; c++) dot_tile_2x1(xr, ldx, w + c * k, k, k, o + c, ldo);
+    } else if (m - r == 1) {
+        for (; c + 4 <= n1; c += 4) dot_tile_1x4(xr, ldx, w + c * k, k, k, o + c, 1);
+        for (; c < n1; c++) dot_tile_1x1(xr, ldx, w + c * k, k, k, o + c, 1);
     }
 }
 

@@ -66,7 +66,10 @@ class MtpModule(nn.Module):
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {state.pos} + {t}")
         e = self.e_proj(self.enorm(embed(next_ids), ops), ops)
         x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype), ops), ops)
-        batch = RowBatch.build([(next_ids, state)], self.device, ops)
+        # its rows as decode rows (one after another, each seeing the ones before, as at T = 1): the
+        # drafts do not depend on how many accepted tokens one update catches up on, and the rows
+        # take the decode step's one native call (native_block.py)
+        batch = RowBatch.build([(next_ids, state)], self.device, ops, decode_rows=frozenset((id(state),)))
         batch.rope[SLIDING] = (rope, *rope.cos_sin(ops, batch.positions))
         if batch.rows > t:  # pad rows (see layers/rows.py)
             x = torch.cat([x, x.new_zeros(batch.rows - t, *x.shape[1:])])
