@@ -69,7 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
                    help="draft tokens with the model's MTP head or by prompt lookup, verify them in one forward")
-    g.add_argument("--num-draft", type=_pos_int, default=4, help="draft tokens per verify step (default 4)")
+    g.add_argument("--num-draft", type=_pos_int, default=4,
+                   help="most draft tokens per verify step (default 4); each step drafts what measurement says pays")
+    g.add_argument("--fixed-draft", action="store_true", help="always draft --num-draft tokens")
     g.add_argument("--save-session", metavar="FILE", default=None,
                    help="write the state and token history to FILE when done (atomically)")
     g.add_argument("--load-session", metavar="FILE", default=None,
@@ -163,6 +165,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             on_token=_text_streamer(decoder, out),
             speculative=args.speculative,
             num_draft=args.num_draft,
+            adaptive_draft=not getattr(args, "fixed_draft", False),
             state=state,
             history=history,
             **({"kv_dtype": args.kv_dtype} if args.kv_dtype and state is None else {}),

@@ -462,7 +462,8 @@ def test_verification_targets_the_nucleus_even_at_top_p_1():
 
 
 def test_decoding_imports_point_one_way():
-    """sampling <- logits <- (drafters) <- speculative <- generate, with every import at module level."""
+    """sampling <- logits <- (drafters) <- speculative <- generate, with every import at module level;
+    draft_length (the draft count policy) imports nothing of the package, generate reads it."""
     import ast
     import pathlib
 
@@ -481,7 +482,8 @@ def test_decoding_imports_point_one_way():
     assert deps["logits"] == {"sampling"}
     assert deps["drafters"] == {"sampling"}
     assert deps["speculative"] == {"drafters", "logits", "sampling"}
-    assert deps["generate"] == {"logits", "sampling", "speculative"}
+    assert deps["draft_length"] == set()
+    assert deps["generate"] == {"draft_length", "logits", "sampling", "speculative"}
 
 
 def test_supports_mtp_reads_the_checkpoint(tiny, no_mtp):

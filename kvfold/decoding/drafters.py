@@ -4,7 +4,11 @@
 * `MtpDrafter`: the checkpoint's own multi-token-prediction block (DeepSeek-V4's, GLM-5.3's). Its
   state advances only over verified positions, fed with the main model's real final streams H_t
   and the accepted token t+1; draft steps past them use the MTP block's own output in place of
-  the main model's (not computed yet) and are rewound at the next `update`.
+  the main model's (not computed yet) and are rewound at the next `update`. It runs the verified
+  positions when it is next asked to propose, all of them in one call, and of a long run of them
+  only the last `KEEP` (in a fresh state that starts there, as for a sequence it joins late): a
+  sequence that does not draft for a while (draft_length.py chose k = 0) pays next to nothing for
+  its drafter meanwhile, and its first drafts after are a little worse, never its output.
 
 Drafts only change speed: the verify pass decides every emitted token.
 """
@@ -114,13 +118,19 @@ class MtpDrafter(Drafter):
         self.model, self.ops = model, model.backend() if ops is None else ops
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
         # draft steps (k - 1 of them) are undone by moving the cursor
-        self.state = model.new_mtp_state(capacity=capacity, max_rewind=max(max_rewind, 1))
+        self.capacity, self.max_rewind = capacity, max(max_rewind, 1)
+        self.state = model.new_mtp_state(capacity=capacity, max_rewind=self.max_rewind)
         self.verified: int | None = None  # next position to feed with real main-model streams
         self._logits: torch.Tensor | None = None  # MTP logits at the last verified position
         self._streams: torch.Tensor | None = None  # its output streams there [1, hc, d]
+        # verified positions not run yet: (first position, [hidden rows], [next tokens], whether
+        # positions before the first were dropped)
+        self._pending: tuple[int, list[torch.Tensor], list[int], bool] | None = None
 
     def _run(self, hidden: torch.Tensor, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.mtp_step(hidden, next_ids, self.state, self.ops)
+
+    KEEP = 8  # the most verified positions held, not run yet (each holds a row of hc x d streams)
 
     def update(self, hidden: torch.Tensor | None, start_pos: int, next_tokens: list[int]) -> None:
         if hidden is None or hidden.shape[0] != len(next_tokens):
@@ -131,9 +141,34 @@ class MtpDrafter(Drafter):
             self.state.start_at(start_pos)
         elif start_pos != (self.verified or 0):
             raise ValueError(f"MTP drafter expected position {self.verified}, got {start_pos}")
-        self.state.rewind_to(start_pos)  # drop the previous round's draft steps
-        logits, streams = self._run(hidden, next_tokens)
+        if not next_tokens:
+            return
+        if self._pending is None:
+            self._pending = (start_pos, [], [], False)
+        start, rows, tokens, _ = self._pending
+        rows.append(hidden)
+        tokens.extend(next_tokens)
+        if len(tokens) > 2 * self.KEEP:  # keep the last KEEP (bounded memory; _catch_up starts afresh)
+            kept = torch.cat(rows)[-self.KEEP:]
+            self._pending = (start + len(tokens) - self.KEEP, [kept], tokens[-self.KEEP:], True)
         self.verified = start_pos + len(next_tokens)
+        self._logits = self._streams = None
+
+    def _catch_up(self) -> None:
+        """Run the verified positions not run yet, in one call; in a fresh state that starts at
+        the first of them if earlier ones were dropped."""
+        if self._pending is None:
+            return
+        start, rows, tokens, dropped = self._pending
+        self._pending = None
+        if dropped:  # a state that starts here
+            fresh = self.model.new_mtp_state(capacity=self.capacity, max_rewind=self.max_rewind)
+            fresh.start_at(start)
+            self.state.free()
+            self.state = fresh
+        else:
+            self.state.rewind_to(start)  # drop the previous round's draft steps
+        logits, streams = self._run(torch.cat(rows) if len(rows) > 1 else rows[0], tokens)
         self._logits, self._streams = logits[-1], streams[-1:]
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -143,7 +178,10 @@ class MtpDrafter(Drafter):
         return int(torch.multinomial(q, 1, generator=self.generator).item()), q
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
-        if self._logits is None or k <= 0:
+        if k <= 0:
+            return [], None
+        self._catch_up()
+        if self._logits is None:
             return [], None
         # never draft past the state's reserved capacity
         k = min(k, self.state.capacity - self.state.pos + 1)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .draft_length import Acceptance, StepCosts, plan_drafts, shared_acceptance, shared_costs
 from .logits import Sampler, SamplingRule
 from .sampling import check_sampling
 from .speculative import Drafter, check_speculative, make_drafter, verify_drafts
@@ -110,6 +111,7 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     speculative: str | Drafter | None = None,
     num_draft: int = 4,
+    adaptive_draft: bool = False,
     state: Any = None,
     history: Sequence[int] | None = None,
     kv_dtype: str | None = None,
@@ -135,10 +137,13 @@ def generate(
     generated so far. `grammar`: a `grammar.GrammarMatcher` the ids must follow.
 
     `speculative` ("ngram", "mtp" or a `Drafter`, which generate closes when done) drafts up to
-    `num_draft` tokens per step and verifies them in one forward. Greedy output is the plain
-    greedy output (barring an argmax near-tie within the ~1e-5 by which chunked logits differ
-    from 1-token ones); sampled output has the plain sampling distribution (but, per seed,
-    other tokens than plain sampling).
+    `num_draft` tokens per step and verifies them in one forward, whose rows run as decode rows:
+    each verified position's logits are the bits plain decoding computes there, so greedy output
+    is the plain greedy output; sampled output has the plain sampling distribution (but, per seed,
+    other tokens than plain sampling). With `adaptive_draft` each step drafts the number of
+    tokens, 0 to `num_draft`, that the measured acceptance and step costs say is fastest
+    (draft_length.py; `kvfold generate` and `kvfold serve` turn it on); without it, always
+    `num_draft`.
 
     `state`: continue an existing state (e.g. one restored from a session) instead of creating
     one; the prompt is fed at `state.pos` and the caller keeps ownership (it is not freed, and
@@ -157,6 +162,11 @@ def generate(
     generator = _generator(seed)
     sampler = Sampler(rule, prompt=hist + prompt, stop_ids=sorted(stops), generator=generator, grammar=grammar)
     run = _Run(model, out, sampler, num_draft)
+    if speculative is not None and adaptive_draft:
+        run.acceptance = shared_acceptance(model, speculative if isinstance(speculative, str) else
+                                           type(speculative).__name__, num_draft)
+        mode = model.backend().key() if hasattr(model, "backend") else None
+        run.costs = shared_costs(model, torch.get_num_threads(), mode)
     owns_state = state is None
     try:
         if speculative is not None:  # before the main state: a refusal allocates nothing
@@ -272,6 +282,9 @@ class _Run:
     draft_steps: int = 0  # steps that verified drafts
     drafted_at: list[int] = field(default_factory=list)  # per draft position: drafts verified there
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
+    # adaptive draft length (draft_length.py): this sequence's acceptance and the measured costs
+    acceptance: Acceptance | None = None
+    costs: StepCosts | None = None
 
     def __post_init__(self) -> None:
         self.drafted_at, self.accepted_at = [0] * self.num_draft, [0] * self.num_draft
@@ -344,6 +357,8 @@ class _Run:
             return [], None
         # never draft past max_new_tokens (a step emits up to k + 1) nor past the capacity
         k = min(self.num_draft, self.out.limit - len(self.out.tokens) - 1, self.state.capacity - self.state.pos - 1)
+        if k > 0 and self.costs is not None:
+            k = plan_drafts([(self.acceptance, k)], self.costs)[0]
         if k <= 0:
             return [], None
         proposed, q = self.drafter.propose(list(self.out.context), k)
@@ -353,9 +368,15 @@ class _Run:
     def step(self) -> bool:
         """Feed the pending token (plus drafts, if any), choose the next token(s); True when done."""
         y, pos0 = self.out.tokens[-1], self.state.pos
+        t0 = time.perf_counter()
         drafts, q = self._propose()
+        t1 = time.perf_counter()
         # verify rows as decode rows: each row's logits are plain decoding's bits
         logits, hidden = self._forward([y] + drafts, **({"decode_rows": True} if drafts else {}))
+        if self.costs is not None:
+            _sync(getattr(self.model, "device", torch.device("cpu")))
+            self.costs.record_draft(len(drafts), t1 - t0)
+            self.costs.record_forward(1 + len(drafts), time.perf_counter() - t1)
         if drafts:
             n, nxt = verify_drafts(logits, drafts, q, self.sampler, self.out.tokens)
             n, code = self._agree([n, -1 if nxt is None else nxt])
@@ -367,6 +388,8 @@ class _Run:
         self.steps += 1
         self.drafted += len(drafts)
         self.accepted += n
+        if self.acceptance is not None:
+            self.acceptance.record(len(drafts), n)
         self.draft_steps += bool(drafts)
         for j in range(len(drafts)):  # position j was drafted; accepted when all before it were
             self.drafted_at[j] += 1

@@ -304,6 +304,22 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int) -> CompiledGr
     return compiled
 
 
+def request_grammar(spec: GrammarSpec | CompiledGrammar | None, tokenizer, vocab_size: int) -> CompiledGrammar | None:
+    """The compiled grammar of a request's `grammar` (GrammarError if invalid): a GrammarSpec
+    compiled here, or one already compiled for this vocabulary (the server does that off the
+    engine's thread); None for none."""
+    if spec is None:
+        return None
+    if tokenizer is None:
+        raise InvalidRequestError("structured output needs a tokenizer; this model has none", param="grammar")
+    if isinstance(spec, CompiledGrammar):
+        if spec.vocab_size != vocab_size:
+            raise InvalidRequestError(f"grammar compiled for vocab_size {spec.vocab_size}, not this model's "
+                                      f"{vocab_size}", param="grammar")
+        return spec
+    return compile_grammar(spec, tokenizer, vocab_size)
+
+
 def clear_caches() -> None:
     """Forget every compiled grammar and tokenizer setup (tests; after reinstalling xgrammar)."""
     with _lock:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
 import torch
 
-from ..decoding.grammar import CompiledGrammar, compile_grammar
+from ..decoding.grammar import request_grammar
 from ..errors import CacheFileError, InvalidRequestError, QueueFullError, RequestTooLongError, SnapshotError
 from .checkpoint import Checkpoint, resumes, start_from_checkpoint, take_checkpoint
 from .graphs import DecodeGraphs
@@ -52,8 +53,8 @@ class Engine:
                  max_batch_tokens: int = 512, prefill_chunk: int = BLOCK, max_state_bytes: int | None = None,
                  prefix_cache_bytes: int = 256 << 20, kv_page_bytes: int | None = None,
                  batch_invariant: bool | None = None, speculative: str | None = None, num_draft: int = 4,
-                 decode_graphs: bool = False, cache_dir: str | None = None, cache_disk_bytes: int = 0,
-                 conversations: int = 0):
+                 adaptive_draft: bool = False, decode_graphs: bool = False, cache_dir: str | None = None,
+                 cache_disk_bytes: int = 0, conversations: int = 0):
         """`max_seq_len`: prompt + max_tokens limit per request (its state is sized to exactly
         that much). `max_running`: sequences holding a state at once. `max_queue`: requests
         waiting beyond those (more are refused with QueueFullError). `max_batch_tokens`: tokens
@@ -66,32 +67,31 @@ class Engine:
         `kv_page_bytes`: size of the shared page pool of compressed KV (models with the `pages`
         capability); None: room for max_running sequences of max_seq_len tokens (at most
         max_state_bytes, at least one such sequence); 0: private per-sequence pools, no page
-        sharing. `batch_invariant`: this engine's mode, passed to every
-        model call it makes (the model object's own mode, `set_batch_invariant`, is left as it
-        is, so engines and other holders of one model never change each other's numerics): on,
-        a request's tokens never depend on what else is running; None (default) where the model
-        supports it (fp32 on the CPU with the native kernels), True insists (ConfigError where
-        it cannot hold), False: torch's kernels, whose last bits may change with the batch.
+        sharing. `batch_invariant`: this engine's mode, passed to every model call it makes (the
+        model object's own, `set_batch_invariant`, is left as it is): on, a request's tokens never
+        depend on what else is running; None (default) where the model supports it (fp32 on the
+        CPU with native kernels), True insists (ConfigError where it cannot hold), False: torch's
+        kernels, whose last bits may change with the batch.
         `speculative`: None, "ngram" or "mtp" (the checkpoint's MTP layer; MtpUnavailableError
-        without one): every decoding sequence drafts up to `num_draft` tokens a step, verified in
-        the step's forward (speculation.py); greedy output is unchanged, sampling keeps each
-        request's distribution. `decode_graphs`: run every step's decode and verify rows as the
-        model's capturable step, replayed from one CUDA graph per bucket on a CUDA model
-        (graphs.py; on the CPU the same step runs eagerly), and its prefill chunks, if any, as
-        one forward call beside it; states live in a `SlotArena` of max_running slots.
-        It needs the shared page pool (kv_page_bytes not 0) and a model with that step (DeepSeek-V4
-        or GLM-5.3, numerics "hf", plain expert stacks), outside batch-invariant mode
-        (batch_invariant=None leaves it off then) except for DeepSeek-V4 with the Triton kernels
-        on (`graph_invariance_unsupported`): ConfigError otherwise. Its rows agree with the
-        forward's to rounding, not bit for bit. `conversations`: keep up to this many tokens of
-        the conversations the engine produced (0: none), so that a prompt rendering one again
-        continues its exact state (transcripts.py: its earlier outputs fed one token a call, the
-        last state restored from the prefix cache); off under graph decode."""
+        without one): every decoding sequence drafts up to `num_draft` tokens a step (with
+        `adaptive_draft`, as many as measurement says pay), verified in the step's forward
+        (speculation.py); greedy output is unchanged, sampling keeps each request's distribution.
+        `decode_graphs`: run every step's decode and verify rows as the model's capturable step,
+        replayed from one CUDA graph per bucket on a CUDA model (graphs.py; on the CPU eagerly),
+        its prefill chunks as one forward call beside it; states live in a `SlotArena` of
+        max_running slots. It needs the shared page pool (kv_page_bytes not 0) and a model with
+        that step (DeepSeek-V4 or GLM-5.3, numerics "hf", plain expert stacks), outside
+        batch-invariant mode (batch_invariant=None leaves it off then) except for DeepSeek-V4 with
+        the Triton kernels on (`graph_invariance_unsupported`): ConfigError otherwise. Its rows
+        agree with the forward's to rounding, not bit for bit. `conversations`: keep up to this
+        many tokens of the conversations the engine produced (0: none), so that a prompt rendering
+        one again continues its exact state (transcripts.py); off under graph decode."""
         batch_invariant = check_limits(
             model, max_seq_len=max_seq_len, max_running=max_running, max_queue=max_queue,
             max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes,
             kv_page_bytes=kv_page_bytes, batch_invariant=batch_invariant, decode_graphs=decode_graphs)
-        self.spec = None if speculative is None else EngineSpeculation(model, speculative, num_draft, batch_invariant)
+        spec = (model, speculative, num_draft, batch_invariant, adaptive_draft)
+        self.spec = None if speculative is None else EngineSpeculation(*spec)
         # under tensor parallelism rank 0 schedules and the other ranks follow (replicas.py)
         self._replicas = EngineReplicas(self, model.tp) if getattr(model, "tp", None) is not None else None
         self.heartbeat_s = HEARTBEAT_S if self._replicas is not None else None
@@ -218,7 +218,7 @@ class Engine:
         elif request_id in self._seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stop_ids = (frozenset() if params.ignore_eos else self.eos_ids) | {int(i) for i in params.stop_token_ids or ()}
-        grammar = self._compile(params.grammar)
+        grammar = request_grammar(params.grammar, self.tokenizer, self.vocab_size)
         seq = Sequence(request_id, prompt, params, frozenset(stop_ids), self.tokenizer, grammar=grammar,
                        decode_spans=decode_spans)
         if seq.capacity > self.max_seq_len:
@@ -226,21 +226,6 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {seq.capacity} passes "
                 f"max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
         return seq
-
-    def _compile(self, spec):
-        """The compiled grammar of a request's `grammar` (GrammarError if invalid): a GrammarSpec
-        compiled here, or one already compiled for this vocabulary (the server does that off
-        this thread)."""
-        if spec is None:
-            return None
-        if self.tokenizer is None:
-            raise InvalidRequestError("structured output needs a tokenizer; this model has none", param="grammar")
-        if isinstance(spec, CompiledGrammar):
-            if spec.vocab_size != self.vocab_size:
-                raise InvalidRequestError(f"grammar compiled for vocab_size {spec.vocab_size}, not this model's "
-                                          f"{self.vocab_size}", param="grammar")
-            return spec
-        return compile_grammar(spec, self.tokenizer, self.vocab_size)
 
     def _group_bytes(self, seq: Sequence) -> int:
         return sum(self.state_bytes(s.capacity) for s in [seq, *seq.followers])
@@ -348,13 +333,18 @@ class Engine:
         outputs: list[RequestOutput] = []
         for seq in self.scheduler.admit(self._group_bytes, self._pages_fit):
             self._start(seq, outputs)
+        if self.spec is not None:
+            self.spec.plan_step(self.scheduler.running)
         batch = self.scheduler.plan(self.spec.decode_input if self.spec is not None else None)
         if not batch:
             return outputs
         wants_prompt = [seq.prompt_logprobs is not None and seq.prefilling for seq, _ in batch]
         hidden = self.spec is not None and self.spec.needs_hidden
+        started = time.perf_counter()
         try:
             out = self._run_batch(batch, wants_prompt, hidden)
+            if self.spec is not None:
+                self.spec.timed(batch, started)
         except Exception as exc:  # the whole batch is suspect: end its requests, keep serving the rest
             for seq, _ in batch:
                 self._fail(seq, f"model forward failed: {exc!r}", outputs)
@@ -397,7 +387,7 @@ class Engine:
         except Exception as exc:  # as in _choose: this request only
             self._fail(seq, f"could not choose a token: {exc!r}", outputs)
             return
-        self.spec.count(len(seq.drafts), n)
+        self.spec.count(seq, len(seq.drafts), n)
         self._c["generation_tokens"] += m
         outputs.append(seq.take_output())
         if seq.finish_reason is not None:

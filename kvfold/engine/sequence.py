@@ -124,6 +124,7 @@ class Sequence:
     decode_spans: tuple[tuple[int, int], ...] = ()
     prompt_logprobs: list[TokenLogprob | None] | None = None
     drafter: Any = None  # its own drafter under speculative decoding (speculation.py)
+    acceptance: Any = None  # its drafts' measured acceptance (decoding/draft_length.py)
     drafts: list[int] = field(default_factory=list)  # this step's drafts after the last token
     draft_probs: Any = None  # their probability rows (None: a deterministic drafter)
     _text: str = ""  # all text decoded so far

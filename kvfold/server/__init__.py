@@ -70,7 +70,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="speculative decoding: every sequence drafts with n-gram prompt lookup or the checkpoint's "
                         "MTP layer and verifies in the batched step (default: none)")
     p.add_argument("--num-draft", type=_int_at_least(1), default=4,
-                   help="most draft tokens per sequence and step with --speculative (default 4)")
+                   help="most draft tokens per sequence and step with --speculative (default 4); each step "
+                        "drafts what measured acceptance and step costs say pays (draft_length.py)")
+    p.add_argument("--fixed-draft", action="store_true", help="always draft --num-draft tokens")
     p.add_argument("--decode-graphs", action="store_true",
                    help="run each step's decode rows as one captured CUDA graph per bucket (DeepSeek-V4, "
                         "GLM-5.3; for --device cuda: on the CPU the same step runs eagerly, slower than the "
@@ -123,7 +125,7 @@ def build_engine(args: argparse.Namespace):
                       max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
                       max_state_bytes=args.max_state_bytes, prefix_cache_bytes=args.prefix_cache_bytes,
                       kv_page_bytes=args.kv_page_bytes, batch_invariant=args.batch_invariant,
-                      speculative=args.speculative, num_draft=args.num_draft,
+                      speculative=args.speculative, num_draft=args.num_draft, adaptive_draft=not getattr(args, "fixed_draft", False),
                       decode_graphs=getattr(args, "decode_graphs", False), cache_dir=getattr(args, "cache_dir", None),
                       cache_disk_bytes=int(getattr(args, "cache_disk_gib", 0) * (1 << 30)),
                       conversations=getattr(args, "conversation_tokens", 0))

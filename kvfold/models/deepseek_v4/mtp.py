@@ -22,6 +22,9 @@ from ...numerics.backend import Backend
 from .state import Dsv4State, LayerState
 from ...state.rings import PositionRing
 
+DECODE_ROWS = 8  # the most rows an update runs as decode rows
+
+
 def mtp_block_config(cfg: Dsv4Config) -> Dsv4Config:
     """The MTP block is one sliding-window layer with score-routed MoE."""
     return dataclasses.replace(cfg, num_hidden_layers=1, layer_types=(SLIDING,), compress_ratios=(0,),
@@ -66,10 +69,10 @@ class MtpModule(nn.Module):
             raise CapacityError(f"MTP state capacity {state.capacity} exceeded at pos {state.pos} + {t}")
         e = self.e_proj(self.enorm(embed(next_ids), ops), ops)
         x = e[:, None, :] + self.h_proj(self.hnorm(hidden.to(self.dtype), ops), ops)
-        # its rows as decode rows (one after another, each seeing the ones before, as at T = 1): the
-        # drafts do not depend on how many accepted tokens one update catches up on, and the rows
-        # take the decode step's one native call (native_block.py)
-        batch = RowBatch.build([(next_ids, state)], self.device, ops, decode_rows=frozenset((id(state),)))
+        # a few rows (a step's accepted tokens) as decode rows, one after another: they take the
+        # decode step's one native call (native_block.py); a long catch-up as one chunk
+        rowwise = frozenset((id(state),)) if t <= DECODE_ROWS else frozenset()
+        batch = RowBatch.build([(next_ids, state)], self.device, ops, decode_rows=rowwise)
         batch.rope[SLIDING] = (rope, *rope.cos_sin(ops, batch.positions))
         if batch.rows > t:  # pad rows (see layers/rows.py)
             x = torch.cat([x, x.new_zeros(batch.rows - t, *x.shape[1:])])

@@ -1,0 +1,166 @@
+"""How many tokens each sequence drafts: chosen every step from measurements, not fixed.
+
+A step that verifies k drafts of a sequence emits one token plus the accepted prefix of its
+drafts. With a_j the measured probability that draft j is accepted once drafts 1 .. j-1 were, the
+step emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on average. It costs the forward of
+the step's rows (a verify of k + 1 rows costs more than a decode step of one) plus proposing the
+k drafts (an MTP block's steps; next to nothing for n-gram lookup). Both costs are measured on
+this machine as it runs (`StepCosts`: per row count of a step and per draft count, moving
+averages), the acceptance per sequence (`Acceptance`), and `plan_drafts` gives every sequence of
+a step the k (0 .. its most) that maximises the step's expected tokens per second: k = 0, plain
+decoding, wherever drafting does not pay (and a sequence at k = 0 is planned again only every
+`REPLAN` steps: on a small model the plan's own time shows). Under load a verify's rows join the step's other rows,
+so what one more draft costs is the step's cost at one more row.
+
+Sizes not measured yet are taken to cost what the largest smaller measured one did, so each is
+tried, and then measured. A sequence that has not drafted for `PROBE_EVERY` steps drafts one
+token, so its acceptance follows the text; each probe after which it still does not draft
+doubles that wait (up to `PROBE_MAX`), so where drafting does not pay, probing costs little.
+Drafts change only speed, never a token (speculative.py), so none of this can change an output.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+SMOOTHING = 0.25  # weight of a new timing in a moving average
+PROBE_EVERY = 32  # steps without drafts after which a sequence drafts one token, to measure again
+PROBE_MAX = 512  # the longest such wait
+REPLAN = 8  # a sequence that is not drafting is planned again every REPLAN steps (the plan costs time too)
+MEMORY = 64  # acceptance counts are halved past this many verified first drafts: recent text counts more
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds of a step's forward by its row count, and of proposing k drafts."""
+
+    forward: dict[int, float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    @staticmethod
+    def _add(table: dict[int, float], key: int, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    def record_forward(self, rows: int, seconds: float) -> None:
+        self._add(self.forward, rows, seconds)
+
+    def record_draft(self, k: int, seconds: float) -> None:
+        if k > 0:
+            self._add(self.draft, k, seconds)
+
+    @staticmethod
+    def _estimate(table: dict[int, float], key: int) -> float | None:
+        """The measured value, else the nearest smaller measured one (optimistic: tried, then
+        measured), else the nearest larger one; None when nothing is measured."""
+        if key in table:
+            return table[key]
+        below = [k for k in table if k < key]
+        if below:
+            return table[max(below)]
+        above = [k for k in table if k > key]
+        return table[min(above)] if above else None
+
+    def forward_seconds(self, rows: int) -> float | None:
+        return self._estimate(self.forward, rows)
+
+    def draft_seconds(self, k: int) -> float:
+        return 0.0 if k <= 0 else self._estimate(self.draft, k) or 0.0
+
+
+class Acceptance:
+    """One sequence's drafts: how often draft j was accepted once drafts 1 .. j-1 were."""
+
+    def __init__(self, max_draft: int):
+        self.reached = [0.0] * max_draft  # verifies in which draft j was drafted and 1 .. j-1 accepted
+        self.kept = [0.0] * max_draft  # ... and j was accepted too
+        self.idle = 0  # steps since this sequence last drafted
+        self.probe_every = PROBE_EVERY  # idle steps before a probe (doubles while probes do not pay)
+
+    def copy(self) -> "Acceptance":
+        """A new sequence's start: these counts (not the idle steps of whoever kept them)."""
+        new = Acceptance(len(self.reached))
+        new.reached, new.kept = list(self.reached), list(self.kept)
+        return new
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A step drafted `drafted` tokens and `accepted` of them were accepted (a prefix)."""
+        if drafted == 0:
+            self.idle += 1
+            return
+        self.idle = 0
+        for j in range(min(accepted + 1, drafted)):
+            self.reached[j] += 1
+            self.kept[j] += j < accepted
+        if self.reached[0] > MEMORY:
+            self.reached = [r / 2 for r in self.reached]
+            self.kept = [k / 2 for k in self.kept]
+
+    def rate(self, j: int) -> float:
+        """a_{j+1}: the chance draft j (from 0) is accepted once the ones before it were; one
+        accepted out of two until measured."""
+        return (self.kept[j] + 1) / (self.reached[j] + 2)
+
+    def reach(self, k: int) -> list[float]:
+        """[a_1, a_1 a_2, ..., a_1 ... a_k]: the chance each of the first k drafts is emitted."""
+        out, p = [], 1.0
+        for j in range(min(k, len(self.reached))):
+            p *= self.rate(j)
+            out.append(p)
+        return out
+
+
+def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows: int = 0) -> list[int]:
+    """Each sequence's draft count for one step: (its Acceptance, the most it may draft) in,
+    k in 0 .. that most out, maximising the step's expected tokens per second. `other_rows`: the
+    step's other decode rows (sequences that do not draft: a token each). Greedy: add to one sequence at a
+    time the run of drafts that raises the step's rate most, while one does. No drafts until a
+    plain step has been measured."""
+    ks = [0] * len(seqs)
+    if all(0 < acc.idle < acc.probe_every and acc.idle % REPLAN for acc, _ in seqs):
+        return ks  # nobody drafts now, and nobody is due to be planned again
+    rows = other_rows + len(seqs)
+    base = costs.forward_seconds(rows)
+    if base is None or not seqs:
+        return ks
+    reach = [acc.reach(most) for acc, most in seqs]
+    tokens, drafting = float(rows), 0.0
+    rate = tokens / base
+    while True:
+        best = None
+        for i, (_, most) in enumerate(seqs):
+            for extra in range(1, most - ks[i] + 1):
+                gain = sum(reach[i][ks[i]:ks[i] + extra])
+                spent = drafting - costs.draft_seconds(ks[i]) + costs.draft_seconds(ks[i] + extra)
+                r = (tokens + gain) / (costs.forward_seconds(rows + extra) + spent)
+                if r > rate and (best is None or r > best[0]):
+                    best = (r, i, extra, gain, spent)
+        if best is None:
+            break
+        rate, i, extra, gain, drafting = best
+        ks[i] += extra
+        rows += extra
+        tokens += gain
+    for i, (acc, most) in enumerate(seqs):
+        if ks[i] > 0:
+            acc.probe_every = PROBE_EVERY
+        elif most > 0 and acc.idle >= acc.probe_every:
+            ks[i] = 1
+            acc.probe_every = min(2 * acc.probe_every, PROBE_MAX)
+    return ks
+
+
+_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def shared_costs(model, *key) -> StepCosts:
+    """The StepCosts of `model` under `key` (its thread count, its mode), kept as long as the
+    model is: each generate call starts from what the earlier ones measured."""
+    return _SHARED.setdefault(model, {}).setdefault(("costs", *key), StepCosts())
+
+
+def shared_acceptance(model, drafter: str, max_draft: int) -> Acceptance:
+    """The Acceptance of `model`'s `drafter` kind (and most drafts) across generate calls: a call
+    starts from what the earlier ones measured (their probes' back-off included), not from the
+    prior, since a drafter's acceptance is mostly the model's."""
+    return _SHARED.setdefault(model, {}).setdefault(("acceptance", drafter, max_draft), Acceptance(max_draft))
