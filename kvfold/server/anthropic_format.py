@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from ..chat.parsers import Delta
 from ..engine import RequestOutput
 from ..engine.async_engine import RequestStream
+from .formats import sse_json
 
 SIGNATURE_PREFIX = "kvfold-hs256:"
 PING_SECONDS = 10.0
@@ -156,7 +157,7 @@ def matched_stop(tokenizer: Any, ids: list[int], text: str, stops: list[str]) ->
 
 def event(name: str, data: dict[str, Any]) -> str:
     """One server-sent event in Anthropic's framing (an `event:` line names it)."""
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {sse_json(data)}\n\n"
 
 
 class MessageFormat:

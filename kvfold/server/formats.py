@@ -14,12 +14,24 @@ character reads as U+FFFD (`bytes` then are that text's UTF-8, as vLLM gives the
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Callable
 
 from ..decoding.logits import TokenLogprob
 from ..engine import RequestOutput
+
+
+# characters JSON leaves raw that line readers split on (str.splitlines: NEL, LINE and PARAGRAPH
+# SEPARATOR; the C0 ones JSON escapes already): escaped, so an event's data is one line to any client
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(obj: Any) -> str:
+    """`obj` as one line of JSON for a server-sent event's data: UTF-8 text kept as it is, except
+    the line separators a client's line reader might split on."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 def usage_of(lasts: list[RequestOutput]) -> dict[str, Any]:

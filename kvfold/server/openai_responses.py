@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -52,6 +51,7 @@ from .anthropic_format import ThinkingSigner
 from .openai_responses_format import OutputWriter, response_object, seal, usage
 from .openai_responses_schemas import ENCRYPTED, ResponsesRequest, items, new_id
 from .openai_responses_translate import render, reworded
+from .formats import sse_json
 from .responses import collect
 from .routes import chat_parser, chat_sampling
 from .schemas import ApiError, parse
@@ -223,7 +223,7 @@ def _in_background(request: Request, turn: Turn) -> Response:
 
 def _sse(event: dict[str, Any], numbers: itertools.count) -> str:
     event["sequence_number"] = next(numbers)
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {sse_json(event)}\n\n"
 
 
 async def _events(turn: Turn) -> AsyncIterator[str]:

@@ -5,7 +5,6 @@ as one engine request per prompt); a client that goes away cancels them all in t
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -14,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import RequestOutput
 from ..engine.async_engine import RequestStream
-from .formats import ResponseFormat
+from .formats import ResponseFormat, sse_json
 from .schemas import ApiError
 
 
@@ -104,4 +103,4 @@ async def sse(streams: list[RequestStream], fmt: ResponseFormat, include_usage: 
 
 def event(obj: dict) -> str:
     """One server-sent event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {sse_json(obj)}\n\n"
