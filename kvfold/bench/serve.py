@@ -123,6 +123,10 @@ def add_serve_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="as kvfold serve --weights (default dequant)")
     g.add_argument("--threads", type=_bounded_int(1, 1024), default=None,
                    help="the server's kernel threads (default: as kvfold serve, at most one fewer than the CPUs)")
+    g.add_argument("--speculative", choices=("mtp", "ngram"), default=None,
+                   help="as kvfold serve --speculative (default: none)")
+    g.add_argument("--num-draft", type=_bounded_int(1, 16), default=4, help="as kvfold serve --num-draft (default 4)")
+    g.add_argument("--fixed-draft", action="store_true", help="as kvfold serve --fixed-draft")
     return p
 
 
@@ -367,6 +371,9 @@ def in_process_server(args: argparse.Namespace, api_key: str | None,
             "--device", args.device, "--dtype", args.dtype, "--weights", args.weights]
     if api_key is not None:
         argv += ["--api-key", api_key]
+    if getattr(args, "speculative", None) is not None:
+        argv += ["--speculative", args.speculative, "--num-draft", str(args.num_draft)]
+        argv += ["--fixed-draft"] if args.fixed_draft else []
     serve_args = parser.parse_args(argv)
     t = time.perf_counter()
     app = build_app(serve_args)
@@ -486,7 +493,8 @@ def run_bench_serve(args: argparse.Namespace, log: Callable[[str], None] | None 
             vocab = args.vocab_size or model_vocab
             server_desc = (f"in-process kvfold serve --model {args.model} on {url} (max-running {args.max_running}, "
                            f"{args.device}, {args.dtype}, {args.weights} weights, {torch.get_num_threads()} kernel "
-                           "threads; client and server share one process)")
+                           f"threads, speculative {getattr(args, 'speculative', None) or 'off'}; client and server "
+                           "share one process)")
             run = go(check_loopback_url(url), vocab)
 
     return _write_result(args, run, started=started, machine=machine, server_desc=server_desc, vocab=vocab)

@@ -10,11 +10,12 @@ max_rewind = k) and the drafter is told which positions were verified, with the 
 final streams there when it reads them.
 
 With `adaptive` (`Engine(adaptive_draft=True)`, on in `kvfold serve`), how many tokens a
-sequence drafts is chosen each step (decoding/draft_length.py; off: always k): before the step's proposals, `plan_step` gives every decoding
-sequence the draft count that maximises the step's expected tokens per second, from its own
-measured acceptance (a new sequence starts from the engine's, all sequences together) and this
-engine's measured cost of a step by its row count, so a verify's rows are costed as what they add
-to the step they join; a step with a prefill chunk is not timed.
+sequence drafts is chosen each step (decoding/draft_length.py; off: always k). Before the step's
+proposals, `plan_step` gives every decoding sequence the draft count that maximises the step's
+expected tokens per second. It reads the sequence's own measured acceptance (a new sequence starts
+from the engine's, all sequences together) and this engine's measured cost of a step by its row
+count, so a verify's rows are costed as what they add to the step they join. A step with a
+prefill chunk is not timed.
 
 Drafts change only speed. A drafter that fails is dropped and its sequence decodes one token a
 step; the request is not failed for it. The MTP drafter of a sequence that starts from the
