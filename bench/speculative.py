@@ -8,8 +8,8 @@ plain decoding.
 
 Prompts are the first 48 tokens of consecutive 400-character slices of the held-out text
 (kvfold/assets/tiny/heldout.txt), so each continues documentation the model never saw. Each
-repetition runs every setting on each prompt in turn (so the machine's slow phases hit every
-setting alike) and gives each setting's decode tok/s over the prompt set and its ratio to plain
+repetition runs every setting on each prompt in turn, in an order rotated from prompt to prompt
+(so the machine's slow phases hit every setting alike) and gives each setting's decode tok/s over the prompt set and its ratio to plain
 decoding's in that repetition; the table gives the median tok/s with its spread (min-max) and the
 median ratio with its spread.
 Every setting's tokens are checked to equal plain greedy decoding's: speculation never changes
@@ -62,16 +62,15 @@ def main() -> None:
     ratios = {s: [] for s in settings}
     speeds = {s: [] for s in settings}
     counts = {s: dict(drafted=0, accepted=0, steps=0) for s in settings}
-    plain_out: dict[int, list[int]] = {}
-    for _ in range(args.reps):
+    plain_out = [one(model, p, args.new_tokens, *plain).tokens for p in ps]
+    for rep in range(args.reps):
         seconds = {s: 0.0 for s in settings}
         generated = {s: 0 for s in settings}
         for i, p in enumerate(ps):  # every setting on each prompt in turn: slow phases hit all alike
-            for s in settings:
+            first = (i + rep) % len(settings)  # and in a rotated order: none always runs first
+            for s in settings[first:] + settings[:first]:
                 r = one(model, p, args.new_tokens, *s)
-                if s == plain:
-                    plain_out.setdefault(i, r.tokens)
-                elif r.tokens != plain_out[i]:
+                if r.tokens != plain_out[i]:
                     raise SystemExit(f"{s}: speculative greedy output differs from plain greedy output")
                 seconds[s] += r.decode_seconds
                 generated[s] += len(r.tokens) - 1  # the first token comes from the prefill

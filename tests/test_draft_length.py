@@ -76,13 +76,18 @@ def test_under_load_a_verify_costs_what_its_rows_add_to_the_step():
     assert plan_drafts(seqs[:1], c, other_rows=8) == [0]
 
 
-def test_nothing_is_drafted_before_a_plain_step_is_measured_then_sizes_are_tried():
+def test_nothing_is_drafted_before_a_plain_step_is_measured_then_sizes_are_tried_one_by_one():
     acc = accepting([0.7, 0.7, 0.7, 0.7])
     c = StepCosts()
     assert plan_drafts([(acc, 4)], c) == [0]
-    c.record_forward(1, 0.01)
-    # larger steps not measured yet cost what the largest smaller measured one did: tried
-    assert plan_drafts([(acc, 4)], c) == [4]
+    # a step one row larger than any measured costs what the largest did (tried), larger ones in
+    # proportion to their rows (not yet): where every size then measures flat, k grows a row a step
+    for k in range(1, 5):
+        c.record_forward(k, 0.01)
+        assert plan_drafts([(acc, 4)], c) == [k]
+    assert c.forward_seconds(5) == 0.01 and c.forward_seconds(8) == pytest.approx(0.01 * 8 / 4)
+    c.record_forward(9, 0.03)
+    assert c.forward_seconds(7) == pytest.approx(0.01 + 0.02 * 3 / 5)  # between measured sizes: linear
 
 
 def test_an_idle_sequence_probes_and_the_wait_doubles_while_drafting_does_not_pay():

@@ -12,10 +12,12 @@ decoding, wherever drafting does not pay (and a sequence at k = 0 is planned aga
 `REPLAN` steps: on a small model the plan's own time shows). Under load a verify's rows join the step's other rows,
 so what one more draft costs is the step's cost at one more row.
 
-Sizes not measured yet are taken to cost what the largest smaller measured one did, so each is
-tried, and then measured. A sequence that has not drafted for `PROBE_EVERY` steps drafts one
+A step one row larger than any measured is taken to cost what the largest measured one did, so it
+is tried, and then measured; larger ones cost in proportion to their rows until measured, so the
+sizes are explored one row at a time. A sequence that has not drafted for `PROBE_EVERY` steps drafts one
 token, so its acceptance follows the text; each probe after which it still does not draft
-doubles that wait (up to `PROBE_MAX`), so where drafting does not pay, probing costs little.
+doubles that wait (up to `PROBE_MAX`), so where drafting does not pay, probing costs little, and
+a probe waits for a step where one more row costs no more than the step's average row.
 Drafts change only speed, never a token (speculative.py), so none of this can change an output.
 """
 from __future__ import annotations
@@ -49,23 +51,30 @@ class StepCosts:
         if k > 0:
             self._add(self.draft, k, seconds)
 
-    @staticmethod
-    def _estimate(table: dict[int, float], key: int) -> float | None:
-        """The measured value, else the nearest smaller measured one (optimistic: tried, then
-        measured), else the nearest larger one; None when nothing is measured."""
-        if key in table:
-            return table[key]
-        below = [k for k in table if k < key]
-        if below:
-            return table[max(below)]
-        above = [k for k in table if k > key]
-        return table[min(above)] if above else None
 
     def forward_seconds(self, rows: int) -> float | None:
-        return self._estimate(self.forward, rows)
+        """The measured cost of a step of `rows` rows; unmeasured: linear between the measured
+        sizes around it, and past the largest one what that one cost for one more row (so the
+        next size is tried, then measured) and in proportion to the rows beyond; None when
+        nothing is measured."""
+        t = self.forward
+        if rows in t or not t:
+            return t.get(rows)
+        below = max((r for r in t if r < rows), default=None)
+        above = min((r for r in t if r > rows), default=None)
+        if below is None:
+            return t[above] * rows / above
+        if above is None:
+            return t[below] if rows == below + 1 else t[below] * rows / below
+        return t[below] + (t[above] - t[below]) * (rows - below) / (above - below)
 
     def draft_seconds(self, k: int) -> float:
-        return 0.0 if k <= 0 else self._estimate(self.draft, k) or 0.0
+        """The measured cost of proposing k drafts; unmeasured: the nearest smaller k's (tried,
+        then measured), else 0."""
+        if k <= 0:
+            return 0.0
+        known = [j for j in self.draft if j <= k]
+        return self.draft[max(known)] if known else 0.0
 
 
 class Acceptance:
@@ -144,10 +153,18 @@ def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows
     for i, (acc, most) in enumerate(seqs):
         if ks[i] > 0:
             acc.probe_every = PROBE_EVERY
-        elif most > 0 and acc.idle >= acc.probe_every:
+        elif most > 0 and acc.idle >= acc.probe_every and _row_is_cheap(costs, rows):
             ks[i] = 1
+            rows += 1
             acc.probe_every = min(2 * acc.probe_every, PROBE_MAX)
     return ks
+
+
+def _row_is_cheap(costs: StepCosts, rows: int) -> bool:
+    """Whether one more row costs a step of `rows` no more than its rows cost on average: a probe
+    waits for such a step (past a kernel's row limit one more row can cost half a step)."""
+    now, more = costs.forward_seconds(rows), costs.forward_seconds(rows + 1)
+    return now is not None and more is not None and more <= now * (rows + 1) / rows
 
 
 _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
