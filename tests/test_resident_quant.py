@@ -294,3 +294,24 @@ def test_serve_weights_quantized_holds_the_checkpoint_formats(official_dir, both
         assert set(served.quantized_weights()) == want
     assert want  # the quantized load holds FP8 / FP4 / bf16 matrices
     assert torch.equal(logits(served, IDS), logits(both[torch.float32][0], IDS))
+
+
+def test_a_quantized_load_builds_on_meta_and_allocates_no_float_placeholder(official_dir, monkeypatch):
+    """weights="quantized" builds the model on the meta device and allocates only what it keeps
+    as floats (V4-Flash's fp32 placeholders alone would be 1.1 TB); the loaded model lives on
+    the CPU, rope tables and MTP block included, in the CPU's default mode."""
+    from kvfold.models.deepseek_v4.model import Dsv4Model
+    built, real = [], Dsv4Model.__init__
+
+    def spy(self, cfg, dtype=torch.float32, device="cpu", tp=None):
+        built.append(torch.device(device))
+        real(self, cfg, dtype, device, tp)
+    monkeypatch.setattr(Dsv4Model, "__init__", spy)
+    q = kvfold.load_model(official_dir, weights="quantized")
+    assert built == [torch.device("meta")]
+    assert all(t.device.type == "cpu" for t in [*q.parameters(), *q.buffers()])
+    assert q.device == torch.device("cpu") and q.rope_main.inv_freq.device.type == "cpu"
+    assert q.mtp is not None and q.mtp.device == torch.device("cpu")
+    assert q.batch_invariant  # an fp32 CPU model's default, decided for the CPU, not for meta
+    dq = kvfold.load_model(official_dir)
+    assert q.weight_bytes() < dq.weight_bytes()

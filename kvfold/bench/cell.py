@@ -7,9 +7,11 @@ tensor and that both give the same logits on a short prompt and a few decode ste
 
 The process reports by printing lines `@@kvfold-bench {json}` to stdout: one per finished phase
 (`loaded`, `prefill`, ...) and a final one with `"phase": "done"` or `"phase": "error"`, so a
-parent that kills it on a time limit still has the phases that finished. Its address space is
-capped with RLIMIT_AS (`--mem-limit-bytes`) so a too-large allocation fails here as an
-"out of memory" instead of taking the machine down.
+parent that kills it on a time limit still has the phases that finished. Its private data (heap
+and anonymous mappings) is capped with RLIMIT_DATA (`--mem-limit-bytes`) so a too-large
+allocation fails here as an "out of memory" instead of taking the machine down. The cap leaves
+out file mappings: a memory-mapped checkpoint of 16 GB plus the weights it loads would exceed an
+address-space cap (RLIMIT_AS) on a 24 GB machine while using 17 GB.
 """
 from __future__ import annotations
 
@@ -296,10 +298,10 @@ def run_bandwidth(args) -> None:
 
 def _set_mem_limit(limit: int) -> None:
     if limit and limit > 0:
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
 def main(argv=None) -> int:

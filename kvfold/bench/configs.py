@@ -23,6 +23,7 @@ from ..paths import cache_root
 GENERATOR_VERSION = 2
 
 PUBLIC_CONFIGS = ("bench", "medium")
+REAL_CONFIGS = ("v4-flash",)  # a release's widths, cut to a few layers (real_shapes.py)
 TEST_CONFIGS = ("tiny-bench",)
 
 
@@ -83,15 +84,18 @@ SANITY_TOKENS = {"bench": 320, "medium": 320, "tiny-bench": 24}
 
 
 def config_names(include_test: bool = True) -> tuple[str, ...]:
-    return PUBLIC_CONFIGS + (TEST_CONFIGS if include_test else ())
+    return PUBLIC_CONFIGS + REAL_CONFIGS + (TEST_CONFIGS if include_test else ())
 
 
-def build_config(name: str):
-    """The `Dsv4Config` of a named benchmark configuration."""
+def build_config(name: str, layers: int | None = None):
+    """The `Dsv4Config` of a named benchmark configuration (`layers`: a real-shape config's)."""
+    if name in REAL_CONFIGS:
+        from .real_shapes import real_config
+        return real_config(name, layers)
     try:
         return _BUILDERS[name]()
     except KeyError:
-        raise ValueError(f"unknown bench config {name!r}; choose one of {', '.join(PUBLIC_CONFIGS)}") from None
+        raise ValueError(f"unknown bench config {name!r}; choose one of {', '.join(PUBLIC_CONFIGS + REAL_CONFIGS)}") from None
 
 
 def default_cache_root() -> Path:

@@ -420,7 +420,7 @@ sys.exit(code)
 
 
 def _run_limited(cmd: list[str], time_limit: float, mem_limit_bytes: int, env: dict[str, str]) -> dict[str, Any]:
-    """Run `cmd` in its own process group under RLIMIT_AS and a wall-clock limit; returns its output,
+    """Run `cmd` in its own process group under RLIMIT_DATA and a wall-clock limit; returns its output,
     return code (negative = signal), peak RSS (ru_maxrss of `cmd`'s process, see _RSS_WRAPPER; None when
     it was killed) and wall time."""
     from .cell import _set_mem_limit

@@ -2,8 +2,8 @@
 transformers, on a random checkpoint, over a list of context lengths.
 
 Every cell (engine x context) runs in a fresh `python -m kvfold.bench.cell` process, so its peak
-RSS is its own; a cell is killed at `--time-limit` seconds and its address space is capped at
-`--mem-limit-gib`. Engines alternate per context (kvfold, then transformers). An engine that ran
+RSS is its own; a cell is killed at `--time-limit` seconds and its private data (not its file
+mappings) is capped at `--mem-limit-gib`. Engines alternate per context (kvfold, then transformers). An engine that ran
 out of time or memory at one context is not run at longer ones.
 
 Importing this module is cheap (no torch); `add_bench_parser` / `run_bench` are the CLI hooks.
@@ -28,7 +28,7 @@ from .protocol import OOM, SKIP_TIME
 from .report import _GIB, format_report, summarize
 from .spawn import _cell_message, _cell_record, child_env, _cpu_pressure_us, _mem_available, run_subprocess_cell
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
-from ..errors import KvfoldError
+from ..errors import ConfigError, KvfoldError
 
 
 # ---- argument parsing ------------------------------------------------------------------------------
@@ -56,14 +56,18 @@ def _vs(text: str) -> list[str]:
 
 def _config_name(text: str) -> str:
     if text not in C.config_names(include_test=True):
-        raise argparse.ArgumentTypeError(f"choose one of {', '.join(C.PUBLIC_CONFIGS)}")
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(C.PUBLIC_CONFIGS + C.REAL_CONFIGS)}")
     return text
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium}",
+    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium,v4-flash}",
                    help="model configuration (random weights): bench = small, every layer kind; "
-                        "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison (default bench)")
+                        "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison; v4-flash = "
+                        "DeepSeek-V4-Flash's release widths cut to --layers layers, written in the release's "
+                        "formats (4 layers: 16 GB; needs --weights quantized) (default bench)")
+    p.add_argument("--layers", type=_pos_int, default=None,
+                   help="layers of a real-shape config (v4-flash: default 4, every attention and MoE kind)")
     p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
                    help="comma-separated context lengths (default 512,4096,16384,32768)")
     p.add_argument("--vs", type=_vs, default=[], metavar="{transformers,llama.cpp}",
@@ -83,7 +87,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_pos_float, default=300.0,
                    help="seconds per cell (load + prefill + decode) before it is killed (default 300)")
     p.add_argument("--mem-limit-gib", type=_pos_float, default=20.0,
-                   help="address-space cap per cell, GiB; lowered to 90%% of the memory available "
+                   help="private-data cap per cell (RLIMIT_DATA: heap and anonymous mappings, not mapped "
+                        "files), GiB; lowered to 90%% of the memory available "
                         "when a cell starts (default 20)")
     p.add_argument("--threads", type=_pos_int, default=2, help="torch threads in every cell (default 2)")
     p.add_argument("--out", default=None, help="JSON results file (default kvfold-bench-<config>.json)")
@@ -199,9 +204,17 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
     if "transformers" in engines:
         require("transformers", "kvfold bench --vs transformers")
     started = _dt.datetime.now(_dt.timezone.utc)
-    ckpt = C.ensure_checkpoint(args.config, args.cache_dir, args.seed, log=log)
     quantized = args.weights == "quantized"
-    args.kvfold_checkpoint = C.ensure_official_checkpoint(ckpt, log=log) if quantized else ckpt
+    if args.config in C.REAL_CONFIGS:
+        if not quantized:
+            raise ConfigError(f"--config {args.config} runs with --weights quantized: its checkpoint is in the "
+                              "release's FP8 / FP4 formats, and dequantized it would not fit in memory")
+        from .real_shapes import ensure_real_checkpoint
+        ckpt = args.kvfold_checkpoint = ensure_real_checkpoint(args.config, getattr(args, "layers", None),
+                                                               args.cache_dir, args.seed, log=log)
+    else:
+        ckpt = C.ensure_checkpoint(args.config, args.cache_dir, args.seed, log=log)
+        args.kvfold_checkpoint = C.ensure_official_checkpoint(ckpt, log=log) if quantized else ckpt
     result = _new_result(args, ckpt, engines, started)
     mem_limit = _CellMemLimit(int(args.mem_limit_gib * _GIB))
     if quantized and "transformers" in engines:
@@ -237,7 +250,7 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
                 started: _dt.datetime) -> dict[str, Any]:
     """The JSON result before any cell ran: command, machine, settings, model and its bytes/token."""
     contexts = list(args.contexts)
-    cfg = C.build_config(args.config)
+    cfg = C.build_config(args.config, getattr(args, "layers", None))
     kv_ckpt = args.kvfold_checkpoint
     tensors = C.checkpoint_tensor_sizes(ckpt)
     kv_tensors = C.checkpoint_tensor_sizes(kv_ckpt)
@@ -265,7 +278,7 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
 
 
 class _CellMemLimit:
-    """The address-space cap of a cell about to start: --mem-limit-gib, lowered to 90% of the
+    """The private-data cap of a cell about to start: --mem-limit-gib, lowered to 90% of the
     memory available at that moment."""
 
     def __init__(self, cap: int):

@@ -104,7 +104,7 @@ def _cell_status(res: dict[str, Any], timed_out: bool, returncode: int | None, e
         e = phases["error"]
         res["status"] = OOM if e.get("oom") else "error: " + e.get("error", "?").splitlines()[0][:300]
     elif returncode is not None and returncode < 0 and -returncode in (signal.SIGKILL, signal.SIGABRT):
-        # killed by the kernel's OOM killer, or a C++ bad_alloc abort under the address-space cap
+        # killed by the kernel's OOM killer, or a C++ bad_alloc abort under the data cap
         res["status"] = OOM
         res["signal"] = -returncode
     else:

@@ -87,6 +87,29 @@ class CausalLM(nn.Module):
         # on by default where native.c holds it: it costs little there (bench/RESULTS.md)
         self.batch_invariant = invariance_by_default(self.device, self.dtype, self.kernels)
 
+    def materialize_(self, device: str | torch.device) -> None:
+        """A model built on the meta device (its shapes only) gets its tensors on `device`: every
+        meta parameter and buffer is allocated there, empty, for the loader to fill, and what the
+        family computes at construction is computed there (`_on_device`). The checkpoint loader
+        builds on meta where it keeps weights quantized, so the float placeholders of the weights
+        it holds as stored are never allocated (V4-Flash's would be 1.1 TB of fp32)."""
+        device = torch.device(device)
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_meta:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device),
+                                                            requires_grad=p.requires_grad)
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device=device)
+        self.device = device
+        self._backends.clear()
+        self.batch_invariant = invariance_by_default(self.device, self.dtype, self.kernels)
+        self._on_device()
+
+    def _on_device(self) -> None:
+        """What the family builds from the device besides parameters and buffers (after `materialize_`)."""
+
     @property
     def supports_mtp(self) -> bool:
         """Whether an MTP block is loaded (speculative="mtp"); the family provides new_mtp_state and mtp_step."""

@@ -201,20 +201,23 @@ def read_quant_settings(directory: Path) -> QuantSettings:
 
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None = None,
-                 weights: str = "dequant") -> None:
+                 weights: str = "dequant", device: str | torch.device | None = None) -> None:
     """Fill `model` (and, when the checkpoint carries `mtp.0.*`, a new `model.mtp`) from a checkpoint
     directory: any of the three name layouts, unquantized or with FP8 / FP4 block-quantized weights
     (decoded straight into the parameters, one tensor at a time, from memory-mapped files).
     `weights="quantized"` keeps FP8 / FP4 weights as stored instead (see `QuantizedWeight`); float
     checkpoint tensors load as floats either way (nothing is quantized at load).
     `progress`: a stderr progress line (default: only when stderr is a terminal, outside
-    `kvfold.progress.quieted()`)."""
+    `kvfold.progress.quieted()`). `device`: `model` was built on the meta device, and gets its
+    tensors there once the weights held as stored are chosen (`CausalLM.materialize_`)."""
     if weights not in WEIGHT_RESIDENCIES:
         raise CheckpointError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
     directory = Path(directory)
     reader = CheckpointReader(directory)
     settings = read_quant_settings(directory)
     _prepare_slots(model, reader, settings, weights)
+    if device is not None:
+        model.materialize_(device)
     loader = _WeightLoader(model, reader, settings)
     with ByteProgress(reader.total_bytes, "loading weights", enabled=progress) as bar:
         for key, read, read_scale in reader.tensors():

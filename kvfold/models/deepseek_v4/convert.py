@@ -195,6 +195,29 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
     return dst
 
 
+def write_official(dst: str | Path, cfg: Dsv4Config, tensors, max_shard_bytes: int = 4 << 30) -> Path:
+    """A checkpoint in the release's layout and formats from `tensors`, an iterable of (official
+    key, model parameter name, value), one held at a time: a float value is written as the
+    release stores that parameter (quantized to FP8 / FP4, or in bf16); a pair (packed FP4 codes,
+    e8m0 exponents) is an FP4 weight already stored so, copied bit for bit. Writes into the empty
+    directory `dst` (the parts written so far are removed on any failure) with its config.json."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    emitter = _Emitter(_ShardWriter(dst, max_shard_bytes), "official", "official", torch.bfloat16, torch.bfloat16)
+    try:
+        for key, name, value in tensors:
+            piece = _Piece(value[0], value[1], FP4) if isinstance(value, tuple) else _Piece(value)
+            emitter.emit(key, name, piece, piece.fmt)
+        emitter.writer.finish()
+    except BaseException:
+        for part in dst.glob(".part-*.safetensors"):
+            part.unlink()
+        raise
+    config = _output_config(cfg, "official", emitter.written_fmts)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
 def _check_convertible(src: Path, dst: Path, to: str) -> tuple[Dsv4Config, QuantSettings]:
     """The source's config and quantization settings, after every refusal that needs no tensor
     header: no source directory, a non-empty destination, a layer schedule `to` cannot hold."""

@@ -47,8 +47,10 @@ def load_dsv4(directory: str | Path, device: str | torch.device = "cpu", dtype: 
     if tp != 1:
         check_divides(tp_counts(cfg), tp)
         group = TensorParallel.current(tp)
-    model = Dsv4Model(cfg, dtype=dtype, device=device, tp=group)
-    load_weights(model, directory, weights=weights)
+    # held as stored: built on meta, so no float placeholder of a quantized weight is ever allocated
+    lazy = weights == "quantized" and group is None
+    model = Dsv4Model(cfg, dtype=dtype, device="meta" if lazy else device, tp=group)
+    load_weights(model, directory, weights=weights, device=device if lazy else None)
     try:
         model.tokenizer = _tokenizer_for(directory, cfg)
     except ConfigError as e:  # the model still runs on token ids; text commands will say what is missing

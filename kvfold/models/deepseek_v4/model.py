@@ -86,10 +86,15 @@ class Dsv4Model(CausalLM):
             self.tp = tp
         self.model = Dsv4Body(cfg, dtype, self.device, self.tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
-        rd = cfg.qk_rope_head_dim
+        self._on_device()
+        # self.mtp: an MtpModule, built from `mtp.0.*` when the checkpoint has them
+
+    def _on_device(self) -> None:
+        cfg, rd = self.config, self.config.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, self.device)
-        # self.mtp: an MtpModule, built from `mtp.0.*` when the checkpoint has them
+        if self.mtp is not None:
+            self.mtp.device = self.device
 
     # ---- numerics ----------------------------------------------------------------------------
     def set_numerics(self, mode: str) -> None:
