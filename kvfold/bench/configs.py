@@ -87,15 +87,12 @@ def config_names(include_test: bool = True) -> tuple[str, ...]:
     return PUBLIC_CONFIGS + REAL_CONFIGS + (TEST_CONFIGS if include_test else ())
 
 
-def build_config(name: str, layers: int | None = None):
-    """The `Dsv4Config` of a named benchmark configuration (`layers`: a real-shape config's)."""
-    if name in REAL_CONFIGS:
-        from .real_shapes import real_config
-        return real_config(name, layers)
+def build_config(name: str):
+    """The `Dsv4Config` of a named benchmark configuration (a real-shape one's: real_shapes.py)."""
     try:
         return _BUILDERS[name]()
     except KeyError:
-        raise ValueError(f"unknown bench config {name!r}; choose one of {', '.join(PUBLIC_CONFIGS + REAL_CONFIGS)}") from None
+        raise ValueError(f"unknown bench config {name!r}; choose one of {', '.join(PUBLIC_CONFIGS)}") from None
 
 
 def default_cache_root() -> Path:
@@ -129,43 +126,56 @@ def _pair_indexer_heads_(model) -> None:
                 w[half:2 * half] = -w[:half]
 
 
+def cached_build(target: Path, meta: dict[str, Any], write: Callable[[Path], None],
+                 matches: Callable[[dict], bool] | None = None) -> Path:
+    """`target`, reused when its bench-meta.json `matches` (default: the same "key" as `meta`);
+    else `write(tmp)` fills a fresh temporary directory beside it, `meta` is written there, and
+    it replaces `target` in one rename, so a reader never sees a half-written checkpoint."""
+    try:
+        made = json.loads((target / "bench-meta.json").read_text())
+        if (matches or (lambda m: m.get("key") == meta["key"]))(made):
+            return target
+    except (OSError, json.JSONDecodeError):
+        pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    write(tmp)
+    (tmp / "bench-meta.json").write_text(json.dumps(meta, indent=2))
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
 def ensure_checkpoint(name: str, cache_dir: str | Path | None = None, seed: int = 0,
                       log: Callable[[str], None] | None = None) -> Path:
     """Directory of the random checkpoint of config `name` (config.json + model.safetensors in the
     transformers layout), written on first use and reused while its key matches."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     target = root / f"bench-{name}"
-    key = checkpoint_key(name, seed)
-    meta_path = target / "bench-meta.json"
-    if meta_path.exists() and (target / "model.safetensors").exists() and (target / "config.json").exists():
-        try:
-            if json.loads(meta_path.read_text()).get("key") == key:
-                return target
-        except (OSError, json.JSONDecodeError):
-            pass
-    import torch
-    from ..models.deepseek_v4.checkpoint import save_checkpoint
-    from ..models.deepseek_v4.model import Dsv4Model
-    from ..models.deepseek_v4.tiny import init_random_
-    if log:
-        log(f"writing random checkpoint {name!r} (seed {seed}) to {target}")
     cfg = build_config(name)
-    model = Dsv4Model(cfg, dtype=torch.float32)
-    init_random_(model, seed)
-    _pair_indexer_heads_(model)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".bench-{name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    save_checkpoint(model, tmp)
-    (tmp / "bench-meta.json").write_text(json.dumps(
-        {"key": key, "config": name, "seed": seed, "generator": GENERATOR_VERSION,
-         "fingerprint": cfg.fingerprint(), "parameters": model.num_parameters()}, indent=2))
-    del model
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    return target
+    meta = {"key": checkpoint_key(name, seed), "config": name, "seed": seed, "generator": GENERATOR_VERSION,
+            "fingerprint": cfg.fingerprint()}
+
+    def write(tmp: Path) -> None:
+        import torch
+        from ..models.deepseek_v4.checkpoint import save_checkpoint
+        from ..models.deepseek_v4.model import Dsv4Model
+        from ..models.deepseek_v4.tiny import init_random_
+        if log:
+            log(f"writing random checkpoint {name!r} (seed {seed}) to {target}")
+        model = Dsv4Model(cfg, dtype=torch.float32)
+        init_random_(model, seed)
+        _pair_indexer_heads_(model)
+        save_checkpoint(model, tmp)
+        meta["parameters"] = model.num_parameters()
+
+    def complete(made: dict) -> bool:
+        return made.get("key") == meta["key"] and (target / "model.safetensors").exists() \
+            and (target / "config.json").exists()
+    return cached_build(target, meta, write, complete)
 
 
 _OFFICIAL_FLOATS = "bfloat16"  # the unquantized matrices of the official checkpoint, as the release
@@ -177,29 +187,17 @@ def ensure_official_checkpoint(checkpoint: Path, log: Callable[[str], None] | No
     on first use and reused while it was made from this checkpoint in these formats."""
     checkpoint = Path(checkpoint)
     target = checkpoint.with_name(checkpoint.name + "-official")
-    meta = json.loads((checkpoint / "bench-meta.json").read_text())
-    meta_path = target / "bench-meta.json"
-    try:
-        made = json.loads(meta_path.read_text())
-        if made.get("key") == meta["key"] and made.get("floats") == _OFFICIAL_FLOATS:
-            return target
-    except (OSError, json.JSONDecodeError):
-        pass
-    import torch
+    meta = dict(json.loads((checkpoint / "bench-meta.json").read_text()), layout="official", floats=_OFFICIAL_FLOATS)
 
-    from ..models.deepseek_v4.convert import convert
-    if log:
-        log(f"converting {checkpoint} to the official layout (FP8 / FP4, bf16 floats) in {target}")
-    tmp = checkpoint.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    convert(checkpoint, tmp, "official", floats=torch.bfloat16)
-    (tmp / "bench-meta.json").write_text(json.dumps(dict(meta, layout="official", floats=_OFFICIAL_FLOATS),
-                                                    indent=2))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    return target
+    def write(tmp: Path) -> None:
+        import torch
+
+        from ..models.deepseek_v4.convert import convert
+        if log:
+            log(f"converting {checkpoint} to the official layout (FP8 / FP4, bf16 floats) in {target}")
+        convert(checkpoint, tmp, "official", floats=torch.bfloat16)
+    return cached_build(target, meta, write,
+                        lambda made: made.get("key") == meta["key"] and made.get("floats") == _OFFICIAL_FLOATS)
 
 
 _ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

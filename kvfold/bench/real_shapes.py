@@ -23,13 +23,12 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import shutil
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..paths import cache_root
+from .configs import cached_build
 
 GENERATOR_VERSION = 1
 RELEASES = {"v4-flash": "deepseek_v4_flash.json"}
@@ -63,27 +62,16 @@ def ensure_real_checkpoint(name: str, layers: int | None = None, cache_dir: str 
     target = checkpoint_dir(name, cfg.num_hidden_layers, cache_dir)
     key = hashlib.sha256(json.dumps({"config": name, "fingerprint": cfg.fingerprint(), "seed": seed,
                                      "generator": GENERATOR_VERSION}, sort_keys=True).encode()).hexdigest()[:16]
-    meta_path = target / "bench-meta.json"
-    try:
-        if json.loads(meta_path.read_text()).get("key") == key:
-            return target
-    except (OSError, json.JSONDecodeError):
-        pass
-    from ..models.deepseek_v4.convert import write_official
-    if log:
-        log(f"writing random {name} checkpoint ({cfg.num_hidden_layers} layers, seed {seed}, release formats) "
-            f"to {target}")
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    write_official(tmp, cfg, random_tensors(cfg, seed), SHARD_BYTES)
-    (tmp / "bench-meta.json").write_text(json.dumps(
-        {"key": key, "config": name, "layers": cfg.num_hidden_layers, "seed": seed, "generator": GENERATOR_VERSION,
-         "fingerprint": cfg.fingerprint(), "layout": "official"}, indent=2))
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    return target
+    meta = {"key": key, "config": name, "layers": cfg.num_hidden_layers, "seed": seed,
+            "generator": GENERATOR_VERSION, "fingerprint": cfg.fingerprint(), "layout": "official"}
+
+    def write(tmp: Path) -> None:
+        from ..models.deepseek_v4.convert import write_official
+        if log:
+            log(f"writing random {name} checkpoint ({cfg.num_hidden_layers} layers, seed {seed}, release formats) "
+                f"to {target}")
+        write_official(tmp, cfg, random_tensors(cfg, seed), SHARD_BYTES)
+    return cached_build(target, meta, write)
 
 
 def random_tensors(cfg, seed: int) -> Iterator[tuple[str, str, Any]]:

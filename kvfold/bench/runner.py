@@ -25,6 +25,7 @@ from . import configs as C
 from . import llamacpp as LL
 from .deps import require
 from .protocol import OOM, SKIP_TIME
+from .real_shapes import ensure_real_checkpoint, real_config
 from .report import _GIB, format_report, summarize
 from .spawn import _cell_message, _cell_record, child_env, _cpu_pressure_us, _mem_available, run_subprocess_cell
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
@@ -209,7 +210,6 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         if not quantized:
             raise ConfigError(f"--config {args.config} runs with --weights quantized: its checkpoint is in the "
                               "release's FP8 / FP4 formats, and dequantized it would not fit in memory")
-        from .real_shapes import ensure_real_checkpoint
         ckpt = args.kvfold_checkpoint = ensure_real_checkpoint(args.config, getattr(args, "layers", None),
                                                                args.cache_dir, args.seed, log=log)
     else:
@@ -250,7 +250,10 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
                 started: _dt.datetime) -> dict[str, Any]:
     """The JSON result before any cell ran: command, machine, settings, model and its bytes/token."""
     contexts = list(args.contexts)
-    cfg = C.build_config(args.config, getattr(args, "layers", None))
+    if args.config in C.REAL_CONFIGS:
+        cfg = real_config(args.config, getattr(args, "layers", None))
+    else:
+        cfg = C.build_config(args.config)
     kv_ckpt = args.kvfold_checkpoint
     tensors = C.checkpoint_tensor_sizes(ckpt)
     kv_tensors = C.checkpoint_tensor_sizes(kv_ckpt)
