@@ -17,7 +17,8 @@ is tried, and then measured; larger ones cost in proportion to their rows until 
 sizes are explored one row at a time. A sequence that has not drafted for `PROBE_EVERY` steps drafts one
 token, so its acceptance follows the text; each probe after which it still does not draft
 doubles that wait (up to `PROBE_MAX`), so where drafting does not pay, probing costs little, and
-a probe waits for a step where one more row costs no more than the step's average row.
+a probe waits for a step where one more row and its draft cost no more than the step's average
+row.
 Drafts change only speed, never a token (speculative.py), so none of this can change an output.
 """
 from __future__ import annotations
@@ -122,22 +123,26 @@ class Acceptance:
 def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows: int = 0) -> list[int]:
     """Each sequence's draft count for one step: (its Acceptance, the most it may draft) in,
     k in 0 .. that most out, maximising the step's expected tokens per second. `other_rows`: the
-    step's other decode rows (sequences that do not draft: a token each). Greedy: add to one sequence at a
-    time the run of drafts that raises the step's rate most, while one does. No drafts until a
-    plain step has been measured."""
+    step's other decode rows (sequences that do not draft: a token each). Greedy: add to one
+    sequence at a time the run of drafts that raises the step's rate most, while one does. No
+    drafts until a plain step has been measured."""
     ks = [0] * len(seqs)
-    if all(0 < acc.idle < acc.probe_every and acc.idle % REPLAN for acc, _ in seqs):
-        return ks  # nobody drafts now, and nobody is due to be planned again
+    # a sequence at k = 0 is planned again every REPLAN steps, or when a probe is due
+    due = [i for i, (acc, most) in enumerate(seqs)
+           if most > 0 and not (0 < acc.idle < acc.probe_every and acc.idle % REPLAN)]
+    if not due:
+        return ks
     rows = other_rows + len(seqs)
     base = costs.forward_seconds(rows)
     if base is None or not seqs:
         return ks
-    reach = [acc.reach(most) for acc, most in seqs]
+    reach = {i: seqs[i][0].reach(seqs[i][1]) for i in due}
     tokens, drafting = float(rows), 0.0
     rate = tokens / base
     while True:
         best = None
-        for i, (_, most) in enumerate(seqs):
+        for i in due:
+            most = seqs[i][1]
             for extra in range(1, most - ks[i] + 1):
                 gain = sum(reach[i][ks[i]:ks[i] + extra])
                 spent = drafting - costs.draft_seconds(ks[i]) + costs.draft_seconds(ks[i] + extra)
@@ -150,7 +155,8 @@ def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows
         ks[i] += extra
         rows += extra
         tokens += gain
-    for i, (acc, most) in enumerate(seqs):
+    for i in due:
+        acc, most = seqs[i]
         if ks[i] > 0:
             acc.probe_every = PROBE_EVERY
         elif most > 0 and acc.idle >= acc.probe_every and _row_is_cheap(costs, rows):
@@ -161,10 +167,12 @@ def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows
 
 
 def _row_is_cheap(costs: StepCosts, rows: int) -> bool:
-    """Whether one more row costs a step of `rows` no more than its rows cost on average: a probe
-    waits for such a step (past a kernel's row limit one more row can cost half a step)."""
+    """Whether one more row, and proposing its draft, cost a step of `rows` no more than its rows
+    cost on average: a probe waits for such a step (past a kernel's row limit one more row can
+    cost half a step; an MTP draft after a long idle run first runs the MTP block over what it
+    missed)."""
     now, more = costs.forward_seconds(rows), costs.forward_seconds(rows + 1)
-    return now is not None and more is not None and more <= now * (rows + 1) / rows
+    return now is not None and more is not None and more - now + costs.draft_seconds(1) <= now / rows
 
 
 _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
