@@ -134,7 +134,7 @@ def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows
         return ks
     rows = other_rows + len(seqs)
     base = costs.forward_seconds(rows)
-    if base is None or not seqs:
+    if base is None:
         return ks
     reach = {i: seqs[i][0].reach(seqs[i][1]) for i in due}
     tokens, drafting = float(rows), 0.0
@@ -156,10 +156,10 @@ def plan_drafts(seqs: list[tuple[Acceptance, int]], costs: StepCosts, other_rows
         rows += extra
         tokens += gain
     for i in due:
-        acc, most = seqs[i]
+        acc = seqs[i][0]
         if ks[i] > 0:
             acc.probe_every = PROBE_EVERY
-        elif most > 0 and acc.idle >= acc.probe_every and _row_is_cheap(costs, rows):
+        elif acc.idle >= acc.probe_every and _row_is_cheap(costs, rows):
             ks[i] = 1
             rows += 1
             acc.probe_every = min(2 * acc.probe_every, PROBE_MAX)
