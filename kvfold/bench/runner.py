@@ -4,8 +4,7 @@ transformers, on a random checkpoint, over a list of context lengths.
 Every cell (engine x context) runs in a fresh `python -m kvfold.bench.cell` process, so its peak
 RSS is its own; a cell is killed at `--time-limit` seconds and its private data (not its file
 mappings) is capped at `--mem-limit-gib`. Engines alternate per context (kvfold, then
-transformers). An engine that ran
-out of time or memory at one context is not run at longer ones.
+transformers). An engine that ran out of time or memory at one context is not run at longer ones.
 
 Importing this module is cheap (no torch); `add_bench_parser` / `run_bench` are the CLI hooks.
 """
