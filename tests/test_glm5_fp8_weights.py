@@ -260,3 +260,39 @@ def test_missing_misshaped_or_misblocked_scales_are_refused_naming_the_tensor(so
                             ("per_tensor", {"quant_method": "fp8", "fmt": "e4m3"}, "without weight_block_size"),
                             ("bad_block", quantization_config((8, 0)), "two positive ints")):
         _refused(monkeypatch, variant(name, lambda t: None, bad), ConfigError, says)
+
+
+def test_bf16_floats_are_held_as_stored_and_compute_the_fp32_models_bits(source, tmp_path, seq):
+    """A release stores its unquantized matrices in bf16: weights="quantized" holds them as bf16 (half
+    the bytes, exact in an fp32 model), and the logits equal the dequantized load's bit for bit."""
+    block = (128, 128)
+    tensors = {k: (v.to(torch.bfloat16) if v.dim() == 2 and v.dtype == torch.float32
+                   and not k.endswith("_scale_inv") else v)
+               for k, v in fp8_tensors(source, block).items()}
+    d = write_checkpoint(source, tmp_path / "bf16", tensors, quantization_config(block))
+    deq, q = kvfold.load_model(d), kvfold.load_model(d, weights="quantized")
+    held = q.quantized_weights()
+    bf16 = {n for n, w in held.items() if w.fmt == "bf16"}
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"} <= bf16
+    assert set(held) - bf16 == expected_fp8_slots()
+    assert q.weight_bytes() < deq.weight_bytes()
+    ids = seq[:30]
+    assert torch.equal(logits_of(q, ids), logits_of(deq, ids))
+
+
+def test_a_quantized_load_builds_on_meta_and_allocates_no_float_placeholder(fp8, monkeypatch):
+    """As DeepSeek-V4's loader: weights="quantized" builds on the meta device (GLM-5.3-Flash's fp32
+    expert placeholders would be 29 GB per layer) and the loaded model lives on the CPU."""
+    from kvfold.models.glm5.model import Glm5Model
+    built, real = [], Glm5Model.__init__
+
+    def spy(self, cfg, dtype=torch.float32, device="cpu", tp=None):
+        built.append(torch.device(device))
+        real(self, cfg, dtype, device, tp)
+    monkeypatch.setattr(Glm5Model, "__init__", spy)
+    q = kvfold.load_model(fp8["dir"], weights="quantized")
+    assert built == [torch.device("meta")]
+    assert all(t.device.type == "cpu" for t in [*q.parameters(), *q.buffers()])
+    assert q.device == torch.device("cpu") and q.batch_invariant
+    assert q.mtp is None or q.mtp.device == torch.device("cpu")
+    assert kvfold.load_model(fp8["dir"]).device == torch.device("cpu")

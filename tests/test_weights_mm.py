@@ -412,3 +412,28 @@ def test_fp8_decode_rows_stay_exact_where_a_tile_mixes_flagged_and_clean_blocks(
         for desc, per, k in row_groups(describe(flat_q, flat_s, block), 8):
             first = (desc.data - flat_q.data_ptr()) // 384
             exactly(native_mm(LIB, x[:m], desc, per, k), invariant_mm(LIB, x[:m], dense[0, first:first + per]))
+
+
+@pytest.mark.parametrize("k, bc", [(256, 128), (200, 64), (96, 32)])
+def test_the_code_scan_flags_exactly_the_blocks_holding_a_subnormal_and_finds_nans(k, bc):
+    """scan_fp8_codes against the definition, code by code: a subnormal is exponent bits 0 with a
+    nonzero mantissa (both signs), a NaN 0x7F or 0xFF; edge blocks of k % bc columns included."""
+    from kvfold.numerics.weights_mm import scan_fp8_codes
+    g = torch.Generator().manual_seed(k)
+    codes = torch.randint(0, 256, (70, k), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x40  # no NaN yet
+    codes[(codes & 0x78) == 0] = 0x38  # no subnormal yet (zeros too)
+    for r, c, v in [(0, 0, 0x01), (3, k - 1, 0x87), (9, bc, 0x80), (11, bc - 1, 0x07), (12, 5, 0x00)]:
+        codes[r, c] = v  # 0x80 and 0x00 are zeros, not subnormals
+    want = torch.zeros(70, -(-k // bc), dtype=torch.uint8)
+    for r, c in ((0, 0), (3, k - 1), (11, bc - 1)):
+        want[r, c // bc] = 1
+    nan, flags = scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc, chunk=k * 16)
+    assert not nan and torch.equal(flags, want)
+    codes[40, 7] = 0xFF
+    assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc, chunk=k * 16)[0]
+    clean = codes.clone()
+    clean[(clean & 0x78) == 0] = 0x38
+    clean[40, 7] = 0x7F
+    nan, flags = scan_fp8_codes(clean.view(torch.float8_e4m3fn), bc)
+    assert nan and flags is None

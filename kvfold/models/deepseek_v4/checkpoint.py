@@ -137,7 +137,7 @@ def _expert_rows(target: Target, inter: int) -> slice | None:
     return slice(0, inter) if target.part == "w1" else slice(inter, 2 * inter)
 
 
-def _held_format(dtype: str, has_scale: bool, model_dtype: torch.dtype) -> str | None:
+def held_format(dtype: str, has_scale: bool, model_dtype: torch.dtype) -> str | None:
     """The format a checkpoint tensor of safetensors `dtype` is held in with weights="quantized":
     FP8 / FP4 (with a scale), BF16 (bf16 in an fp32 model: exact, half the bytes), else None."""
     if has_scale:
@@ -156,7 +156,7 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
         if target is None:
             continue
         scale_key = reader.scales.get(key)
-        fmt = _held_format(reader.entries[key].dtype, scale_key is not None, model.dtype)
+        fmt = held_format(reader.entries[key].dtype, scale_key is not None, model.dtype)
         parts.setdefault(target.name, []).append(
             (fmt, target, reader.entries[scale_key].dtype if scale_key is not None else None))
     inter = model.config.moe_intermediate_size

@@ -95,7 +95,10 @@ def official_config_dict(cfg: Dsv4Config, quantized: bool = True, expert_fp4: bo
 
 # ---- writer -----------------------------------------------------------------------------------
 
-class _ShardWriter:
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most `max_bytes` (holding one shard at a time),
+    renamed to their final names with an index at `finish`."""
+
     def __init__(self, directory: Path, max_bytes: int):
         self.dir, self.max = directory, max(int(max_bytes), 1)
         self.buf: dict[str, torch.Tensor] = {}
@@ -187,7 +190,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, quantize: bool | None 
     reader = CheckpointReader(src)
     _refuse_unknown_tensors(src, reader, cfg)
     dst.mkdir(parents=True, exist_ok=True)
-    emitter = _Emitter(_ShardWriter(dst, max_shard_bytes), to, _quant_mode(to, quantize), dtype, floats)
+    emitter = _Emitter(ShardWriter(dst, max_shard_bytes), to, _quant_mode(to, quantize), dtype, floats)
     _write_tensors(reader, cfg, settings, emitter, dst, progress)
     config = _output_config(cfg, to, emitter.written_fmts)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -203,7 +206,7 @@ def write_official(dst: str | Path, cfg: Dsv4Config, tensors, max_shard_bytes: i
     directory `dst` (the parts written so far are removed on any failure) with its config.json."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    emitter = _Emitter(_ShardWriter(dst, max_shard_bytes), "official", "official", torch.bfloat16, torch.bfloat16)
+    emitter = _Emitter(ShardWriter(dst, max_shard_bytes), "official", "official", torch.bfloat16, torch.bfloat16)
     try:
         for key, name, value in tensors:
             piece = _Piece(value[0], value[1], FP4) if isinstance(value, tuple) else _Piece(value)
@@ -256,7 +259,7 @@ def _refuse_unknown_tensors(src: Path, reader: CheckpointReader, cfg: Dsv4Config
 class _Emitter:
     """Writes each converted tensor under its name in the target layout, in the format `mode` wants."""
 
-    def __init__(self, writer: _ShardWriter, to: str, mode: str, dtype: torch.dtype,
+    def __init__(self, writer: ShardWriter, to: str, mode: str, dtype: torch.dtype,
                  floats: torch.dtype | None = None):
         self.writer, self.to, self.mode, self.dtype, self.floats = writer, to, mode, dtype, floats
         self.written_fmts: set[str] = set()  # quantized formats written: they decide the config's quantization

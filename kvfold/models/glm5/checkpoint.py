@@ -26,8 +26,8 @@ import torch
 from ...errors import CheckpointError, ConfigError
 from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
-from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader
-from ...numerics.quant_formats import FP8, QuantSettings, dequant_into, expected_scale_shape
+from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader, held_format
+from ...numerics.quant_formats import BF16, FP8, QuantSettings, dequant_into, expected_scale_shape
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
 from .mtp import Glm5Mtp
@@ -152,22 +152,30 @@ def check_quantized_tensors(reader: CheckpointReader, n_layers: int, block: tupl
                               + "; ".join(problems[:_MAX_LISTED]) + more)
 
 
-def _keep_fp8_resident(model: Glm5Model, reader: CheckpointReader, block: tuple[int, int]) -> None:
-    """weights="quantized": replace every float slot whose checkpoint tensors are all FP8 with scales,
-    and whose module lists it in `quantizable`, by an empty `QuantizedWeight` of the stored blocks.
+def _keep_resident(model: Glm5Model, reader: CheckpointReader, block: tuple[int, int] | None) -> None:
+    """weights="quantized": replace every float slot whose checkpoint tensors are all FP8 with scales
+    (or all bf16 in an fp32 model: exact, half the bytes, as DeepSeek-V4's loader holds them), and
+    whose module lists it in `quantizable`, by an empty `QuantizedWeight` of the stored format.
     Stacked experts whose gate / up halves do not fill whole row blocks (moe_intermediate_size not a
     multiple of the block's rows) keep one scale per row, so no block straddles gate and up."""
     cfg = model.config
-    found: dict[str, list[tuple[bool, _Slot, str | None]]] = {}
+    found: dict[str, list[tuple[str | None, _Slot, str | None]]] = {}
     for key, name in _text_tensors(reader, cfg.num_hidden_layers):
         if name.endswith(_FUSED_CONV):
             continue
         slot, scale_key = _slot_of(name), reader.scales.get(key)
-        fp8 = scale_key is not None and reader.entries[key].dtype == _FP8_STORED
-        found.setdefault(slot.name, []).append((fp8, slot, reader.entries[scale_key].dtype if fp8 else None))
+        fmt = held_format(reader.entries[key].dtype, scale_key is not None, model.dtype)
+        found.setdefault(slot.name, []).append((fmt, slot, reader.entries[scale_key].dtype if scale_key else None))
     for name, parts in found.items():
-        if not all(fp8 for fp8, _, _ in parts):
-            continue  # float, or a mix of float and FP8 parts: loaded as floats
+        fmts = {fmt for fmt, _, _ in parts}
+        if len(fmts) != 1 or None in fmts:
+            continue  # float, or a mix of formats: loaded as floats
+        fmt = fmts.pop()
+        if fmt == BF16:
+            hold_quantized(model, name, BF16, (1, 1), [])
+            continue
+        if fmt != FP8 or block is None:
+            continue  # check_quantized_tensors refused every other scaled tensor
         stored = block
         if any(s.part in ("gate_proj", "up_proj") for _, s, _ in parts) and cfg.moe_intermediate_size % block[0]:
             stored = (1, block[1])
@@ -320,10 +328,15 @@ def load_glm5(directory: str | Path, device: str | torch.device = "cpu", dtype: 
     block = fp8_weight_block(read_config_json(directory))
     reader = CheckpointReader(directory)
     check_quantized_tensors(reader, cfg.num_hidden_layers, block)  # before the model is built
-    model = Glm5Model(cfg, dtype=dtype, device=device, tp=group)
+    # Held as stored, the model is built on meta first so the float placeholders of the weights it
+    # keeps quantized are never allocated (GLM-5.3-Flash's experts would be 29 GB per layer in fp32).
+    lazy = weights == "quantized" and group is None
+    model = Glm5Model(cfg, dtype=dtype, device="meta" if lazy else device, tp=group)
     _add_mtp_if_stored(model, reader)
-    if weights == "quantized" and block is not None:
-        _keep_fp8_resident(model, reader, block)
+    if weights == "quantized":
+        _keep_resident(model, reader, block)
+    if lazy:
+        model.materialize_(device)
     _load_weights(model, reader, block)
     try:
         from ...tokenizer import load_tokenizer

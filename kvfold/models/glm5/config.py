@@ -114,6 +114,11 @@ class Glm5Config:
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str).encode()
         return "g5" + hashlib.sha256(blob).hexdigest()[:14]
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A text-only `config.json` dictionary that `glm5_config_from_dict` reads back as this config."""
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        return {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next_text", **d}
+
     def problems(self) -> list[str]:
         out = []
         n = self.num_hidden_layers

@@ -130,6 +130,10 @@ class Glm5Model(CausalLM):
         self.model = Glm5Body(cfg, dtype, self.device, self.tp)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.device)
 
+    def _on_device(self) -> None:
+        if self.mtp is not None:
+            self.mtp.device = self.device
+
     @property
     def kda_heads(self) -> int:
         """The KDA heads this rank holds (all of them without tensor parallelism)."""
