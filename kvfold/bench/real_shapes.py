@@ -1,5 +1,7 @@
 """Bench checkpoints at a released model's real widths, truncated to a few layers (issue 42).
 
+`glm53-flash` (GLM-5.3-Flash) is written by real_shapes_glm.py; the rest of this docstring is V4's.
+
 `v4-flash`: DeepSeek-V4-Flash's release config (kvfold/assets/configs/deepseek_v4_flash.json):
 hidden 4096, 64 heads of 512, 256 routed experts of 2048 (top 6) + 1 shared, the 129,280-token
 vocabulary, its embedding and head, cut to its first N layers (default 4: two sliding-window
@@ -29,10 +31,11 @@ from typing import Any, Callable, Iterator
 
 from ..paths import cache_root
 from .configs import cached_build
+from .real_shapes_glm import glm_real_config, glm_write
 
 GENERATOR_VERSION = 1
-RELEASES = {"v4-flash": "deepseek_v4_flash.json"}
-DEFAULT_LAYERS = {"v4-flash": 4}
+RELEASES = {"v4-flash": "deepseek_v4_flash.json", "glm53-flash": "glm5_3_flash.json"}
+DEFAULT_LAYERS = {"v4-flash": 4, "glm53-flash": 4}
 SHARD_BYTES = 2 << 30  # the writer holds at most one shard (plus the tensor being made)
 
 
@@ -40,8 +43,10 @@ def real_config(name: str, layers: int | None = None):
     """The release config of `name` cut to its first `layers` layers (default DEFAULT_LAYERS), no MTP."""
     from ..models.deepseek_v4.config import config_from_dict
     path = Path(__file__).resolve().parents[1] / "assets" / "configs" / RELEASES[name]
-    cfg = config_from_dict(json.loads(path.read_text()))
     n = DEFAULT_LAYERS[name] if layers is None else layers
+    if name == "glm53-flash":
+        return glm_real_config(path, n)
+    cfg = config_from_dict(json.loads(path.read_text()))
     if not 1 <= n <= cfg.num_hidden_layers:
         raise ValueError(f"--layers must be 1..{cfg.num_hidden_layers} for {name}, got {n}")
     return dataclasses.replace(cfg, num_hidden_layers=n, layer_types=cfg.layer_types[:n],
@@ -70,7 +75,10 @@ def ensure_real_checkpoint(name: str, layers: int | None = None, cache_dir: str 
         if log:
             log(f"writing random {name} checkpoint ({cfg.num_hidden_layers} layers, seed {seed}, release formats) "
                 f"to {target}")
-        write_official(tmp, cfg, random_tensors(cfg, seed), SHARD_BYTES)
+        if name == "glm53-flash":
+            glm_write(tmp, cfg, seed, SHARD_BYTES)
+        else:
+            write_official(tmp, cfg, random_tensors(cfg, seed), SHARD_BYTES)
     return cached_build(target, meta, write)
 
 
