@@ -258,6 +258,8 @@ with safe_open(str(src / "model.safetensors"), "pt") as f:
     assert str(f.get_tensor("head.weight").dtype) == "torch.bfloat16"
     assert str(f.get_tensor("hc_head_fn").dtype) == "torch.float32"
     assert args.outtype == "bf16"
+from conversion.deepseek import DeepseekV4Model
+assert DeepseekV4Model.tensor_force_quant.__name__ == "keep_bf16"  # the driver's bf16 rule is in place
 Path(args.outfile).write_bytes(b"GGUF" + bytes(60))
 print("INFO:hf-to-gguf:Model successfully exported")
 '''
@@ -274,6 +276,8 @@ def _fake_llama_cpp(root, *, build_dir: bool = False):
     (src / "conversion" / "__init__.py").write_text("")
     (src / "conversion" / "base.py").write_text(
         "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n        raise NotImplementedError\n")
+    (src / "conversion" / "deepseek.py").write_text(  # the driver keeps FP8-sourced matrices BF16 through it
+        "class DeepseekV4Model:\n    def tensor_force_quant(self, name, new_name, bid, n_dims):\n        return False\n")
     (src / "convert_hf_to_gguf.py").write_text(_FAKE_CONVERTER)
     bindir = (root / "build" / "bin") if build_dir else (src / "build" / "bin")
     bindir.mkdir(parents=True)
@@ -370,7 +374,9 @@ def test_vs_llama_cpp_end_to_end_with_a_fake_build(tmp_path, monkeypatch):
         "16 -n 0 -d 0", "0 -n 4 -d 16", "40 -n 0 -d 0", "0 -n 4 -d 40"]
     assert all(c.endswith(" -r 3 -o jsonl -ctk q8_0 -ctv q8_0") for c in calls)  # the median of 3, by default
     rep = res["report"]
-    assert "llama.cpp prefill tok/s" in rep and "llama.cpp decode tok/s" in rep and "kv/llama" in rep
+    assert "kvfold vs llama.cpp:" in rep and "kv/peer" in rep  # the peers' table: a row per context and engine
+    import re
+    assert len(re.findall(r"\| +llama\.cpp \| +250\.0 \| +[\d.]+ \|", rep)) == 2  # its prefill and kv/peer
     assert "build abc1234" in rep and "MXFP4" in rep
     # a second run reuses the GGUF
     R.run_bench(_args(tmp_path, "--contexts", "16", "--vs", "llama.cpp", "--llama-cpp", str(build),
@@ -389,7 +395,8 @@ def test_vs_llama_cpp_unavailable_says_why_and_the_run_goes_on(tmp_path, monkeyp
     assert kv["status"] == "ok"
     assert lc["status"].startswith("unavailable: no llama.cpp given") and lc["not_run"]
     assert res["llama_cpp"]["problem"].startswith("no llama.cpp given")
-    assert "unavailable" in report.format_table(res) and "llama.cpp: no llama.cpp given" in res["report"]
+    from kvfold.bench.report_peers import format_peer_table
+    assert "unavailable" in format_peer_table(res) and "llama.cpp: no llama.cpp given" in res["report"]
 
 
 def test_llama_cpp_conversion_failure_is_reported(tmp_path, monkeypatch):

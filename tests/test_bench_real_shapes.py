@@ -138,3 +138,30 @@ def test_fp8_blocks_decode_to_the_weights_within_e4m3_rounding():
     full = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
     assert ((back - w).abs() <= torch.maximum(w.abs() / 16, full * 2 ** -10)).all()
     assert (q.float().abs().amax() <= E4M3_MAX) and torch.isclose(q.float().abs().amax(), torch.tensor(E4M3_MAX))
+
+
+def test_glm_decode_bytes_count_every_tensor_once_and_only_the_selected_experts(tmp_path):
+    """decode_bytes' GLM-5.3 terms against an independent count over the written checkpoint: every
+    tensor whole, except the embedding (one row), the routed experts (top-k of E) and the router
+    (held in fp32); and the state at a context shorter and longer than the indexer's top-k."""
+    from kvfold.bench import decode_bytes as D
+    from kvfold.bench.real_shapes_glm import glm_write
+    cfg = _small_glm()
+    d = glm_write(tmp_path / "ckpt", cfg, seed=1, max_shard_bytes=1 << 30)
+    sizes = checkpoint_tensor_sizes(d)
+    want = 0.0
+    for key, (shape, nbytes) in sizes.items():
+        if key == "model.embed_tokens.weight":
+            want += nbytes / shape[0]
+        elif ".mlp.experts." in key:
+            want += nbytes * cfg.num_experts_per_tok / cfg.n_routed_experts
+        elif key.endswith(".mlp.gate.weight"):
+            want += 4 * shape[0] * shape[1]
+        else:
+            want += nbytes
+    for context in (5, 4 * cfg.index_topk):
+        got = D.totals(D.decode_terms(cfg, sizes, context))
+        assert got["weights_total"] == pytest.approx(want, rel=1e-12)
+        kda = 3 * (cfg.linear_num_heads * cfg.linear_head_dim ** 2 + 3 * 3 * cfg.linear_num_heads * cfg.linear_head_dim)
+        dsa = context * 2 * cfg.index_head_dim + min(cfg.index_topk, context) * cfg.kv_lora_rank
+        assert got["state"] == 4 * (kda + dsa)

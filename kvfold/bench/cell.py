@@ -2,8 +2,9 @@
 
 Modes: `kvfold` / `transformers` (load, warm up, prefill `--context` tokens, decode
 `--decode-tokens` greedy tokens), `sanity` (load both engines, check transformers loads every
-tensor and that both give the same logits on a short prompt and a few decode steps) and
-`bandwidth` (memory copy bandwidth).
+tensor and that both give the same logits on a short prompt and a few decode steps),
+`bandwidth` (memory copy and streaming-read bandwidth) and `loadtime` (the time to read the
+checkpoint's files, or to load the model, from a cold or a warm page cache; measure.py).
 
 The process reports by printing lines `@@kvfold-bench {json}` to stdout: one per finished phase
 (`loaded`, `prefill`, ...) and a final one with `"phase": "done"` or `"phase": "error"`, so a
@@ -23,6 +24,7 @@ import sys
 import time
 import traceback
 
+from .measure import measure_copy_bandwidth  # noqa: F401 - its old home; tests import it from here
 from .protocol import MARK
 _KIB = 1024
 
@@ -271,29 +273,34 @@ def run_sanity(args) -> None:
          same_argmax=same_argmax, compared_argmax=args.decode_tokens + 1, loading_info=info)
 
 
-def measure_copy_bandwidth(mib: int = 512, repeats: int = 5, threads: int | None = None) -> dict:
-    """Best-of-`repeats` `dst.copy_(src)` over an fp32 tensor of `mib` MiB; bytes read + written
-    per second."""
-    import torch
-    if threads:
-        torch.set_num_threads(threads)
-    n = mib * 1024 * 1024 // 4
-    src = torch.ones(n, dtype=torch.float32)
-    dst = torch.zeros(n, dtype=torch.float32)  # both touched, so no page faults are timed
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    best = min(times)
-    nbytes = 2 * n * 4
-    return {"bytes_per_s": nbytes / best, "tensor_mib": mib, "repeats": repeats, "best_s": best,
-            "median_bytes_per_s": nbytes / sorted(times)[len(times) // 2], "threads": torch.get_num_threads()}
-
-
 def run_bandwidth(args) -> None:
-    emit("done", **measure_copy_bandwidth(args.bandwidth_mib, args.bandwidth_repeats, args.threads))
+    from .measure import measure_bandwidth
+    emit("done", **measure_bandwidth(args.bandwidth_mib, args.read_mib, args.bandwidth_repeats, args.threads))
+
+
+def run_loadtime(args) -> None:
+    """The time to read the checkpoint's safetensors files (`--what read`) or to load the model
+    from them (`--what load`: kvfold.load_model, imports excluded, as the cells' load_s), from a
+    cold page cache (every file of the checkpoint evicted first) or a warm one (read once first)."""
+    import torch
+
+    from . import measure as M
+    torch.set_num_threads(args.threads)
+    if args.what == "load":
+        import kvfold
+    files = M.checkpoint_files(args.checkpoint)
+    resident = M.prepare_page_cache(args.checkpoint, args.cache)
+    model = None
+    t0 = time.perf_counter()
+    if args.what == "read":
+        nbytes, _ = M.read_files(files)
+    else:
+        model = kvfold.load_model(args.checkpoint, dtype=getattr(torch, args.dtype), weights=args.weights)
+        nbytes = sum(p.stat().st_size for p in files)
+    seconds = time.perf_counter() - t0  # before the model is freed: a 16 GB one takes a while to unmap
+    emit("done", what=args.what, cache=args.cache, seconds=seconds, bytes=nbytes, files=len(files),
+         resident_before=resident, peak_rss=max_rss(),
+         weight_bytes=model.weight_bytes() if args.what == "load" else None)
 
 
 def _set_mem_limit(limit: int) -> None:
@@ -306,7 +313,7 @@ def _set_mem_limit(limit: int) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvfold.bench.cell")
-    p.add_argument("--mode", choices=("kvfold", "transformers", "sanity", "bandwidth"), required=True)
+    p.add_argument("--mode", choices=("kvfold", "transformers", "sanity", "bandwidth", "loadtime"), required=True)
     p.add_argument("--checkpoint")
     p.add_argument("--context", type=int, default=0)
     p.add_argument("--decode-tokens", type=int, default=0)
@@ -319,10 +326,13 @@ def main(argv=None) -> int:
     p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant")
     p.add_argument("--bandwidth-mib", type=int, default=512)
     p.add_argument("--bandwidth-repeats", type=int, default=5)
+    p.add_argument("--read-mib", type=int, default=0, help="read-bandwidth buffer (0: 8x the L3, >= 1 GiB)")
+    p.add_argument("--what", choices=("read", "load"), default="read")
+    p.add_argument("--cache", choices=("cold", "warm"), default="warm")
     args = p.parse_args(argv)
     _set_mem_limit(args.mem_limit_bytes)
     try:
-        {"sanity": run_sanity, "bandwidth": run_bandwidth}.get(args.mode, run_cell)(args)
+        {"sanity": run_sanity, "bandwidth": run_bandwidth, "loadtime": run_loadtime}.get(args.mode, run_cell)(args)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
         if isinstance(exc, KeyboardInterrupt):
             raise

@@ -23,7 +23,7 @@ from ..paths import cache_root
 GENERATOR_VERSION = 2
 
 PUBLIC_CONFIGS = ("bench", "medium")
-REAL_CONFIGS = ("v4-flash",)  # a release's widths, cut to a few layers (real_shapes.py)
+REAL_CONFIGS = ("v4-flash", "glm53-flash")  # a release's widths, cut to a few layers (real_shapes.py)
 TEST_CONFIGS = ("tiny-bench",)
 
 
@@ -222,45 +222,9 @@ def checkpoint_tensor_sizes(directory: str | Path) -> dict[str, tuple[tuple[int,
 
 def decode_bytes_per_token(cfg, tensors: dict[str, tuple[tuple[int, ...], int]], context: int,
                            state_elem_bytes: int = 4) -> dict[str, float]:
-    """Bytes one decode token must read at `context` tokens of history: every weight except
-    the embedding (one row) and the routed experts (only the top-k of E), plus the state the
-    attention reads (window ring, compressed entries, the CSA top-k and the indexer keys)."""
-    parts = {"embedding_row": 0.0, "attention": 0.0, "routed_experts_active": 0.0, "shared_expert": 0.0,
-             "router": 0.0, "norms_hc": 0.0, "lm_head": 0.0, "other": 0.0}
-    frac = cfg.num_experts_per_tok / cfg.n_routed_experts
-    # transformers' names and the release's (`kvfold convert --to official`: FP8 / FP4 and their scales)
-    for name, (shape, nbytes) in tensors.items():
-        if name.startswith("mtp."):
-            continue
-        if name.endswith(("embed_tokens.weight", "embed.weight")):
-            parts["embedding_row"] += nbytes / max(1, shape[0])
-        elif ".mlp.experts." in name or ".ffn.experts." in name:
-            parts["routed_experts_active"] += nbytes * frac
-        elif ".mlp.shared_experts." in name or ".ffn.shared_experts." in name:
-            parts["shared_expert"] += nbytes
-        elif ".mlp.gate." in name or ".ffn.gate." in name:
-            # the router matrix; a hash layer's tid2eid table is read one row per token
-            parts["router"] += nbytes / max(1, shape[0]) if name.endswith("tid2eid") else nbytes
-        elif ".self_attn." in name or ".attn." in name:
-            parts["attention"] += nbytes
-        elif name.startswith(("lm_head.", "head.")):
-            parts["lm_head"] += nbytes
-        elif "norm" in name or "_hc." in name or "hc_head" in name:
-            parts["norms_hc"] += nbytes
-        else:
-            parts["other"] += nbytes
-    state = 0.0
-    from ..models.deepseek_v4.config import CSA, SLIDING
-    for kind, ratio in zip(cfg.layer_types, cfg.compress_ratios):
-        state += min(context, cfg.sliding_window) * cfg.head_dim
-        if kind != SLIDING:
-            entries = context // ratio
-            if kind == CSA:
-                state += min(cfg.index_topk, entries) * cfg.head_dim  # the selected entries
-                state += entries * cfg.index_head_dim  # the indexer scores every visible key
-            else:
-                state += entries * cfg.head_dim
-    parts["state"] = state * state_elem_bytes
-    parts["weights_total"] = sum(v for k, v in parts.items() if k not in ("state",))
-    parts["total"] = parts["weights_total"] + parts["state"]
-    return parts
+    """Bytes one decode token must read at `context` tokens of history, {term: bytes} plus the
+    sums "attention", "weights_total", "state" and "total": every weight except the embedding (one
+    row) and the routed experts (only the top-k of E), plus the state the attention reads in
+    `state_elem_bytes`-byte values. The terms and their formulas: decode_bytes.decode_terms."""
+    from .decode_bytes import decode_terms, totals
+    return totals(decode_terms(cfg, tensors, context, state_elem_bytes))

@@ -5,6 +5,8 @@
   and llama.cpp's `convert_hf_to_gguf.py`, which `--vs llama.cpp` runs with this Python;
 * openai: `kvfold bench serve`'s client (`AsyncOpenAI`);
 * pyyaml, tqdm: llama.cpp's converter and its `gguf-py` (they come with transformers, too).
+* flyweight-llm: `--vs flyweight`'s `flyweight` CLI (flyweight.py finds it; a missing one makes
+  its cells `unavailable`, it never stops a run). Wheels for Linux x86-64 and Windows x64 only.
 
 `import kvfold`, `kvfold generate`, `kvfold serve` and a plain `kvfold bench` (kvfold's cells only)
 need none of them. A bench command that needs a missing one stops before doing any work with

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .llamacpp import LLAMA_REPETITIONS
 from .protocol import OOM, SKIP_TIME
+from .report_peers import is_peer, peer_header_lines, peer_ratios, peer_table_lines
+from .report_measure import bandwidth_lines, decode_bytes_lines, decode_shares, load_time_lines
 
 LLAMA = "llama.cpp"
 _MIB = 1024 * 1024
@@ -35,13 +36,7 @@ def summarize(result: dict[str, Any]) -> None:
     for ctx in result["settings"]["contexts"]:
         kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
         hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
-        lc = next((c for c in cells if c["engine"] == LLAMA and c["context"] == ctx), None)
-        row: dict[str, Any] = {"context": ctx}
-        if lc is not None and kv is not None:  # kvfold / llama.cpp
-            row["llama_prefill_ratio"] = _ratio(kv.get("prefill_tok_s"), lc.get("prefill_tok_s"))
-            row["llama_decode_ratio"] = _ratio(kv.get("decode_tok_s"), lc.get("decode_tok_s"))
-            row["llama_prefill_peak_rss_ratio"] = _ratio(kv.get("prefill_peak_rss_bytes"),
-                                                         lc.get("prefill_peak_rss_bytes"))
+        row: dict[str, Any] = {"context": ctx, **peer_ratios(cells, kv, ctx)}  # kvfold / each --vs peer
         if hf is not None and kv is not None:
             row["prefill_ratio"] = _ratio(kv.get("prefill_tok_s"), hf.get("prefill_tok_s"))
             row["decode_ratio"] = _ratio(kv.get("decode_tok_s"), hf.get("decode_tok_s"))
@@ -59,16 +54,15 @@ def summarize(result: dict[str, Any]) -> None:
     result["rows"] = rows
     result["flatness"] = {e: _flatness(cells, e) for e in result["settings"]["engines"]}
     bw = result.get("bandwidth")
-    if bw and bw.get("bytes_per_s"):
+    if bw and (bw.get("read_bytes_per_s") or bw.get("copy_bytes_per_s")):
         for c in cells:
-            if c["engine"] == LLAMA:  # its experts are MXFP4: not the bytes counted for the checkpoint
+            if is_peer(c["engine"]):  # their experts are MXFP4: not the bytes counted for the checkpoint
                 continue
             if c["engine"] != "kvfold" and result["settings"].get("kvfold_weights") == "quantized":
                 continue  # the bytes counted are kvfold's FP8 / FP4 checkpoint's
             per_tok = result["decode_bytes_per_token"].get(str(c["context"]), {}).get("total")
             if c.get("decode_tok_s") and per_tok:
-                c["decode_achieved_bytes_per_s"] = per_tok * c["decode_tok_s"]
-                c["decode_fraction_of_copy_bandwidth"] = per_tok * c["decode_tok_s"] / bw["bytes_per_s"]
+                c.update(decode_shares(per_tok * c["decode_tok_s"], bw))
 
 
 # ---- formatting ---------------------------------------------------------------------------------
@@ -124,45 +118,31 @@ def _rss_cell(c: dict | None) -> str:
 def format_table(result: dict[str, Any]) -> str:
     cells = result["cells"]
     vs = "transformers" in result["settings"]["engines"]
-    lv = LLAMA in result["settings"]["engines"]
     head = ["context", "kvfold prefill tok/s"]
     if vs:
         head += ["hf prefill tok/s", "ratio"]
-    if lv:
-        head += ["llama.cpp prefill tok/s", "kv/llama"]
     head += ["kvfold prefill peak RSS MiB"]
     if vs:
         head += ["hf prefill peak RSS MiB"]
-    if lv:
-        head += ["llama.cpp prefill peak RSS MiB"]
     head += ["kvfold decode tok/s"]
     if vs:
         head += ["hf decode tok/s", "ratio", "greedy agree"]
-    if lv:
-        head += ["llama.cpp decode tok/s", "kv/llama"]
     lines = []
     for row in result["rows"]:
         ctx = row["context"]
         kv = next((c for c in cells if c["engine"] == "kvfold" and c["context"] == ctx), None)
         hf = next((c for c in cells if c["engine"] == "transformers" and c["context"] == ctx), None)
-        lc = next((c for c in cells if c["engine"] == LLAMA and c["context"] == ctx), None)
         r = [str(ctx), _prefill_cell(kv)]
         if vs:
             r += [_prefill_cell(hf), _f(row.get("prefill_ratio"), "{:.2f}")]
-        if lv:
-            r += [_prefill_cell(lc), _f(row.get("llama_prefill_ratio"), "{:.2f}")]
         r += [_rss_cell(kv)]
         if vs:
             r += [_rss_cell(hf)]
-        if lv:
-            r += [_rss_cell(lc)]
         r += [_decode_cell(kv)]
         if vs:
             agree = (f"{row['greedy_tokens_agree']}/{row['greedy_tokens_compared']}"
                      if "greedy_tokens_agree" in row else "-")
             r += [_decode_cell(hf), _f(row.get("decode_ratio"), "{:.2f}"), agree]
-        if lv:
-            r += [_decode_cell(lc), _f(row.get("llama_decode_ratio"), "{:.2f}")]
         lines.append(r)
     widths = [max(len(h), *(len(r[i]) for r in lines)) if lines else len(h) for i, h in enumerate(head)]
     out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
@@ -187,23 +167,6 @@ def format_noise_table(result: dict[str, Any]) -> str:
     out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]
     out += [" | ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join(out)
-
-
-def _llama_line(result: dict[str, Any], lc: dict[str, Any]) -> str:
-    if lc.get("problem"):
-        return f"llama.cpp: {lc['problem']}"
-    build = next((c.get("llama_bench") for c in result["cells"] if c.get("llama_bench")), None) or {}
-    line = (f"llama.cpp: {lc.get('llama_bench')} (build {build.get('build_commit') or '?'}"
-            f"{', ' + build['backends'] if build.get('backends') else ''}), GGUF {lc.get('gguf')} "
-            f"(routed experts MXFP4, other matrices BF16, norms and vectors F32; converted by {lc.get('converter')}"
-            f"{', cached' if lc.get('gguf_cached') else ''}); llama-bench -r {LLAMA_REPETITIONS} (median)"
-            f"{' ' + ' '.join(lc['llama_bench_args']) if lc.get('llama_bench_args') else ''}, "
-            f"KV cache {build.get('type_k') or '?'}/{build.get('type_v') or '?'}, its own warm-up "
-            f"(the prompt once, 1 decode step); prefill = -p CONTEXT -n 0, decode = -p 0 -n N -d CONTEXT")
-    if result["settings"].get("prefill_logits") != "last":
-        line += ("; note: llama.cpp's prefill makes logits for the last token only, kvfold's here for every "
-                 "position (--prefill-logits last compares like with like)")
-    return line
 
 
 def _header_lines(result: dict[str, Any]) -> list[str]:
@@ -251,9 +214,7 @@ def _sanity_line(san: dict[str, Any]) -> str:
 def _legend_line(engines: list[str]) -> str:
     return ("peak RSS = max resident set of the cell process during the prefill (model loaded, state/cache "
             "and logits included); (+N) = growth over the loaded model."
-            + (" ratio = kvfold / transformers." if "transformers" in engines else "")
-            + (" kv/llama = kvfold / llama.cpp; llama.cpp's peak RSS is its prefill process's ru_maxrss "
-               "(load, warm-up and prefill; mmap'd weights it touched count)." if LLAMA in engines else ""))
+            + (" ratio = kvfold / transformers." if "transformers" in engines else ""))
 
 
 def _flatness_lines(result: dict[str, Any]) -> list[str]:
@@ -269,28 +230,6 @@ def _flatness_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _bandwidth_lines(result: dict[str, Any]) -> list[str]:
-    """The copy bandwidth, and each decode's achieved bytes/s as a share of it."""
-    bw = result.get("bandwidth")
-    if not bw:
-        return []
-    if not bw.get("bytes_per_s"):
-        return [f"copy bandwidth: {bw.get('status')}"]
-    lines = [f"copy bandwidth: {bw['bytes_per_s'] / 1e9:.2f} GB/s read+write (dst.copy_(src), "
-             f"{bw['tensor_mib']} MiB fp32, best of {bw['repeats']}, {bw['threads']} threads)"]
-    for c in result["cells"]:
-        if c.get("decode_achieved_bytes_per_s"):
-            per = result["decode_bytes_per_token"][str(c["context"])]
-            lines.append(
-                f"  decode {c['engine']} @ {c['context']}: {per['total'] / 1e6:.1f} MB/token "
-                f"(weights {per['weights_total'] / 1e6:.1f} MB incl. "
-                f"{per['routed_experts_active'] / 1e6:.1f} MB "
-                f"active experts, state {per['state'] / 1e6:.2f} MB) x {c['decode_tok_s']:.1f} tok/s = "
-                f"{c['decode_achieved_bytes_per_s'] / 1e9:.2f} GB/s = "
-                f"{100 * c['decode_fraction_of_copy_bandwidth']:.1f}% of copy bandwidth")
-    return lines
-
-
 def _note_lines(result: dict[str, Any]) -> list[str]:
     return [f"note: {c['engine']} @ {c['context']}: {c['status']}"
             + (f" (after {c['wall_s']:.0f} s)" if c.get("wall_s") else "")
@@ -301,13 +240,14 @@ def format_report(result: dict[str, Any]) -> str:
     lines = _header_lines(result)
     if result.get("sanity"):
         lines.append(_sanity_line(result["sanity"]))
-    lc = result.get("llama_cpp")
-    if lc is not None:
-        lines.append(_llama_line(result, lc))
+    lines += peer_header_lines(result)
     lines += ["", format_table(result), ""]
     lines.append(_legend_line(result["settings"]["engines"]))
+    lines += peer_table_lines(result)
     lines += _flatness_lines(result)
-    lines += _bandwidth_lines(result)
+    lines += decode_bytes_lines(result)
+    lines += bandwidth_lines(result)
+    lines += load_time_lines(result)
     lines += ["", "per cell (cpu pressure = share of the cell's wall time in which some task waited for a CPU, "
                   "from /proc/pressure/cpu; high = other work competed):", format_noise_table(result)]
     lines += _note_lines(result)

@@ -17,17 +17,19 @@ import os
 import platform
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from . import configs as C
 from . import llamacpp as LL
+from . import vs as VS
+from .decode_bytes import per_context
 from .deps import require
+from .measure import run_load_times
 from .protocol import OOM, SKIP_TIME
 from .real_shapes import ensure_real_checkpoint, real_config
 from .report import _GIB, format_report, summarize
-from .spawn import _cell_message, _cell_record, child_env, _cpu_pressure_us, _mem_available, run_subprocess_cell
+from .spawn import _cell_message, _cell_record, _mem_available, run_subprocess_cell
 from ..argtypes import nonneg_int as _nonneg_int, pos_float as _pos_float, pos_int as _pos_int
 from ..errors import ConfigError, KvfoldError
 
@@ -43,7 +45,7 @@ def _contexts(text: str) -> list[int]:
     return vals
 
 
-VS_ENGINES = ("transformers", "llama.cpp")
+VS_ENGINES = ("transformers",) + VS.PEER_NAMES
 
 
 def _vs(text: str) -> list[str]:
@@ -71,14 +73,24 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="layers of a real-shape config (v4-flash: default 4, every attention and MoE kind)")
     p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
                    help="comma-separated context lengths (default 512,4096,16384,32768)")
-    p.add_argument("--vs", type=_vs, default=[], metavar="{transformers,llama.cpp}",
-                   help="also run transformers' DeepseekV4ForCausalLM (eager) and/or llama.cpp (llama-bench, "
-                        "on a GGUF converted from the same checkpoint) on the same contexts; both: "
-                        "--vs transformers,llama.cpp")
+    p.add_argument("--vs", type=_vs, default=[], metavar="{transformers,llama.cpp,flyweight}",
+                   help="also run transformers' DeepseekV4ForCausalLM (eager), llama.cpp (llama-bench, on a GGUF "
+                        "converted from the same checkpoint) and/or flyweight-llm (flyweight serve --backend cpu, "
+                        "on llama.cpp's GGUF) on the same contexts, comma-separated, e.g. "
+                        "--vs llama.cpp,flyweight; a peer that cannot run says why in its cells")
     p.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="llama.cpp checkout and/or build directory for --vs llama.cpp: llama-bench is looked for "
                         "in DIR, DIR/bin, DIR/build/bin, convert_hf_to_gguf.py in DIR, its parent or the CMake "
-                        "source dir (default $KVFOLD_LLAMA_CPP)")
+                        "source dir (default $KVFOLD_LLAMA_CPP). bench/get_llama_cpp.sh DIR builds the llama.cpp "
+                        "the bench was checked with (the one in the llama-cpp-python 0.3.36 sdist)")
+    p.add_argument("--llama-outtype", type=VS.llama_outtypes, default=[LL.GGUF_OUTTYPE], metavar="bf16[,q8_0]",
+                   help="the GGUF(s) llama.cpp runs, one llama.cpp engine each: bf16 (engine llama.cpp: every "
+                        "matrix but the MXFP4 experts BF16) and/or q8_0 (engine llama.cpp-q8_0: the converter's "
+                        "--outtype q8_0, FP8 matrices Q8_0, bf16 ones BF16); flyweight runs on the first "
+                        "(default bf16)")
+    p.add_argument("--flyweight", default=None, metavar="PATH",
+                   help="the flyweight CLI (or a directory holding it) for --vs flyweight (default "
+                        "$KVFOLD_FLYWEIGHT, then next to this Python, then PATH)")
     p.add_argument("--llama-bench-args", default="", metavar="ARGS",
                    help="extra llama-bench arguments for every llama.cpp cell, one string, e.g. "
                         "\"--poll 0\" or \"-r 3\" (then the median repetition is reported)")
@@ -103,7 +115,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "transformers default); last = only the last one (kvfold forward(..., last_only=True), "
                         "transformers logits_to_keep=1), as generation needs (default all)")
     p.add_argument("--bandwidth", choices=("auto", "on", "off"), default="auto",
-                   help="measure the copy bandwidth and decode's achieved bytes/s (auto = medium only)")
+                   help="measure the memory copy and streaming-read bandwidth (same threads) and decode's achieved "
+                        "bytes/s as a share of them (auto = medium only)")
+    p.add_argument("--load-times", choices=("on", "off"), default="off",
+                   help="time reading kvfold's checkpoint files and loading the model from them, with a cold "
+                        "(evicted) and a warm page cache, each in a fresh process; target: load <= 1.5x read "
+                        "(default off)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="kvfold's weights and activations (transformers stays float32, the reference); "
                         "bfloat16 reports its logits drift in the sanity check (default float32)")
@@ -222,18 +239,24 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
                             "passed": None}
     elif "transformers" in engines and not args.no_sanity:
         result["sanity"] = _run_sanity(args, ckpt, mem_limit, log)
-    llama = _prepare_llama(args, ckpt, log) if LL.ENGINE in engines else None
-    if llama is not None:
-        result["llama_cpp"] = llama.info
+    # the GGUFs are made from the checkpoint kvfold's cells load (release layout when quantized)
+    peers, peer_info = VS.prepare_peers(args, args.kvfold_checkpoint if quantized else ckpt, engines, log)
+    result.update(peer_info)
     if args.bandwidth == "on" or (args.bandwidth == "auto" and args.config == "medium"):
         result["bandwidth"] = _run_bandwidth(args, mem_limit, log)
-    result["cells"] = _run_cells(args, ckpt, engines, llama, mem_limit, log)
+    if getattr(args, "load_times", "off") == "on":
+        result["load_times"] = run_load_times(args.kvfold_checkpoint, weights=args.weights, dtype=args.dtype,
+                                              threads=args.threads, time_limit=max(args.time_limit, 120.0),
+                                              mem_limit=mem_limit, log=log)
+    result["cells"] = _run_cells(args, ckpt, engines, peers, mem_limit, log)
     return _finish(args, result)
 
 
 def _engines(args: argparse.Namespace) -> list[str]:
     vs = args.vs or []
-    return ["kvfold"] + (_vs(vs) if isinstance(vs, str) else list(vs))
+    vs = _vs(vs) if isinstance(vs, str) else list(vs)
+    outtypes = getattr(args, "llama_outtype", None) or [LL.GGUF_OUTTYPE]
+    return ["kvfold"] + [e for e in vs if e == "transformers"] + VS.peer_engines(vs, outtypes)
 
 
 def _prefill_calls(prefill_logits: str) -> dict[str, str]:
@@ -243,7 +266,9 @@ def _prefill_calls(prefill_logits: str) -> dict[str, str]:
             "transformers": "model(input_ids, past_key_values=DynamicCache, use_cache=True"
                             + (", logits_to_keep=1)" if last else ")"),
             "llama.cpp": "llama-bench -p CONTEXT -n 0 -r 3 -t THREADS  # logits of the last token "
-                         "only, whatever --prefill-logits"}
+                         "only, whatever --prefill-logits (every llama.cpp-<outtype> engine alike)",
+            "flyweight": "flyweight serve: a streamed chat request of CONTEXT tokens, timed from its prefill "
+                         "admission frame to its last-token frame, median of 3  # logits of the last token only"}
 
 
 def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
@@ -257,6 +282,9 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
     kv_ckpt = args.kvfold_checkpoint
     tensors = C.checkpoint_tensor_sizes(ckpt)
     kv_tensors = C.checkpoint_tensor_sizes(kv_ckpt)
+    # what kvfold's decode reads: from the checkpoint it loads (FP8 / FP4 bytes and their scales,
+    # quantized), its state in the model dtype; term by term with formulas in "decode_bytes"
+    per_token, decode_bytes = per_context(cfg, kv_tensors, contexts, 2 if args.dtype == "bfloat16" else 4)
     return {
         "command": getattr(args, "command_line", None) or _command_line(),
         "started_utc": started.isoformat(timespec="seconds"),
@@ -274,8 +302,8 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
                   "parameters": sum(_numel(s) for s, _ in tensors.values()),
                   "weight_bytes": sum(n for _, n in tensors.values()),
                   "kvfold_weight_bytes": sum(n for _, n in kv_tensors.values())},
-        # what kvfold's decode reads: from the checkpoint it loads (FP8 / FP4 bytes and their scales, quantized)
-        "decode_bytes_per_token": {str(c): C.decode_bytes_per_token(cfg, kv_tensors, c) for c in contexts},
+        "decode_bytes_per_token": per_token,
+        "decode_bytes": decode_bytes,
         "cells": [],
     }
 
@@ -329,46 +357,15 @@ def _sanity_record(raw: dict[str, Any], dtype: str) -> dict[str, Any]:
     return san
 
 
-@dataclass
-class _Llama:
-    """What `--vs llama.cpp` found: the build, its GGUF, the JSON's "llama_cpp" entry, `why` no
-    llama.cpp cell can run (None when they can) and the extra llama-bench arguments."""
-    found: LL.LlamaCpp
-    gguf: LL.Gguf | None
-    info: dict[str, Any]
-    why: str | None
-    extra: list[str]
-
-
-def _prepare_llama(args: argparse.Namespace, ckpt: Path, log: Callable[[str], None]) -> _Llama:
-    """Locate llama.cpp and convert (or reuse) the checkpoint's GGUF; never raises."""
-    llama = LL.locate(getattr(args, "llama_cpp", None))
-    info: dict[str, Any] = llama.describe()
-    extra = shlex.split(getattr(args, "llama_bench_args", "") or "")
-    info["llama_bench_args"] = extra
-    why, gguf = llama.problem, None
-    if not why:
-        gguf = LL.ensure_gguf(ckpt, llama, time_limit=max(args.time_limit, 900.0), log=log)
-        info.update(gguf=str(gguf.path) if gguf.path else None, gguf_cached=gguf.cached,
-                    convert_s=gguf.convert_s, pre_tokenizer=LL.PRE_TOKENIZER)
-        if gguf.problem:
-            why = gguf.problem
-            info["conversion_detail"] = gguf.detail
-    info["problem"] = why
-    if why:
-        log(f"llama.cpp: {why}")
-    return _Llama(llama, gguf, info, why, extra)
-
-
 def _run_bandwidth(args: argparse.Namespace, mem_limit: Callable[[], int],
                    log: Callable[[str], None]) -> dict[str, Any]:
-    log("measuring copy bandwidth (512 MiB fp32)")
+    log("measuring the copy (512 MiB fp32) and streaming-read (>= 8x the L3, >= 1 GiB) bandwidth")
     raw = run_subprocess_cell("bandwidth", threads=args.threads, time_limit=120.0, mem_limit_bytes=mem_limit(),
                               extra=getattr(args, "bandwidth_extra", None))
     return dict(raw["phases"].get("done") or {}, status=raw["status"])
 
 
-def _run_cells(args: argparse.Namespace, ckpt: Path, engines: list[str], llama: _Llama | None,
+def _run_cells(args: argparse.Namespace, ckpt: Path, engines: list[str], peers: dict[str, VS.Peer],
                mem_limit: Callable[[], int], log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every (context, engine) cell, engines alternating per context. An engine that ran out of
     time or memory at one context is not run at longer ones (they only get worse)."""
@@ -380,28 +377,15 @@ def _run_cells(args: argparse.Namespace, ckpt: Path, engines: list[str], llama: 
                 rec = {"engine": eng, "context": ctx, "status": failed_at[eng], "prefill_status": failed_at[eng],
                        "decode_status": failed_at[eng], "not_run": True}
                 log(f"{eng} @ {ctx}: {failed_at[eng]}")
-            elif eng == LL.ENGINE and llama.why:
-                rec = LL.unavailable_record(ctx, llama.why)
-                log(f"{eng} @ {ctx}: {rec['status']}")
             else:
-                rec, hit = (_llama_cell(args, llama, ctx, mem_limit, log) if eng == LL.ENGINE
+                rec, hit = (peers[eng].run(args, ctx, mem_limit(), log) if eng in peers
                             else _engine_cell(args, ckpt, eng, ctx, mem_limit, log))
-                log(_cell_message(rec))
+                if not rec.get("not_run"):
+                    log(_cell_message(rec))
                 if hit:
                     failed_at[eng] = f"{hit} (not run: hit at context {ctx})"
             cells.append(rec)
     return cells
-
-
-def _llama_cell(args: argparse.Namespace, llama: _Llama, ctx: int, mem_limit: Callable[[], int],
-                log: Callable[[str], None]) -> tuple[dict[str, Any], str | None]:
-    """One llama.cpp cell: (its record, SKIP_TIME / OOM if either of its runs hit a limit, else None)."""
-    log(f"{LL.ENGINE} @ {ctx}: running llama-bench (limit {args.time_limit:g} s)")
-    rec = LL.run_cell(llama.found, llama.gguf.path, ctx, decode_tokens=args.decode_tokens, threads=args.threads,
-                      time_limit=args.time_limit, mem_limit_bytes=mem_limit(), env=child_env(args.threads),
-                      pressure=_cpu_pressure_us, extra=llama.extra)
-    hit = next((s for s in (rec.get("prefill_status"), rec.get("decode_status")) if s in (SKIP_TIME, OOM)), None)
-    return rec, hit
 
 
 def _engine_cell(args: argparse.Namespace, ckpt: Path, eng: str, ctx: int, mem_limit: Callable[[], int],
