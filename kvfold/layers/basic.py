@@ -106,6 +106,17 @@ class QuantizedWeight(nn.Module):
             hit = self.__dict__["_native"] = (key, found)
         return hit[1]
 
+    def derived(self, name: str, build):
+        """`build(self)`, cached under `name` like `native`, until q or scale is replaced, moved or
+        loaded again: what is made from the stored codes alone (another layout of the same codes,
+        descriptors of parts of them), never decoded values."""
+        key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device)
+        cache = self.__dict__.setdefault("_derived", {})
+        hit = cache.get(name)
+        if hit is None or hit[0] != key:
+            hit = cache[name] = (key, build(self))
+        return hit[1]
+
     @torch.no_grad()
     def load_(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
               index: int | None = None, rows: slice | None = None) -> None:
@@ -113,6 +124,7 @@ class QuantizedWeight(nn.Module):
         and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
         block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc)."""
         self.__dict__.pop("_native", None)  # its NaN-code scan is of the old bytes
+        self.__dict__.pop("_derived", None)
         dq = self.q if index is None else self.q[index]
         start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
         if self.fmt == BF16:

@@ -85,16 +85,22 @@ def scan_fp8_codes(q: torch.Tensor, bc: int, chunk: int = 1 << 24) -> tuple[bool
 def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:
     """`describe`'s result for one [n, k] matrix split into `groups` matrices of n / groups rows
     each (a grouped projection), or None when n does not split evenly."""
-    desc, rows, k = found
-    scale = desc.tensors[1]
+    rows = found[1]
     if rows % groups:
         return None
     per = rows // groups
+    return row_blocks(found, range(0, rows, per), per)
+
+
+def row_blocks(found: tuple[WeightsDesc, int, int], firsts, per: int) -> list:
+    """`describe`'s result for one [n, k] matrix read as the matrices of `per` rows that start at
+    the rows `firsts` (each within the matrix), in place."""
+    desc, rows, k = found
+    scale = desc.tensors[1]
     row_bytes = desc.data_stride // rows
     scale_cols = 0 if scale is None else scale.shape[-1]
     parts = []
-    for g in range(groups):
-        first = g * per
+    for first in firsts:
         part = WeightsDesc.from_buffer_copy(desc)
         part.tensors = desc.tensors
         part.data += first * row_bytes

@@ -26,6 +26,7 @@ from ...numerics.hc import stream_mean
 from ...state.arena import ArenaRows, RingSpec, SlotArena
 from ...state.pages import LATENT
 from .config import KDA, Glm5Config
+from .absorb import absorbed_q
 from .dsa_select import dsa_select_last
 from .kda import kda_chunked
 from .mla import _selected_rows
@@ -186,11 +187,10 @@ def _mla(ops: Backend, mla, x: torch.Tensor, rows: ArenaRows, i: int, prev_sel: 
                               topk=ix.topk, kpool=ix.kpool, select_tail=ix.tail)
     else:
         sel = prev_sel
-    w_uk, w_uv = mla.absorbed()
-    q_lat = torch.einsum("thd,hdl->thl", q, w_uk.to(q.dtype))
+    q_lat = absorbed_q(mla, q, ops)
     sel_rows, valid = _selected_rows(sel, seq[:, None])
     keys = latent[rows.entry_rows(sel_rows, per)]  # [N, W, lat]
-    return mla.output(mla.pool_latent(q_lat, keys, valid), w_uv, ops), sel
+    return mla.output(mla.pool_latent(q_lat, keys, valid), ops), sel
 
 
 def _moe(ops: Backend, moe, x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...layers.basic import Linear, _param
@@ -88,29 +89,57 @@ def kda_chunked(q, k, v, g, beta, s0: torch.Tensor, starts=None, keep_at=()):
     for a, b in zip(starts, starts[1:] + [t_all]):
         at[a] = s
         kc, vc, gc, bc = (_chunk(x, a, b) for x in (k, v, g, beta))  # [H, L, .]
+        qc = None if q is None else _chunk(q, a, b)
         L = kc.shape[1]
         # every decay is a product of the per-step factors exp(g_j), as in the recurrence (module
         # docstring): eg_t = exp(G_t) = prod_{j<=t}, decay[t, s] = exp(G_t - G_s) = prod_{s<j<=t}
-        # (a cumprod over t of exp(g_t) masked to t > s), zero above the diagonal
         step = gc.exp()  # [H, L, dk]
         eg = step.cumprod(dim=1)
+        kk, B, last = _decayed_dots(kc, qc, step)
         lower = torch.ones(L, L, dtype=torch.bool, device=k.device).tril()
-        decay = step[:, :, None, :].expand(-1, -1, L, -1).masked_fill(~lower.tril(-1)[None, :, :, None], 1.0)
-        decay = decay.cumprod(dim=1).masked_fill_(~lower[None, :, :, None], 0.0)  # [H, t, s, dk]
-        kk = (kc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1)  # [H, t, s]
         A = (kk * bc[..., None]).masked_fill(~lower.tril(-1)[None], 0.0)
         rhs = bc[..., None] * (vc - (kc * eg) @ s)  # [H, L, dv]
         eye = torch.eye(L, dtype=k.dtype, device=k.device)
         u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
         if q is not None:
-            qc = _chunk(q, a, b)
-            B = (qc[:, :, None, :] * kc[:, None, :, :] * decay).sum(-1).masked_fill(~lower[None], 0.0)
+            B = B.masked_fill(~lower[None], 0.0)
             outs.append(((qc * eg) @ s + B @ u).transpose(0, 1))
-        s = s * eg[:, -1, :, None] + (kc * decay[:, -1]).transpose(1, 2) @ u
+        s = s * eg[:, -1, :, None] + (kc * last).transpose(1, 2) @ u
     at[t_all] = s
     kept = [at[i] for i in keep_at]
     o = None if q is None else (torch.cat(outs) if outs else v.new_zeros(v.shape))
     return o, s, kept
+
+
+def _decayed_dots(kc: torch.Tensor, qc: torch.Tensor | None, step: torch.Tensor):
+    """A chunk's decayed dot products, row t at a time: kk[t, s] = sum_d k_t k_s decay[t, s] and
+    (with qc) B[t, s] = sum_d q_t k_s decay[t, s] for s <= t (zero above the diagonal), and the
+    last row of decays [H, L, dk]. kc, qc, step = exp(g) [H, L, dk].
+
+    decay[t, s] = prod_{s<j<=t} step_j is the running product over t that a cumprod of the per-step
+    factors computes (torch's on the CPU: in float64, each value rounded to fp32 once), kept in
+    float64 here and updated in place, one [H, t, dk] multiply per row: equal, bit for bit, to
+    cumprod over the [H, L, L, dk] tensor of factors, whose every element costs a strided scalar
+    step and whose size (128 MiB at GLM-5.3's widths, per product) costs page faults. Each row's
+    products and sums are those of the whole tensor's, in the same order: the same bits
+    (tests/test_glm5_kda_decay.py), at half the work (no s > t) and in buffers reused across rows.
+    In-place on tensors made from the inputs, so `torch.vmap` batches them (graph_step.py)."""
+    L = kc.shape[1]
+    lead = kc[:, None] if qc is None else torch.stack([kc, qc], dim=1)  # [H, n, L, dk]: whose dots with k
+    step64 = step.double()
+    run = torch.ones_like(step64)  # run[:, s] = decay[t, s] in float64, for s <= t
+    decay = torch.empty_like(step)
+    prod = torch.empty_like(lead)
+    rows = []
+    for t in range(L):
+        if t:
+            run[:, :t].mul_(step64[:, t, None])
+        decay[:, :t + 1].copy_(run[:, :t + 1])
+        p = prod[:, :, :t + 1]  # (k_t k_s) decay[t, s], or (q_t k_s) decay[t, s]
+        p.copy_(kc[:, None, :t + 1]).mul_(lead[:, :, t, None, :]).mul_(decay[:, None, :t + 1])
+        rows.append(F.pad(p.sum(-1), (0, L - 1 - t)))  # [H, n, L]
+    dots = torch.stack(rows, dim=2)  # [H, n, t, s]
+    return dots[:, 0], (None if qc is None else dots[:, 1]), decay
 
 
 @dataclass

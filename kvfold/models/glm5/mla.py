@@ -6,7 +6,8 @@
   o_h     = sum_{t in S(q)} softmax_t(q_h . K_h,t * qk_head_dim^-0.5) V_h,t,  y = o_proj(concat o_h)
 
 computed in the absorbed form: q~_h = W_UK,h^T q_h scores against the latent c_t directly, and W_UV,h
-is applied to the attention-pooled latent (same math; a cache of kv_lora values per token).
+is applied to the attention-pooled latent (same math; a cache of kv_lora values per token). The two
+products run per head on kv_b_proj as held, FP8 codes read as stored (absorb.py).
 S(q) is the indexer's selection read as a set (-1, out-of-range and duplicate entries ignored). A
 "full" layer runs its own indexer over a `Glm5NextDsaState`; a "shared" layer reuses the selection of
 the most recent full layer (raw positions, valid in every DSA layer).
@@ -22,8 +23,9 @@ from ...numerics.backend import Backend
 from ...numerics.rows import row_mm
 from .dsa_select import dsa_select
 from ...numerics.quant import e4m3_saturate
+from .absorb import absorbed_q, absorbed_v
 from .indexer_state import KV_FP8
-from ...layers.basic import Linear, _param, matmul_weight
+from ...layers.basic import Linear, _param
 
 _GATHER_BUDGET = 1 << 24  # floats of gathered latent rows per query block
 
@@ -135,8 +137,7 @@ class IndexedMLA(nn.Module):
         else:
             sel = prev_sel
         seq = start + t
-        w_uk, w_uv = self.absorbed()
-        q_lat = torch.einsum("thd,hdl->thl", q, w_uk.to(q.dtype))  # [T, H, lat]
+        q_lat = absorbed_q(self, q, ops)  # [T, H, lat]
         rows, valid = _selected_rows(sel, seq)  # [T, W] each query's distinct selected rows
         pooled = torch.empty_like(q_lat)
         # gather only the selected latent rows (sparse for real), a block of queries at a time
@@ -144,18 +145,13 @@ class IndexedMLA(nn.Module):
         for b0 in range(0, t, block):
             b1 = min(t, b0 + block)
             pooled[b0:b1] = self.pool_latent(q_lat[b0:b1], latent[rows[b0:b1]], valid[b0:b1])
-        return self.output(pooled, w_uv, ops), sel
+        return self.output(pooled, ops), sel
 
     def project(self, x: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token-parallel: (q_resid [T, q_lora], q [T, H, dn], latent rows c [T, kv_lora])."""
         q_resid = self.q_a_layernorm(self.q_a_proj(x, ops), ops)
         q = self.q_b_proj(q_resid, ops).view(x.shape[0], self.nh, self.dn)
         return q_resid, q, self.kv_a_layernorm(self.kv_a_proj_with_mqa(x, ops), ops)
-
-    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, dn, lat], W_UV [H, dv, lat]) of kv_b_proj (FP8: decoded here)."""
-        wkv = matmul_weight(self.kv_b_proj.weight).view(self.nh, self.dn + self.dv, self.lat)
-        return wkv[:, :self.dn], wkv[:, self.dn:]
 
     def pool_latent(self, q_lat: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Each query's softmax over its latent rows keys [b, W, lat] (valid [b, W]): [b, H, lat]."""
@@ -165,8 +161,8 @@ class IndexedMLA(nn.Module):
         p = torch.softmax(scores.float(), dim=-1).to(q_lat.dtype)
         return torch.bmm(p, keys.to(p.dtype))
 
-    def output(self, pooled: torch.Tensor, w_uv: torch.Tensor, ops: Backend) -> torch.Tensor:
+    def output(self, pooled: torch.Tensor, ops: Backend) -> torch.Tensor:
         """Token-parallel: W_UV on the pooled latents [T, H, lat], then o_proj: [T, hidden]."""
-        o = torch.einsum("thl,hvl->thv", pooled, w_uv.to(pooled.dtype))
+        o = absorbed_v(self, pooled, ops)
         y = self.o_proj(o.reshape(pooled.shape[0], self.nh * self.dv), ops)
         return y if self.tp is None else self.tp.all_reduce_sum(y)
