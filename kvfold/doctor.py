@@ -33,9 +33,10 @@ RELEASED_MODELS = (("DeepSeek-V4-Flash", "deepseek_v4_flash.json", "fp4"),
                    ("GLM-5.3-Flash", "glm5_3_flash.json", "fp8"))
 SEQUENCE_TOKENS = 4096  # one sequence at `kvfold serve`'s default --max-seq-len
 # pyproject.toml's optional dependencies (dev aside) and what each extra enables
-EXTRAS = {"structured": ("xgrammar",), "bench": ("transformers", "openai", "pyyaml", "tqdm"), "gpu": ("triton",)}
+EXTRAS = {"structured": ("xgrammar",), "bench": ("transformers", "openai", "pyyaml", "tqdm", "flyweight-llm"),
+          "gpu": ("triton",)}
 EXTRA_USES = {"structured": "structured output (response_format, structured_outputs)",
-              "bench": "kvfold bench --vs transformers / llama.cpp and kvfold bench serve",
+              "bench": "kvfold bench --vs transformers / llama.cpp / flyweight and kvfold bench serve",
               "gpu": "the Triton kernels on CUDA"}
 # /proc/cpuinfo flags shown, and the names they are shown under
 _CPU_FLAGS = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX-512F", "avx512dq": "AVX-512DQ",

@@ -11,53 +11,11 @@ Importing this module is cheap (no torch); a family's function imports what it n
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
 from typing import Callable
 
-_MB = 1e6
+from .decode_bytes_glm import glm5_terms
+from .decode_terms import Term, _numel, _shape, nb, per_layer
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Term:
-    key: str  # e.g. "routed_experts_active"
-    label: str  # e.g. "routed experts (selected)"
-    group: str  # "weights" or "state"
-    bytes: float
-    formula: str  # how `bytes` is made, with the numbers a reader can check
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def mb(n: float) -> str:
-    return f"{n / _MB:.2f} MB"
-
-
-def nb(n: float) -> str:
-    """Exact bytes, for the factors of a formula (rounded MB would not multiply back)."""
-    return f"{n:,.0f} B" if float(n).is_integer() else f"{n:,.2f} B"
-
-
-def per_layer(by_layer: dict[int, float], what: str = "layers") -> str:
-    """"N layers x B" when every layer reads the same, else "B0 + B1 + ... (layers i, j, ...)"."""
-    if not by_layer:
-        return f"no {what}"
-    vals = list(by_layer.values())
-    if all(v == vals[0] for v in vals):
-        return f"{len(vals)} {what if len(vals) > 1 else what.removesuffix('s')} x {nb(vals[0])}"
-    return " + ".join(nb(v) for v in vals) + f" ({what} {', '.join(str(i) for i in by_layer)})"
-
-
-def _shape(shape) -> str:
-    return " x ".join(str(s) for s in shape)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---- DeepSeek-V4 -----------------------------------------------------------------------------------
@@ -185,13 +143,8 @@ def dsv4_terms(cfg, tensors, context: int, state_elem_bytes: int) -> list[Term]:
     return _dsv4_weight_terms(cfg, _dsv4_buckets(cfg, tensors)) + _dsv4_state_terms(cfg, context, state_elem_bytes)
 
 
-def _glm5_terms(cfg, tensors, context: int, state_elem_bytes: int) -> list[Term]:
-    from .decode_bytes_glm import glm5_terms
-    return glm5_terms(cfg, tensors, context, state_elem_bytes)
-
-
 # a family's (cfg, {name: (shape, nbytes)}, context, state value bytes) -> [Term]
-FAMILIES: dict[str, Callable[..., list[Term]]] = {"deepseek_v4": dsv4_terms, "glm5_next": _glm5_terms}
+FAMILIES: dict[str, Callable[..., list[Term]]] = {"deepseek_v4": dsv4_terms, "glm5_next": glm5_terms}
 _CONFIG_FAMILY = {"Dsv4Config": "deepseek_v4", "Glm5Config": "glm5_next"}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .decode_bytes import Term, _numel, _shape, nb, per_layer
+from .decode_terms import Term, _numel, _shape, nb, per_layer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import OOM, SKIP_TIME
+from .report_cells import _decode_cell, _f, _prefill_cell, _rss_cell, _short_status
 from .report_peers import is_peer, peer_header_lines, peer_ratios, peer_table_lines
 from .report_measure import bandwidth_lines, decode_bytes_lines, decode_shares, load_time_lines
 
@@ -66,55 +66,6 @@ def summarize(result: dict[str, Any]) -> None:
 
 
 # ---- formatting ---------------------------------------------------------------------------------
-def _f(v, fmt="{:.1f}"):
-    return fmt.format(v) if isinstance(v, (int, float)) else "-"
-
-
-def _mib(v):
-    return f"{v / _MIB:.0f}" if isinstance(v, (int, float)) else "-"
-
-
-def _short_status(s: str | None) -> str:
-    if not s or s == "ok":
-        return "-"
-    if s.startswith(SKIP_TIME):
-        return "skipped (time)"
-    if s.startswith(OOM):
-        return "OOM"
-    if s.startswith("partial"):
-        return "partial"
-    if s.startswith("unavailable"):
-        return "unavailable"
-    return "error"
-
-
-def _prefill_cell(c: dict | None) -> str:
-    if c is None:
-        return "n/a"
-    if c.get("prefill_status") == "ok":
-        return _f(c["prefill_tok_s"])
-    return _short_status(c.get("prefill_status"))
-
-
-def _decode_cell(c: dict | None) -> str:
-    if c is None:
-        return "n/a"
-    if c.get("decode_status") == "ok":
-        return _f(c["decode_tok_s"])
-    return _short_status(c.get("decode_status"))
-
-
-def _rss_cell(c: dict | None) -> str:
-    if c is None:
-        return "n/a"
-    if c.get("prefill_status") != "ok":
-        return "-"
-    if not isinstance(c.get("prefill_peak_rss_bytes"), (int, float)):
-        return "-"
-    d = c.get("prefill_peak_over_loaded_bytes")
-    return f"{_mib(c['prefill_peak_rss_bytes'])} (+{_mib(d)})" if d is not None else _mib(c["prefill_peak_rss_bytes"])
-
-
 def format_table(result: dict[str, Any]) -> str:
     cells = result["cells"]
     vs = "transformers" in result["settings"]["engines"]

@@ -7,6 +7,7 @@ from typing import Any
 
 from .flyweight import FLYWEIGHT_REPETITIONS
 from .llamacpp import LLAMA_REPETITIONS
+from .report_cells import _decode_cell, _f, _prefill_cell, _rss_cell
 from .vs import is_peer
 
 LLAMA = "llama.cpp"
@@ -40,7 +41,6 @@ def peer_ratios(cells: list[dict], kv: dict | None, ctx: int) -> dict[str, Any]:
 
 def format_peer_table(result: dict[str, Any]) -> str:
     """kvfold and each peer per context: prefill tok/s, peak RSS, decode tok/s, and kv/peer = kvfold / peer."""
-    from .report import _decode_cell, _f, _prefill_cell, _rss_cell
     engines = ["kvfold"] + peer_engines(result)
     head = ["context", "engine", "prefill tok/s", "kv/peer", "prefill peak RSS MiB", "kv/peer", "decode tok/s",
             "kv/peer"]
