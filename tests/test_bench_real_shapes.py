@@ -82,6 +82,9 @@ def test_glm53_flash_cut_to_four_layers_has_both_attention_and_mlp_kinds_at_rele
         assert getattr(cfg, k) == release[k], k
     with pytest.raises(ValueError, match="--layers"):
         R.real_config("glm53-flash", 46)
+    from kvfold.models.glm5.config import glm5_config_from_dict
+    d = cfg.to_hf_dict()  # what config.json holds: it reads back, and transformers finds its kv heads
+    assert glm5_config_from_dict(d) == cfg and d["num_key_value_heads"] == cfg.num_attention_heads
 
 
 def _small_glm():

@@ -117,7 +117,9 @@ class Glm5Config:
     def to_hf_dict(self) -> dict[str, Any]:
         """A text-only `config.json` dictionary that `glm5_config_from_dict` reads back as this config."""
         d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
-        return {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next_text", **d}
+        # transformers' glm5_next requires num_key_value_heads; GLM-5.3 has one per query head
+        return {"architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next_text",
+                "num_key_value_heads": self.num_attention_heads, **d}
 
     def problems(self) -> list[str]:
         out = []
