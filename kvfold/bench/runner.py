@@ -64,13 +64,15 @@ def _config_name(text: str) -> str:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium,v4-flash}",
+    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium,v4-flash,glm53-flash}",
                    help="model configuration (random weights): bench = small, every layer kind; "
                         "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison; v4-flash = "
                         "DeepSeek-V4-Flash's release widths cut to --layers layers, written in the release's "
-                        "formats (4 layers: 16 GB; needs --weights quantized) (default bench)")
+                        "formats (4 layers: 16 GB; needs --weights quantized); glm53-flash = GLM-5.3-Flash's, "
+                        "likewise (4 layers: 11 GB) (default bench)")
     p.add_argument("--layers", type=_pos_int, default=None,
-                   help="layers of a real-shape config (v4-flash: default 4, every attention and MoE kind)")
+                   help="layers of a real-shape config (default 4: v4-flash every attention and MoE kind, "
+                        "glm53-flash 3 KDA + 1 DSA layers, dense and MoE MLPs)")
     p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
                    help="comma-separated context lengths (default 512,4096,16384,32768)")
     p.add_argument("--vs", type=_vs, default=[], metavar="{transformers,llama.cpp,flyweight}",
