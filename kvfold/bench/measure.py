@@ -12,6 +12,7 @@ Importing this module is cheap (no torch).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import time
@@ -133,19 +134,15 @@ def measure_bandwidth(copy_mib: int = 512, read_mib: int = 0, repeats: int = 5, 
 
 
 # ---- page cache --------------------------------------------------------------------------------------
-_libc = None
-
-
+@functools.lru_cache(maxsize=1)
 def _c():
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = lib
-    return _libc
+    """libc with mmap / mincore / munmap declared (mincore has no Python wrapper)."""
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return lib
 
 
 def resident_pages(path: str | Path) -> tuple[int, int]:
