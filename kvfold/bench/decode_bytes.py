@@ -14,7 +14,8 @@ import re
 from typing import Callable
 
 from .decode_bytes_glm import glm5_terms
-from .decode_terms import Term, _numel, _shape, nb, per_layer
+from .decode_terms import (Term, _numel, _shape, expert_terms, head_and_embedding_terms, nb, norm_and_other_terms,
+                           per_layer)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -75,40 +76,18 @@ def _dsv4_router(routers: dict[int, list]) -> tuple[float, str]:
 
 def _dsv4_weight_terms(cfg, b: dict) -> list[Term]:
     from ..models.deepseek_v4.config import CSA, HCA, SLIDING
-    t: list[Term] = []
-    head = sum(n for _, _, n in b["head"])
-    t.append(Term("lm_head", "vocabulary head", "weights", head,
-                  " + ".join(f"{k} [{_shape(s)}] x {n / max(1, _numel(s)):g} B" for k, s, n in b["head"])
-                  or "no head tensor"))
-    if b["embed"] is not None:
-        shape, nbytes = b["embed"]
-        t.append(Term("embedding_row", "embedding row", "weights", nbytes / max(1, shape[0]),
-                      f"1 of {shape[0]} rows of [{_shape(shape)}]: {nb(nbytes)} / {shape[0]}"))
-    else:
-        t.append(Term("embedding_row", "embedding row", "weights", 0.0, "no embedding tensor"))
+    t = head_and_embedding_terms(b)
     for kind, short, label in ((SLIDING, "sliding", "attention, sliding window"),
                                (CSA, "csa", "attention, CSA (+ compressor, indexer)"),
                                (HCA, "hca", "attention, HCA (+ compressor)")):
         by = {i: v for i, v in b["attn"].items() if cfg.layer_types[i] == kind}
         t.append(Term(f"attention_{short}", label, "weights", float(sum(by.values())),
                       per_layer(by, f"{short.upper() if short != 'sliding' else short} layers")))
-    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-    expert = {i: v / e for i, v in b["routed"].items()}  # one expert's matrices and their scales
-    vals = set(expert.values())
-    how = (f"{k} (top-k) x {nb(vals.pop())}/expert x {len(expert)} MoE layers" if len(vals) == 1
-           else f"{k} (top-k) x ({' + '.join(nb(v) for v in expert.values())}) per-layer expert")
-    t.append(Term("routed_experts_active", f"routed experts ({k} of {e} selected)", "weights",
-                  k * sum(expert.values()), how if expert else "no routed experts"))
-    t.append(Term("shared_expert", "shared experts", "weights", float(sum(b["shared"].values())),
-                  per_layer(b["shared"])))
+    t += expert_terms(cfg, b)
     t.append(Term("dense_mlp", "dense MLPs", "weights", 0.0, "none: every DeepSeek-V4 layer is MoE"))
     router, how = _dsv4_router(b["router"])
     t.append(Term("router", "routers", "weights", router, how))
-    t.append(Term("norms_hc", "norms, hyper-connections", "weights", float(sum(b["norms"])),
-                  f"{len(b['norms'])} tensors, all read: {nb(sum(b['norms']))}"))
-    t.append(Term("other", "other weights", "weights", float(sum(n for _, n in b["other"])),
-                  ", ".join(k for k, _ in b["other"][:4]) + (" ..." if len(b["other"]) > 4 else "") or "none"))
-    return t
+    return t + norm_and_other_terms(b)
 
 
 def _dsv4_state_terms(cfg, context: int, s: int) -> list[Term]:

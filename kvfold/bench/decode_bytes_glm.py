@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .decode_terms import Term, _numel, _shape, nb, per_layer
+from .decode_terms import Term, _numel, expert_terms, head_and_embedding_terms, norm_and_other_terms, per_layer
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -54,34 +54,17 @@ def _buckets(cfg, tensors) -> dict:
 
 
 def _weight_terms(cfg, b: dict) -> list[Term]:
-    head = sum(n for _, _, n in b["head"])
-    t = [Term("lm_head", "vocabulary head", "weights", head,
-              " + ".join(f"{k} [{_shape(s)}] x {n / max(1, _numel(s)):g} B" for k, s, n in b["head"]) or "no head")]
-    shape, nbytes = b["embed"] if b["embed"] is not None else ((1,), 0)
-    t.append(Term("embedding_row", "embedding row", "weights", nbytes / max(1, shape[0]),
-                  f"1 of {shape[0]} rows of [{_shape(shape)}]: {nb(nbytes)} / {shape[0]}"))
+    t = head_and_embedding_terms(b)
     t.append(Term("attention_kda", "attention, KDA (all projections)", "weights", float(sum(b["kda"].values())),
                   per_layer(b["kda"], "KDA layers")))
     t.append(Term("attention_dsa", "attention, DSA (MLA + indexer)", "weights", float(sum(b["dsa"].values())),
                   per_layer(b["dsa"], "DSA layers")))
-    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
-    expert = {i: v / e for i, v in b["routed"].items()}
-    vals = set(expert.values())
-    how = (f"{k} (top-k) x {nb(vals.pop())}/expert x {len(expert)} MoE layers" if len(vals) == 1
-           else f"{k} (top-k) x ({' + '.join(nb(v) for v in expert.values())}) per-layer expert")
-    t.append(Term("routed_experts_active", f"routed experts ({k} of {e} selected)", "weights",
-                  k * sum(expert.values()), how if expert else "no routed experts"))
-    t.append(Term("shared_expert", "shared experts", "weights", float(sum(b["shared"].values())),
-                  per_layer(b["shared"])))
+    t += expert_terms(cfg, b)
     t.append(Term("dense_mlp", "dense MLPs", "weights", float(sum(b["dense"].values())),
                   per_layer(b["dense"], "dense layers")))
     t.append(Term("router", "routers (fp32) and score biases", "weights", float(sum(b["router"].values())),
                   per_layer(b["router"], "MoE layers")))
-    t.append(Term("norms_hc", "norms, hyper-connections", "weights", float(sum(b["norms"])),
-                  f"{len(b['norms'])} tensors, all read: {nb(sum(b['norms']))}"))
-    t.append(Term("other", "other weights", "weights", float(sum(n for _, n in b["other"])),
-                  ", ".join(k for k, _ in b["other"][:4]) + (" ..." if len(b["other"]) > 4 else "") or "none"))
-    return t
+    return t + norm_and_other_terms(b)
 
 
 def _state_terms(cfg, context: int, s: int) -> list[Term]:

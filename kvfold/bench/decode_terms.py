@@ -47,3 +47,39 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ---- the terms every family has, from its buckets ({"head": [(key, shape, nbytes)], "embed": (shape,
+# nbytes) or None, "routed" / "shared": {layer: bytes}, "norms": [bytes], "other": [(key, bytes)]})
+def head_and_embedding_terms(b: dict) -> list[Term]:
+    """The whole vocabulary head; one row of the embedding."""
+    head = sum(n for _, _, n in b["head"])
+    terms = [Term("lm_head", "vocabulary head", "weights", head,
+                  " + ".join(f"{k} [{_shape(s)}] x {n / max(1, _numel(s)):g} B" for k, s, n in b["head"])
+                  or "no head tensor")]
+    if b["embed"] is None:
+        return terms + [Term("embedding_row", "embedding row", "weights", 0.0, "no embedding tensor")]
+    shape, nbytes = b["embed"]
+    return terms + [Term("embedding_row", "embedding row", "weights", nbytes / max(1, shape[0]),
+                         f"1 of {shape[0]} rows of [{_shape(shape)}]: {nb(nbytes)} / {shape[0]}")]
+
+
+def expert_terms(cfg, b: dict) -> list[Term]:
+    """The top-k of each MoE layer's routed experts (one expert: its matrices and their scales) and
+    every shared expert."""
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    expert = {i: v / e for i, v in b["routed"].items()}
+    vals = set(expert.values())
+    how = (f"{k} (top-k) x {nb(vals.pop())}/expert x {len(expert)} MoE layers" if len(vals) == 1
+           else f"{k} (top-k) x ({' + '.join(nb(v) for v in expert.values())}) per-layer expert")
+    return [Term("routed_experts_active", f"routed experts ({k} of {e} selected)", "weights",
+                 k * sum(expert.values()), how if expert else "no routed experts"),
+            Term("shared_expert", "shared experts", "weights", float(sum(b["shared"].values())),
+                 per_layer(b["shared"]))]
+
+
+def norm_and_other_terms(b: dict) -> list[Term]:
+    return [Term("norms_hc", "norms, hyper-connections", "weights", float(sum(b["norms"])),
+                 f"{len(b['norms'])} tensors, all read: {nb(sum(b['norms']))}"),
+            Term("other", "other weights", "weights", float(sum(n for _, n in b["other"])),
+                 ", ".join(k for k, _ in b["other"][:4]) + (" ..." if len(b["other"]) > 4 else "") or "none")]
