@@ -157,3 +157,11 @@ class NativeAbiError(KvfoldError):
     def __init__(self, message: str = "", struct: str = "", field: str | None = None):
         super().__init__(message)
         self.struct, self.field = struct, field
+
+
+class PlacementError(ConfigError):
+    """A placement across one accelerator and host memory (`--gpu-layers`, `--gpu-experts`, a
+    device map) that cannot run: more layers or experts than the model has, a map naming modules
+    the model lacks, a part of a layer other than its routed experts, experts on the card for a
+    host layer, two accelerators or a non-prefix layer set, budgets that cannot hold the weights
+    or the state, or a device that is not there. The message says what fits."""

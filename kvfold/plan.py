@@ -1,4 +1,5 @@
-"""`kvfold plan`: size a model on paper, per tensor-parallel rank, from its config.json alone.
+"""`kvfold plan`: size a model on paper, per tensor-parallel rank, from its config.json alone (with
+`--gpu-memory-gib G --host-memory-gib H`: placed on one accelerator plus host memory, plan_placement.py).
 
 The model is built on the meta device (shapes, no memory). Per rank:
 * resident weight bytes: every tensor at its share under TP (each family's sharding.py, the rules
@@ -9,7 +10,8 @@ The model is built on the meta device (shapes, no memory). Per rank:
 
 Weight formats, as the releases store them: `bf16` every matrix in 2 bytes; `fp8` the projection
 and expert matrices in float8 with one scale per 128x128 block (embedding, lm_head, norms, router,
-mHC and, in GLM-5.3, the KDA projections stay bf16 or fp32 as stored); `fp4` the routed experts in
+mHC, in DeepSeek-V4 the compressors' and the indexer's projections but its q_b_proj, and in GLM-5.3
+the KDA projections stay bf16 or fp32 as stored); `fp4` the routed experts in
 e2m1 with one e8m0 scale per 32 values (0.53125 bytes each), the rest as fp8.
 """
 from __future__ import annotations
@@ -63,14 +65,38 @@ def _v4_share(name: str, cfg, r: TensorParallel) -> float:
 
 
 def _bytes_per_value(family: str, name: str, param: torch.Tensor, quantizable: set[str], fmt: str) -> float:
-    if name not in quantizable or name == "lm_head.weight" or fmt == "bf16":
+    if name not in quantizable or fmt == "bf16":
         return 2.0 if param.dtype == torch.bfloat16 else param.element_size()
+    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+        return 2.0  # bf16 in both releases, though their modules can hold quantized weights
+    if family == "deepseek_v4":
+        from .models.deepseek_v4.names import official_quant_kind
+        if official_quant_kind(name) is None:
+            return 2.0  # the compressors' and the indexer's projections: bf16 in the release (docs/checkpoints.md)
     if family == "glm5_next" and ".self_attn." in name and not any(
             s in name for s in (".q_a_proj.", ".q_b_proj.", ".kv_a_proj", ".kv_b_proj.", ".o_proj.", ".indexer.")):
         return 2.0  # KDA projections stay bf16 in the release
     if fmt == "fp4" and ".mlp.experts." in name:
         return _FP4
     return _FP8
+
+
+def _quantizable(model) -> set[str]:
+    """Full names of the tensors whose modules declare them quantizable (what the release quantizes)."""
+    return {f"{mod_name}.{attr}" if mod_name else attr for mod_name, mod in model.named_modules()
+            for attr in getattr(mod, "quantizable", ())}
+
+
+def weight_tensors(config: dict, weights: str = "bf16") -> tuple[str, object, list[tuple[str, torch.Tensor, float]]]:
+    """(family, meta model, [(name, meta tensor, bytes per value in `weights`)]) of every parameter and
+    buffer, unsharded: the accounting `plan` does at tp=1, for callers that group it otherwise
+    (placement across one accelerator and host memory, plan_placement.py)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ConfigError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    family, model = _meta_model(config)
+    quantizable = _quantizable(model)
+    params = list(model.named_parameters()) + list(model.named_buffers())
+    return family, model, [(n, p, _bytes_per_value(family, n, p, quantizable, weights)) for n, p in params]
 
 
 def plan(config: dict, tp: int = 1, weights: str = "bf16", kv_dtype: str | None = None, max_seq_len: int = 65536,
@@ -88,8 +114,7 @@ def plan(config: dict, tp: int = 1, weights: str = "bf16", kv_dtype: str | None 
         from .models.glm5.sharding import tp_counts
         counts, share = tp_counts(cfg), _glm_share
     check_divides(counts, tp)
-    quantizable = {f"{mod_name}.{attr}" if mod_name else attr for mod_name, mod in model.named_modules()
-                   for attr in getattr(mod, "quantizable", ())}
+    quantizable = _quantizable(model)
     params = list(model.named_parameters()) + list(model.named_buffers())
     fixed, pools = model.state_layout(max_rewind, kv_dtype)
     per_seq_pools = sum(-(-max_seq_len // r) * row for r, row in pools)
@@ -109,6 +134,12 @@ def _gib(n: float) -> str:
 
 
 def run_plan(args) -> int:
+    placing = [f for f in ("gpu_memory_gib", "host_memory_gib") if getattr(args, f, None) is not None]
+    if placing:
+        if "gpu_memory_gib" not in placing:
+            raise ConfigError("--host-memory-gib goes with --gpu-memory-gib: a placement needs both budgets")
+        from .plan_placement import run_placement
+        return run_placement(args)
     path = Path(args.config)
     try:
         config = json.loads(path.read_text())
@@ -139,6 +170,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16", help="weight format (default bf16)")
     p.add_argument("--kv-dtype", choices=("fp8",), default=None, help="KV rows in FP8")
     p.add_argument("--max-seq-len", type=pos_int, default=65536, help="tokens per sequence (default 65536)")
-    p.add_argument("--max-running", type=pos_int, default=None, help="also print the bytes of this many sequences")
+    p.add_argument("--max-running", type=pos_int, default=None, help="also print the bytes of this many sequences "
+                   "(with --gpu-memory-gib: the sequences the placement must hold, default 1)")
     p.add_argument("--max-rewind", type=int, default=0, help="speculative draft length the states allow (default 0)")
     p.add_argument("--device-memory-gib", type=float, default=80.0, help="memory per device (default 80 GiB)")
+    from .plan_placement import add_placement_arguments
+    add_placement_arguments(p)
