@@ -94,8 +94,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from .server import add_serve_parser
     add_serve_parser(sub)
-    from .plan import add_plan_parser
-    add_plan_parser(sub)
+    from .plan_placement import add_plan_command
+    add_plan_command(sub)
     from .bench import add_bench_parser
     add_bench_parser(sub)
     from .doctor import add_doctor_parser
@@ -355,8 +355,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .bench import run_bench
         return run_bench(args)
     if args.command == "plan":
-        from .plan import run_plan
-        return run_plan(args)
+        from .plan_placement import run_plan_command
+        return run_plan_command(args)
     if args.command == "serve":
         from .server import run_serve
         return run_serve(args)

@@ -168,13 +168,12 @@ class Placement:
                    accelerator if head_on_accelerator else HOST, accelerator)
 
     @classmethod
-    def from_flags(cls, cfg, gpu_layers="auto", gpu_experts="auto", gpu_memory_gib: float = 0.0,
+    def from_flags(cls, sizes: ModelSizes, gpu_layers="auto", gpu_experts="auto", gpu_memory_gib: float = 0.0,
                    host_memory_gib: float = 0.0, *, sequences: int = 1, reserve_gib: float = DEFAULT_RESERVE_GIB,
-                   head_on_accelerator: bool | None = None, **sizing) -> "Placement":
-        """`--gpu-layers N|auto --gpu-experts K|all|auto` within the budgets. `cfg`: a config.json
-        dict (sized by plan_placement.model_sizes with `sizing`: weights, kv_dtype, max_seq_len,
-        max_rewind) or a ModelSizes. `head_on_accelerator` None: there when it fits."""
-        sizes = resolve_sizes(cfg, sizing)
+                   head_on_accelerator: bool | None = None) -> "Placement":
+        """`--gpu-layers N|auto --gpu-experts K|all|auto` within the budgets, for a model's `sizes`
+        (plan_placement.model_sizes). `head_on_accelerator` None: there when it fits."""
+        sizes = resolve_sizes(sizes, {})
         budget = Budget.of(gpu_memory_gib, host_memory_gib, sequences, reserve_gib)
         layers = _flag_value(gpu_layers, "--gpu-layers", None)
         experts = _flag_value(gpu_experts, "--gpu-experts", sizes.n_experts)
@@ -190,13 +189,13 @@ class Placement:
         return found
 
     @classmethod
-    def from_device_map(cls, device_map: dict, cfg, **sizing) -> "Placement":
+    def from_device_map(cls, device_map: dict, sizes: ModelSizes) -> "Placement":
         """An accelerate-style map ({"model.embed_tokens": "cpu", "model.layers.0": 0, ...,
         "lm_head": 0}; an integer n means cuda:n; a key covers the modules under it, the longest
         key wins). A layer key places the layer whole; "model.layers.i.mlp.experts": "cpu" sends a
         card layer's routed experts to the host (a partial pack holding none of them on the card),
         the one part of a layer a map may place apart. Partial packs of K experts: --gpu-experts."""
-        sizes = resolve_sizes(cfg, sizing)
+        sizes = resolve_sizes(sizes, {})
         devices = {key: _map_device(value, key) for key, value in device_map.items()}
         accelerators = sorted({d for d in devices.values() if d != HOST})
         if len(accelerators) > 1:
@@ -421,12 +420,11 @@ def check_devices_exist(placement: Placement) -> None:
 
 
 def resolve_sizes(cfg, sizing: dict) -> ModelSizes:
-    if isinstance(cfg, ModelSizes):
-        if sizing:
-            raise TypeError(f"sizing options {sorted(sizing)} apply to a config dict, not to ModelSizes")
-        return cfg
-    from .plan_placement import model_sizes
-    return model_sizes(cfg, **sizing)
+    """The ModelSizes a placement is made for (plan_placement.model_sizes makes them from a config)."""
+    if not isinstance(cfg, ModelSizes) or sizing:
+        raise TypeError("a placement is made for a ModelSizes, e.g. plan_placement.model_sizes(config, weights=..., "
+                        "kv_dtype=..., max_seq_len=...)")
+    return cfg
 
 
 def _flag_value(value, flag: str, all_means: int | None) -> int | None:

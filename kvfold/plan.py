@@ -134,12 +134,7 @@ def _gib(n: float) -> str:
 
 
 def run_plan(args) -> int:
-    placing = [f for f in ("gpu_memory_gib", "host_memory_gib") if getattr(args, f, None) is not None]
-    if placing:
-        if "gpu_memory_gib" not in placing:
-            raise ConfigError("--host-memory-gib goes with --gpu-memory-gib: a placement needs both budgets")
-        from .plan_placement import run_placement
-        return run_placement(args)
+    """The per-rank table (`kvfold plan` without --gpu-memory-gib: plan_placement.run_plan_command)."""
     path = Path(args.config)
     try:
         config = json.loads(path.read_text())
@@ -162,7 +157,7 @@ def run_plan(args) -> int:
     return 0
 
 
-def add_plan_parser(sub) -> None:
+def add_plan_parser(sub):
     from .argtypes import pos_int
     p = sub.add_parser("plan", help="size a model per tensor-parallel rank from its config.json (no weights read)")
     p.add_argument("--config", required=True, help="a checkpoint's config.json")
@@ -174,5 +169,4 @@ def add_plan_parser(sub) -> None:
                    "(with --gpu-memory-gib: the sequences the placement must hold, default 1)")
     p.add_argument("--max-rewind", type=int, default=0, help="speculative draft length the states allow (default 0)")
     p.add_argument("--device-memory-gib", type=float, default=80.0, help="memory per device (default 80 GiB)")
-    from .plan_placement import add_placement_arguments
-    add_placement_arguments(p)
+    return p

@@ -36,7 +36,7 @@ from .placement import (DEFAULT_RESERVE_GIB, GIB, HOST, Budget, LayerSizes, Mode
 
 # GB/s one host core streams per format through native.c's decode row, matrices far larger than
 # the L3 (bench/RESULTS.md, one Zen 4 EPYC core): a host's cores, not its memory, can be the limit.
-HOST_CORE_GB_S = {"bf16": 14.7, "fp8": 8.0, "fp4": 4.5, "f32": 16.0}
+HOST_CORE_GB_S = {"bf16": 18.0, "fp8": 11.6, "fp4": 5.0, "f32": 26.0}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -266,3 +266,21 @@ def run_placement(args) -> int:
 
 __all__ = ["HOST_CORE_GB_S", "PlacementError", "Rates", "add_placement_arguments", "decode_seconds",
            "model_sizes", "report", "run_placement"]
+
+
+def add_plan_command(sub) -> None:
+    """`kvfold plan`: the per-rank table's arguments (plan.py) and the placement's."""
+    from .plan import add_plan_parser
+    add_placement_arguments(add_plan_parser(sub))
+
+
+def run_plan_command(args) -> int:
+    """A placement with --gpu-memory-gib (and --host-memory-gib), else plan.py's per-rank table."""
+    placing = [f for f in ("gpu_memory_gib", "host_memory_gib") if getattr(args, f, None) is not None]
+    if not placing:
+        from .plan import run_plan
+        return run_plan(args)
+    if "gpu_memory_gib" not in placing:
+        raise ConfigError("--host-memory-gib goes with --gpu-memory-gib: a placement needs both budgets")
+    return run_placement(args)
+

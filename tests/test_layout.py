@@ -17,7 +17,8 @@ Layers, lowest first; a module may import its own layer and those below it:
   engine      batching, scheduling, prefix cache
   api         the `kvfold` package itself (load_model, the engine re-exported) and session files
               (which record kvfold.__version__)
-  commands    server, bench, plan, doctor: what `kvfold <command>` runs
+  commands    server, bench, plan (and its placement, until a loader places models), doctor: what
+              `kvfold <command>` runs
   cli         kvfold.cli and kvfold.__main__
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ LAYERS = [
     ("decoding", ("kvfold.decoding", "kvfold.chat")),
     ("engine", ("kvfold.engine",)),
     ("api", ("kvfold", "kvfold.session")),
-    ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.doctor")),
+    ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.plan_placement", "kvfold.placement",
+                  "kvfold.doctor")),
     ("cli", ("kvfold.cli", "kvfold.__main__")),
 ]
 
