@@ -14,8 +14,9 @@ import re
 from typing import Callable
 
 from .decode_bytes_glm import glm5_terms
-from .decode_terms import (Term, _numel, _shape, expert_terms, head_and_embedding_terms, nb, norm_and_other_terms,
-                           per_layer)
+from .decode_terms import (Term, _numel, _shape, bucket_common, expert_terms, head_and_embedding_terms, nb,
+                           norm_and_other_terms, per_layer)
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -32,15 +33,9 @@ def _dsv4_buckets(cfg, tensors) -> dict:
         name = target.name
         m = _LAYER.match(name)
         layer = int(m.group(1)) if m else None
-        if name == "model.embed_tokens.weight":
-            b["embed"] = (shape, nbytes)
-        elif name.startswith("lm_head."):
-            b["head"].append((key, shape, nbytes))
-        elif ".mlp.experts." in name:
-            b["routed"][layer] = b["routed"].get(layer, 0) + nbytes
-        elif ".mlp.shared_experts." in name:
-            b["shared"][layer] = b["shared"].get(layer, 0) + nbytes
-        elif ".mlp.gate." in name:
+        if bucket_common(b, key, name, layer, shape, nbytes):
+            continue
+        if ".mlp.gate." in name:
             b["router"].setdefault(layer, []).append((name.rsplit(".", 1)[1], shape, nbytes))
         elif ".self_attn." in name:
             b["attn"][layer] = b["attn"].get(layer, 0) + nbytes

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from .decode_terms import Term, _numel, expert_terms, head_and_embedding_terms, norm_and_other_terms, per_layer
+from .decode_terms import (Term, _numel, bucket_common, expert_terms, head_and_embedding_terms, norm_and_other_terms,
+                           per_layer)
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -30,15 +31,9 @@ def _buckets(cfg, tensors) -> dict:
         layer = int(m.group(1)) if m else None
         if layer is not None and layer >= cfg.num_hidden_layers:
             continue  # the MTP layer: not part of a plain decode step
-        if name == "embed_tokens.weight":
-            b["embed"] = (shape, nbytes)
-        elif name.startswith("lm_head."):
-            b["head"].append((key, shape, nbytes))
-        elif ".mlp.experts." in name:
-            b["routed"][layer] = b["routed"].get(layer, 0) + nbytes
-        elif ".mlp.shared_experts." in name:
-            b["shared"][layer] = b["shared"].get(layer, 0) + nbytes
-        elif ".mlp.gate." in name:
+        if bucket_common(b, key, name, layer, shape, nbytes):
+            continue
+        if ".mlp.gate." in name:
             # the router is held in fp32 whatever the checkpoint stores; its bias is read whole
             b["router"][layer] = b["router"].get(layer, 0) + (4 * _numel(shape) if name.endswith(".weight") else nbytes)
         elif ".mlp." in name:

@@ -49,6 +49,22 @@ def _numel(shape) -> int:
     return n
 
 
+def bucket_common(b: dict, key: str, name: str, layer: int | None, shape, nbytes: int) -> bool:
+    """Put a tensor (kvfold's `name` for it, model.* layout) that every family has into its bucket:
+    the embedding, the head, a routed or a shared expert. False for the others."""
+    if name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        b["embed"] = (shape, nbytes)
+    elif name.startswith("lm_head."):
+        b["head"].append((key, shape, nbytes))
+    elif ".mlp.experts." in name:
+        b["routed"][layer] = b["routed"].get(layer, 0) + nbytes
+    elif ".mlp.shared_experts." in name:
+        b["shared"][layer] = b["shared"].get(layer, 0) + nbytes
+    else:
+        return False
+    return True
+
+
 # ---- the terms every family has, from its buckets ({"head": [(key, shape, nbytes)], "embed": (shape,
 # nbytes) or None, "routed" / "shared": {layer: bytes}, "norms": [bytes], "other": [(key, bytes)]})
 def head_and_embedding_terms(b: dict) -> list[Term]:
