@@ -265,10 +265,9 @@ print("INFO:hf-to-gguf:Model successfully exported")
 '''
 
 
-def _fake_llama_cpp(root, *, build_dir: bool = False):
-    """A llama.cpp checkout (convert_hf_to_gguf.py, gguf-py/, conversion/base.py) whose llama-bench is a
-    script. build_dir=True puts llama-bench in a separate CMake build dir whose cache names the checkout."""
-    import sys
+def fake_llama_checkout(root, converter: str):
+    """root/llama.cpp: the converter script `converter`, gguf-py/ and the conversion/ modules the bench's
+    driver imports (conversion/deepseek.py: it keeps FP8-sourced matrices BF16 through it)."""
     src = root / "llama.cpp"
     (src / "gguf-py" / "gguf").mkdir(parents=True)
     (src / "gguf-py" / "gguf" / "__init__.py").write_text("")
@@ -276,9 +275,17 @@ def _fake_llama_cpp(root, *, build_dir: bool = False):
     (src / "conversion" / "__init__.py").write_text("")
     (src / "conversion" / "base.py").write_text(
         "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n        raise NotImplementedError\n")
-    (src / "conversion" / "deepseek.py").write_text(  # the driver keeps FP8-sourced matrices BF16 through it
+    (src / "conversion" / "deepseek.py").write_text(
         "class DeepseekV4Model:\n    def tensor_force_quant(self, name, new_name, bid, n_dims):\n        return False\n")
-    (src / "convert_hf_to_gguf.py").write_text(_FAKE_CONVERTER)
+    (src / "convert_hf_to_gguf.py").write_text(converter)
+    return src
+
+
+def _fake_llama_cpp(root, *, build_dir: bool = False):
+    """A llama.cpp checkout (fake_llama_checkout) whose llama-bench is a script. build_dir=True puts
+    llama-bench in a separate CMake build dir whose cache names the checkout."""
+    import sys
+    src = fake_llama_checkout(root, _FAKE_CONVERTER)
     bindir = (root / "build" / "bin") if build_dir else (src / "build" / "bin")
     bindir.mkdir(parents=True)
     exe = bindir / "llama-bench"

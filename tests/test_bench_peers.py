@@ -133,16 +133,8 @@ def _exe(path, text):
 
 
 def _fake_llama_cpp(root):
-    src = root / "llama.cpp"
-    (src / "gguf-py" / "gguf").mkdir(parents=True)
-    (src / "gguf-py" / "gguf" / "__init__.py").write_text("")
-    (src / "conversion").mkdir()
-    (src / "conversion" / "__init__.py").write_text("")
-    (src / "conversion" / "base.py").write_text(
-        "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n        raise NotImplementedError\n")
-    (src / "conversion" / "deepseek.py").write_text(
-        "class DeepseekV4Model:\n    def tensor_force_quant(self, name, new_name, bid, n_dims):\n        return False\n")
-    (src / "convert_hf_to_gguf.py").write_text(_FAKE_CONVERTER)
+    from test_bench import fake_llama_checkout
+    src = fake_llama_checkout(root, _FAKE_CONVERTER)
     (src / "build" / "bin").mkdir(parents=True)
     _exe(src / "build" / "bin" / "llama-bench", _FAKE_BENCH)
     return src
