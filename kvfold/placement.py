@@ -1,5 +1,5 @@
-"""Where each part of a model lives with one accelerator plus host memory (issue 46, the planning
-half: nothing here loads or splits a model yet).
+"""Where each part of a model lives with one accelerator plus host memory: the plan that
+`kvfold plan` prints and `load_model(..., placement=...)` runs (models/placed.py).
 
 The rules a `Placement` follows, the seed engine's (`Dsv4State`: a device prefix of layers, `dev_set`,
 and `partial_set`, the layers that run their MoE on the card from a partial expert pack) and the

@@ -6,8 +6,9 @@ resolved; `from pkg import name` is an import of the submodule pkg.name when the
 pkg. The parent packages Python runs first are not counted: only what a module names.
 
 Layers, lowest first; a module may import its own layer and those below it:
-  foundation  errors, paths, argtypes, profiling, progress, tokenizer, parallel: leaf utilities
-              (they import kvfold.errors at most), used from numerics up to the CLI
+  foundation  errors, paths, argtypes, profiling, progress, tokenizer, parallel, placement: leaf
+              utilities (they import kvfold.errors at most), used from numerics up to the CLI
+              (placement: where a split model's parts live, which models/placed.py runs)
   numerics    pure tensor functions and the quantized storage formats
   layers      model building blocks
   state       the per-sequence state every family shares
@@ -17,8 +18,7 @@ Layers, lowest first; a module may import its own layer and those below it:
   engine      batching, scheduling, prefix cache
   api         the `kvfold` package itself (load_model, the engine re-exported) and session files
               (which record kvfold.__version__)
-  commands    server, bench, plan (and its placement, until a loader places models), doctor: what
-              `kvfold <command>` runs
+  commands    server, bench, plan (and its placement report), doctor: what `kvfold <command>` runs
   cli         kvfold.cli and kvfold.__main__
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvfold"
 
 LAYERS = [
     ("foundation", ("kvfold.errors", "kvfold.paths", "kvfold.argtypes", "kvfold.profiling", "kvfold.progress",
-                    "kvfold.tokenizer", "kvfold.parallel")),
+                    "kvfold.tokenizer", "kvfold.parallel", "kvfold.placement")),
     ("numerics", ("kvfold.numerics",)),
     ("layers", ("kvfold.layers",)),
     ("state", ("kvfold.state",)),
@@ -38,8 +38,7 @@ LAYERS = [
     ("decoding", ("kvfold.decoding", "kvfold.chat")),
     ("engine", ("kvfold.engine",)),
     ("api", ("kvfold", "kvfold.session")),
-    ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.plan_placement", "kvfold.placement",
-                  "kvfold.doctor")),
+    ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.plan_placement", "kvfold.doctor")),
     ("cli", ("kvfold.cli", "kvfold.__main__")),
 ]
 

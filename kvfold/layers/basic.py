@@ -106,6 +106,15 @@ class QuantizedWeight(nn.Module):
             hit = self.__dict__["_native"] = (key, found)
         return hit[1]
 
+    def take(self, index: torch.Tensor) -> "QuantizedWeight":
+        """Slices `index` of the first dimension (experts of a stack) as a weight of their own,
+        in the same format: q and scale copied, bit for bit."""
+        shape = (index.numel(), *self.shape[1:])
+        out = QuantizedWeight(self.fmt, shape, self.dtype, self.block, self.scale.dtype, device="meta")
+        out.q = self.q.index_select(0, index)
+        out.scale = self.scale if self.fmt == BF16 else self.scale.index_select(0, index)
+        return out
+
     def derived(self, name: str, build):
         """`build(self)`, cached under `name` like `native`, until q or scale is replaced, moved or
         loaded again: what is made from the stored codes alone (another layout of the same codes,

@@ -10,7 +10,7 @@ from ..numerics.backend import Backend
 from ..numerics.quant import act_quant_fp8
 from ..numerics.reference import release_swiglu
 from ..numerics.rows import combine_experts, row_mm, swiglu
-from .basic import Linear, _param, matmul_weight, weight_mm
+from .basic import Linear, QuantizedWeight, _param, matmul_weight, weight_mm
 
 
 class Experts(nn.Module):
@@ -36,18 +36,34 @@ class Experts(nn.Module):
         """sum over each row's k experts of weight * expert(row), fp32 [T, hidden]."""
         if self.act_quant:  # set by numerics="reference" only
             return self._forward_release(x, weights, ids, ops)
-        invariant = ops.batch_invariant
-        # batch-invariant: each (row, slot) output kept apart, then combined in slot order (ascending ids)
-        alloc = torch.zeros if self.partial else torch.empty  # another rank's slots stay 0
-        per_slot = alloc(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device) if invariant else None
-        out = None if invariant else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        if ops.batch_invariant:  # each (row, slot) output kept apart, then combined in slot order (ascending ids)
+            return combine_experts(self.slot_outputs(x, ids, ops).view(*ids.shape, -1), weights)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e, slots, rows in self._groups(ids):
-            ye = self._expert(e, x[rows], ops)
-            if invariant:
-                per_slot[slots] = ye
-            else:
-                out.index_add_(0, rows, ye * weights.reshape(-1)[slots, None])
-        return combine_experts(per_slot.view(*ids.shape, -1), weights) if invariant else out
+            out.index_add_(0, rows, self._expert(e, x[rows], ops) * weights.reshape(-1)[slots, None])
+        return out
+
+    def slot_outputs(self, x: torch.Tensor, ids: torch.Tensor, ops: Backend) -> torch.Tensor:
+        """Each (row, slot)'s expert output, fp32 [T * k, hidden] in the order of ids.reshape(-1);
+        zero for a slot whose expert this module does not hold (`first`, `total`)."""
+        alloc = torch.zeros if self.partial else torch.empty
+        per_slot = alloc(ids.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+        for e, slots, rows in self._groups(ids):
+            per_slot[slots] = self._expert(e, x[rows], ops)
+        return per_slot
+
+    def subset(self, experts: list[int]) -> "Experts":
+        """These experts (global ids, ascending) as a stack of their own, its weights copied in
+        the format held: local expert j is `experts[j]`; ids past the stack run nothing there."""
+        sub = Experts.__new__(Experts)
+        nn.Module.__init__(sub)
+        sub.first, sub.partial, sub.limit, sub.act_quant = 0, True, self.limit, self.act_quant
+        index = torch.tensor(experts, dtype=torch.long, device=self.gate_up_proj.device)
+        for name in self.quantizable:
+            w = getattr(self, name)
+            setattr(sub, name, w.take(index) if isinstance(w, QuantizedWeight)
+                    else nn.Parameter(w.detach().index_select(0, index), requires_grad=False))
+        return sub
 
     def gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ops: Backend) -> torch.Tensor:
         """`forward` with no host-side grouping, for a step a CUDA graph captures: one matmul per

@@ -65,6 +65,11 @@ class RowBatch:
         return cls(torch.cat(ids) if len(ids) > 1 else ids[0],
                    torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0], segments, ops)
 
+    def moved(self, token_ids: torch.Tensor, positions: torch.Tensor, ops: Backend) -> "RowBatch":
+        """The same rows and segments with their ids and positions on another device (copies the
+        caller made) and that device's kernels: what a placed model's layers there read."""
+        return RowBatch(token_ids, positions, self.segments, ops)
+
     @property
     def rows(self) -> int:
         return self.token_ids.shape[0]

@@ -8,6 +8,7 @@ what it supports in `capabilities`; the engine and the server read those, never 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from array import array
@@ -81,6 +82,7 @@ class CausalLM(nn.Module):
         self.tokenizer = None
         self.mtp = None  # an MTP block, where the family has one and the checkpoint holds it
         self.tp = None  # a kvfold.parallel.TensorParallel when this rank holds a shard of the model
+        self.devices = None  # a models.placed.DeviceMap once `place` split the model across devices
         self.fingerprint = config.fingerprint()
         self.kernels = KernelSet.from_env()  # which kernel families may run (`set_kernels`)
         self._backends: dict[tuple, Backend] = {}
@@ -110,6 +112,92 @@ class CausalLM(nn.Module):
     def _on_device(self) -> None:
         """What the family builds from the device besides parameters and buffers (after `materialize_`)."""
 
+    # ---- placement across one accelerator and host memory (models/placed.py) -------------------
+    def _placement_units(self) -> tuple[list[nn.Module], list[nn.Module], list[nn.Module]]:
+        """(the embedding's modules, the blocks in order, the head's modules: its norms, lm_head and
+        the MTP block): what a placement puts on a device as a whole. Each block's routed experts
+        are `block.mlp.experts` where it has them."""
+        raise NotImplementedError
+
+    def place(self, placement, virtual=None) -> None:
+        """Split this model as `placement` (a kvfold.placement.Placement, from `kvfold plan`,
+        `--gpu-layers`/`--gpu-experts` or a device map) says: each block, the embedding and the
+        head move to their device; a card layer's routed experts outside its card set stay on the
+        host (models/split_experts.py). States made before are refused from then on (their
+        layers live elsewhere: the seed's `dev_set`). `virtual`: a VirtualDevices test mode, in
+        which every device is the CPU and the mode checks each part runs on its own side. Every
+        check runs before anything moves (PlacementError)."""
+        from .placed import DeviceMap
+        from .split_experts import SplitExperts
+        if self.tp is not None:
+            raise ConfigError("a placement splits one whole model across an accelerator and the host; this one is "
+                              "a tensor-parallel shard")
+        if self.devices is not None:
+            raise ConfigError("this model is placed already; load it again to place it another way")
+        devmap = DeviceMap(placement, virtual)
+        embed, blocks, head = self._placement_units()
+        moes = [getattr(b.mlp, "experts", None) for b in blocks]
+        devmap.check_model(len(blocks), [m is not None for m in moes], self.config.n_routed_experts)
+        for i, (block, experts) in enumerate(zip(blocks, moes)):
+            name = devmap.layer(i)
+            card = devmap.card_experts(i)
+            if card is not None:  # split on the host, where the stacks are, before the layer moves
+                block.mlp.experts = SplitExperts(experts, card, devmap, name, self._side_backend)
+            self._move(devmap, block, name)
+            if card is not None:  # the pack's host stack stayed (SplitExperts._apply)
+                block.mlp.experts.tag_host()
+        for modules, name in ((embed, devmap.embed), (head, devmap.head)):
+            for m in modules:
+                self._move(devmap, m, name)
+        self.devices = devmap
+        self.device = devmap.real(devmap.head)
+        self._backends.clear()
+        self.batch_invariant = self.invariant_by_default
+        self._on_device()
+
+    @staticmethod
+    def _move(devmap, module: nn.Module, name: str) -> None:
+        with devmap.scope(name):
+            module.to(devmap.real(name))
+        devmap.tag([*module.parameters(), *module.buffers()], name)
+
+    def _side_backend(self, name: str, ops: Backend) -> Backend:
+        """The kernels of device `name` in the mode of `ops` (what a split layer's host experts run)."""
+        return self.backend(ops.batch_invariant, self.devices.real(name))
+
+    def _real_devices(self) -> list[torch.device]:
+        if self.devices is None:
+            return [self.device]
+        return sorted({self.devices.real(n) for n in self.devices.names}, key=str)
+
+    def _embed_at_head(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows of `ids` on the head's device, where an MTP block reads them."""
+        d, embed = self.devices, self.model.embed_tokens
+        if d is None or d.embed == d.head:
+            return embed(ids)
+        with d.scope(d.embed):
+            rows = embed(d.hop(ids, d.embed))
+        return d.hop(rows, d.head)
+
+    def _head_scope(self):
+        """The head's part of a placed model (the MTP block runs there)."""
+        return contextlib.nullcontext() if self.devices is None else self.devices.scope(self.devices.head)
+
+    def _tag_layers(self, items, layer_of) -> None:
+        """Test mode (VirtualDevices): tag each (key, buffers) with the device of layer `layer_of(key)`."""
+        if self.devices is not None:
+            for key, obj in items:
+                self.devices.tag(obj, self.devices.layer(layer_of(key)))
+
+    @property
+    def dev_set(self) -> tuple[str, ...] | None:
+        """Each layer's device (None: the whole model on `device`); a state keeps the set it was made for."""
+        return None if self.devices is None else self.devices.dev_set
+
+    def layer_device(self, i: int) -> torch.device:
+        """The device layer i's weights and state live on."""
+        return self.device if self.devices is None else self.devices.real(self.devices.layer(i))
+
     @property
     def supports_mtp(self) -> bool:
         """Whether an MTP block is loaded (speculative="mtp"); the family provides new_mtp_state and mtp_step."""
@@ -129,6 +217,8 @@ class CausalLM(nn.Module):
             return f"{type(self).__name__} has no capturable decode step; use decode_graphs=False"
         if self.tp is not None:
             return "graph decode runs one rank's whole model; tensor parallelism is not supported"
+        if self.devices is not None:
+            return "graph decode captures a model on one device; a placed model decodes through its forward"
         if self.batch_invariant if batch_invariant is None else batch_invariant:
             why = self.graph_invariance_unsupported()
             if why is not None:
@@ -155,16 +245,18 @@ class CausalLM(nn.Module):
         if self.batch_invariant and self._invariance_unsupported() is not None:
             self.batch_invariant = False
 
-    def backend(self, batch_invariant: bool | None = None) -> Backend:
+    def backend(self, batch_invariant: bool | None = None, device: torch.device | None = None) -> Backend:
         """The Backend this model runs in that batch-invariant mode (None: its own): each op's
-        implementation, chosen once per (mode, numerics) from the model's device, dtype and kernels,
-        and passed explicitly down every call. ConfigError where the mode cannot hold."""
+        implementation, chosen once per (mode, numerics, device) from the device, the model's dtype
+        and kernels, and passed explicitly down every call. `device`: one of a placed model's
+        devices (None: `device`, where its head is). ConfigError where the mode cannot hold."""
         inv = self.batch_invariant if batch_invariant is None else bool(batch_invariant)
-        key = (inv, self.numerics)
+        device = self.device if device is None else torch.device(device)
+        key = (inv, self.numerics, device)
         ops = self._backends.get(key)
         if ops is None:
             self.invariance_refusal(inv)
-            ops = self._backends[key] = build_backend(self.device, self.dtype, self.numerics, inv, self.kernels)
+            ops = self._backends[key] = build_backend(device, self.dtype, self.numerics, inv, self.kernels)
         return ops
 
     # ---- batch invariance --------------------------------------------------------------------
@@ -175,10 +267,12 @@ class CausalLM(nn.Module):
     @property
     def invariant_by_default(self) -> bool:
         """Whether an engine runs this model batch-invariant when not told (`invariance_by_default`)."""
-        return invariance_by_default(self.device, self.dtype, self.kernels) and self.supports_batch_invariance
+        return all(invariance_by_default(d, self.dtype, self.kernels) for d in self._real_devices()) \
+            and self.supports_batch_invariance
 
     def _invariance_unsupported(self) -> str | None:
-        why = invariance_unsupported(self.device, self.dtype, self.kernels)
+        why = next((w for d in self._real_devices() if (w := invariance_unsupported(d, self.dtype, self.kernels))),
+                   None)
         if why is None and self.numerics == "reference":
             why = "batch-invariant mode runs numerics='hf' (the release's order of roundings is its own)"
         return why
@@ -206,7 +300,7 @@ class CausalLM(nn.Module):
 
     def _checked(self, token_ids, state) -> torch.Tensor:
         """The ids as a tensor, after every check a forward of them on `state` needs."""
-        state.check_usable(self.fingerprint, self.device, self.dtype)
+        state.check_usable(self.fingerprint, self.device, self.dtype, self.dev_set)
         ids = self._as_ids(token_ids)
         if state.pos + ids.numel() > state.capacity:
             raise CapacityError(

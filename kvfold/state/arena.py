@@ -41,6 +41,8 @@ class RingSpec:
 
 
 class SlotArena:
+    holds_every_layer = True  # buffers of every layer: never tagged whole with one layer's device
+
     def __init__(self, specs: list[RingSpec], slots: int, pages: PagePool, *, capacity: int, max_rewind: int,
                  fingerprint: str):
         """Rings of `slots` states of up to `capacity` tokens, their pools in `pages` (one page of

@@ -43,6 +43,9 @@ class SequenceState:
         self.prefix_tokens = prefix_tokens
         # states made in a SlotArena (state/arena.py): their rings are views of slot `slot`
         self.arena, self.slot = arena, slot
+        # a placed model's states (models/placed.py): each layer's device, fixed when the state is
+        # made (the seed's dev_set); None for a model on one device
+        self.dev_set: tuple[str, ...] | None = None
 
     @property
     def freed(self) -> bool:
@@ -123,8 +126,15 @@ class SequenceState:
         if self.layers is None:
             raise FreedStateError(f"state kv_id={self.kv_id} was freed; create a new one with model.new_state()")
 
-    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype) -> None:
+    def check_usable(self, fingerprint: str, device: torch.device, dtype: torch.dtype,
+                     dev_set: tuple[str, ...] | None = None) -> None:
         self._check_alive()
+        if dev_set != self.dev_set:
+            raise StateMismatchError(
+                f"state kv_id={self.kv_id} keeps its layers on {_devices(self.dev_set, device)} but the model runs "
+                f"them on {_devices(dev_set, device)}: a sequence's device-layer set is fixed when its state is "
+                f"made, and no layer's state has a copy on the other side; create the state with this model's "
+                f"new_state(), or snapshot() it and restore() into one")
         if fingerprint != self.fingerprint:
             raise StateMismatchError(
                 f"state kv_id={self.kv_id} was made by a model with config fingerprint {self.fingerprint}, "
@@ -168,3 +178,16 @@ class SequenceState:
     def __repr__(self) -> str:
         status = "freed" if self.freed else f"pos={self.pos}/{self.capacity}"
         return f"{type(self).__name__}(kv_id={self.kv_id}, {status}, max_rewind={self.max_rewind})"
+
+
+def _devices(dev_set: tuple[str, ...] | None, device) -> str:
+    """A device-layer set in words: 'cuda:0 (layers 0-3), cpu (layers 4-7)'."""
+    if dev_set is None:
+        return f"{device} (every layer)"
+    runs: list[list] = []
+    for i, d in enumerate(dev_set):
+        if runs and runs[-1][0] == d:
+            runs[-1][2] = i
+        else:
+            runs.append([d, i, i])
+    return ", ".join(f"{d} (layers {a}-{b})" if a != b else f"{d} (layer {a})" for d, a, b in runs)

@@ -36,6 +36,7 @@ class PoolSpec:
     width: int
     fp8_nope: int | None = None
     dtype: torch.dtype | None = None
+    device: torch.device | None = None  # where its storage lives, where not the pool's (a placed model's layer)
 
 
 class PagePool:
@@ -44,6 +45,8 @@ class PagePool:
     Create with `model.new_page_pool(num_pages)`; give it to `model.new_state(..., pages=pool)`.
     A page is free (refcount 0) or referenced by one or more holders: states (their page
     tables) and the engine's prefix cache. Refusals change nothing."""
+
+    holds_every_layer = True  # buffers of every layer: never tagged whole with one layer's device
 
     def __init__(self, specs: list[PoolSpec], num_pages: int, page_tokens: int, dtype: torch.dtype,
                  device: torch.device, *, fingerprint: str = "", kv_fp8: bool = False):
@@ -60,8 +63,8 @@ class PagePool:
         self.fingerprint = fingerprint
         self.kv_fp8 = kv_fp8
         self.storages: dict[tuple[int, str], KvRows] = {
-            (s.layer, s.kind): KvRows(num_pages * (page_tokens // s.ratio), s.width, s.dtype or dtype, device,
-                                      s.fp8_nope)
+            (s.layer, s.kind): KvRows(num_pages * (page_tokens // s.ratio), s.width, s.dtype or dtype,
+                                      s.device or device, s.fp8_nope)
             for s in specs}
         self._refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first

@@ -30,6 +30,7 @@ from ...state.kv_rows import kv_row_bytes
 from ...state.pages import COMPRESSOR, INDEXER, PagePool, PoolSpec
 from ...state.rings import PositionRing
 from ..base import Capabilities, CausalLM, Embedding
+from ..placed import Walk
 from ...parallel import check_divides
 from .sharding import tp_counts
 
@@ -93,8 +94,24 @@ class Dsv4Model(CausalLM):
         cfg, rd = self.config, self.config.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None, self.device)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, self.device)
+        # a placed model's layers read the tables of their own device (head's: the two above)
+        self._ropes = {None: (self.rope_main, self.rope_compress)}
+        if self.devices is not None:
+            for name in self.devices.names:
+                with self.devices.scope(name):
+                    dev = self.devices.real(name)
+                    pair = (RopeTable(rd, cfg.rope_theta, None, dev),
+                            RopeTable(rd, cfg.compress_rope_theta, cfg.compress_yarn, dev))
+                self.devices.tag([t.inv_freq for t in pair], name)
+                self._ropes[name] = pair
+            self.rope_main, self.rope_compress = self._ropes[self.devices.head]
         if self.mtp is not None:
             self.mtp.device = self.device
+
+    def _placement_units(self):
+        body = self.model
+        return [body.embed_tokens], list(body.layers), \
+            [body.norm, body.hc_head, self.lm_head, *([self.mtp] if self.mtp is not None else [])]
 
     # ---- numerics ----------------------------------------------------------------------------
     def set_numerics(self, mode: str) -> None:
@@ -161,12 +178,15 @@ class Dsv4Model(CausalLM):
         nope, cfg = self._kv_nope(kv_dtype), self.config
         specs = []
         for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
+            dev = self.layer_device(i)  # a placed model's pages of a layer live with the layer
             if kind != SLIDING:
-                specs.append(PoolSpec(i, COMPRESSOR, ratio, cfg.head_dim, nope))
+                specs.append(PoolSpec(i, COMPRESSOR, ratio, cfg.head_dim, nope, device=dev))
             if kind == CSA:
-                specs.append(PoolSpec(i, INDEXER, ratio, cfg.index_head_dim))
-        return PagePool(specs, num_pages, self.page_tokens, self.dtype, self.device, fingerprint=self.fingerprint,
+                specs.append(PoolSpec(i, INDEXER, ratio, cfg.index_head_dim, device=dev))
+        pool = PagePool(specs, num_pages, self.page_tokens, self.dtype, self.device, fingerprint=self.fingerprint,
                         kv_fp8=nope is not None)
+        self._tag_layers(pool.storages.items(), lambda key: key[0])
+        return pool
 
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, *,
                   pages: PagePool | None = None, prefix_pages: list[int] | None = None,
@@ -192,6 +212,9 @@ class Dsv4Model(CausalLM):
         if pages is None and prefix_pages:
             raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
         if arena is not None:
+            if self.devices is not None:
+                raise ConfigError("a SlotArena holds a graph step's states on one device; a placed model's states "
+                                  "live with their layers: leave arena out")
             if nope is not None:
                 raise ConfigError("a state in a SlotArena stores its KV in the model dtype; use kv_dtype=None")
             arena.check_fits(capacity, max_rewind, pages, self.fingerprint)
@@ -201,8 +224,9 @@ class Dsv4Model(CausalLM):
         slot = arena.take() if arena is not None else None
         layers, memo = [], {}
         for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
+            dev = self.layer_device(i)  # a layer's state lives on its device only (placed.py)
             window = arena.ring((i, "window"), slot) if arena is not None else \
-                PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, self.device, fp8_nope=nope)
+                PositionRing(cfg.sliding_window + max_rewind, cfg.head_dim, self.dtype, dev, fp8_nope=nope)
             ls = LayerState(window=window)
             rows = -(-capacity // ratio) if ratio else 0
             for pool_kind, width in ((COMPRESSOR, cfg.head_dim), (INDEXER, cfg.index_head_dim)):
@@ -211,7 +235,7 @@ class Dsv4Model(CausalLM):
                 view = pages.view(i, pool_kind, table, rows, memo) if pages is not None else None
                 rings = None if arena is None else \
                     (arena.ring((i, pool_kind, "kv"), slot), arena.ring((i, pool_kind, "score"), slot))
-                c = compressor_state(ratio, kind == CSA, width, capacity, max_rewind, self.dtype, self.device,
+                c = compressor_state(ratio, kind == CSA, width, capacity, max_rewind, self.dtype, dev,
                                      fp8_nope=nope if pool_kind == COMPRESSOR else None, pool=view, rings=rings)
                 setattr(ls, pool_kind, c)
             layers.append(ls)
@@ -221,6 +245,8 @@ class Dsv4Model(CausalLM):
                           prefix_tokens=len(prefix_pages or []) * pages.page_tokens if pages is not None else 0)
         if arena is not None:
             arena.bind(slot, state)
+        state.dev_set = self.dev_set
+        self._tag_layers(enumerate(layers), lambda i: i)
         return state
 
     def new_decode_arena(self, slots: int, capacity: int, pages: PagePool, max_rewind: int = 0) -> SlotArena:
@@ -267,26 +293,37 @@ class Dsv4Model(CausalLM):
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        ops = batch.ops
-        batch.rope[SLIDING] = (self.rope_main, *self.rope_main.cos_sin(ops, batch.positions))
-        if any(k != SLIDING for k in self.config.layer_types):
-            batch.rope["compressed"] = (self.rope_compress, *self.rope_compress.cos_sin(ops, batch.positions))
-        fused = model_row(self, batch)  # decode rows: all of the below as one native call
+        walk = Walk(self, batch, self._rope_rows)  # a placed model's devices (one device: no moves)
+        fused = model_row(self, batch) if self.devices is None else None  # decode rows: one native call
         if fused is not None:
             logits, streams = fused  # every row's
             if any(seg.length > 1 for seg in batch.segments):  # verify rows: keep the scored ones
                 logits = logits[batch.scored_rows(last_only)]
         else:
-            streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
-            streams = streams.contiguous()
-            for block in self.model.layers:
-                streams = block(streams, batch)
+            name = walk.name("embed")
+            b, ids = walk.enter(name, batch.token_ids)
+            with walk.scope(name):
+                streams = self.model.embed_tokens(b.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
+                streams = streams.contiguous()
+            for i, block in enumerate(self.model.layers):
+                b, streams = walk.enter(walk.name(i), streams)
+                with walk.scope(walk.name(i)):
+                    streams = block(streams, b)
+            b, streams = walk.enter(walk.name("head"), streams)
         for seg in batch.segments:
             seg.state.pos = seg.state.written_until = seg.start + seg.length
         if fused is None:
-            h = streams[batch.scored_rows(last_only)]
-            logits = self.lm_head(self.model.norm(self.model.hc_head(h, ops), ops), ops).float()
+            with walk.scope(walk.name("head")):
+                h = streams[b.scored_rows(last_only)]
+                logits = self.lm_head(self.model.norm(self.model.hc_head(h, b.ops), b.ops), b.ops).float()
         return batch.split_scored(logits, last_only), streams
+
+    def _rope_rows(self, batch: RowBatch, name: str | None) -> None:
+        """The RoPE rows of a call's positions, from the tables of device `name` (Walk's `prepare`)."""
+        rope_main, rope_compress = self._ropes[name]
+        batch.rope[SLIDING] = (rope_main, *rope_main.cos_sin(batch.ops, batch.positions))
+        if any(k != SLIDING for k in self.config.layer_types):
+            batch.rope["compressed"] = (rope_compress, *rope_compress.cos_sin(batch.ops, batch.positions))
 
     # ---- accounting ----------------------------------------------------------------------------
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
@@ -319,4 +356,5 @@ class Dsv4Model(CausalLM):
         output streams when drafting ahead; `token_ids`: the T tokens one position later; `ops`: the
         kernels to run (None: `backend()`, the model's own mode). Returns (logits [T, vocab] for the
         tokens two positions ahead, output streams [T, hc, d])."""
-        return self.mtp.step(self, hidden, token_ids, mtp_state, self.backend() if ops is None else ops)
+        with self._head_scope():
+            return self.mtp.step(self, hidden, token_ids, mtp_state, self.backend() if ops is None else ops)

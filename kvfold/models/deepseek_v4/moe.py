@@ -169,7 +169,10 @@ def _native_moe_rows(ops: Backend, moe: MoE, x: torch.Tensor, token_ids: torch.T
 
 def native_moe_layer(moe: MoE) -> MoeLayer | None:
     """The layer as native.c reads it (its weights' descriptors kept alive by the cache), or None
-    where the kernels cannot serve it; rebuilt only with `_cached_native_weights`."""
+    where the kernels cannot serve it; rebuilt only with `_cached_native_weights`. A layer whose
+    experts a placement split between two devices (models/split_experts.py) runs op by op."""
+    if type(moe.experts) is not Experts:
+        return None
     ws = _cached_native_weights(moe)
     if ws is None:
         return None

@@ -57,7 +57,7 @@ class MtpModule(nn.Module):
         return (self.cfg.sliding_window + max_rewind) * self.cfg.head_dim * self.dtype.itemsize
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed: nn.Module,
+    def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, state: Dsv4State, embed,
                 lm_head: nn.Module, rope, ops: Backend) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hc, d] (main streams at positions pos..pos+T-1), next_ids [T] (the tokens one
         position later) -> (logits [T, vocab] predicting two positions ahead, output streams [T, hc, d]),
@@ -87,7 +87,7 @@ class MtpModule(nn.Module):
         belongs to (the body of `Dsv4Model.mtp_step`), and `ops`, a Backend of `main`;
         `token_ids`: a list or a LongTensor."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=main.device)
-        return self(hidden, ids, state, main.model.embed_tokens, main.lm_head, main.rope_main, ops)
+        return self(hidden, ids, state, main._embed_at_head, main.lm_head, main.rope_main, ops)
 
 
 def official_mtp_weights(mtp: MtpModule) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from .state import Glm5State, KdaLayerState, MlaLayerState, kda_ring_sizes
 from ...state.arena import SlotArena
 from ...state.pages import LATENT, PagePool, PoolSpec
 from ..base import Capabilities, CausalLM, Embedding
+from ..placed import Walk
 from ...parallel import check_divides
 from .sharding import tp_counts
 from .graph_step import arena_specs, decode_step
@@ -149,9 +150,12 @@ class Glm5Model(CausalLM):
         """Preallocate `num_pages` shared pages for the MLA latent rows of this model's states (one
         page: `page_tokens` positions of every DSA layer's latent; float8_e4m3fn with kv_dtype="fp8")."""
         fp8, cfg = kv_storage(kv_dtype), self.config
-        specs = [PoolSpec(i, LATENT, 1, cfg.kv_lora_rank, dtype=fp8) for i in cfg.dsa_layers]
-        return PagePool(specs, num_pages, self.page_tokens, self.dtype, self.device, fingerprint=self.fingerprint,
+        specs = [PoolSpec(i, LATENT, 1, cfg.kv_lora_rank, dtype=fp8, device=self.layer_device(i))
+                 for i in cfg.dsa_layers]
+        pool = PagePool(specs, num_pages, self.page_tokens, self.dtype, self.device, fingerprint=self.fingerprint,
                         kv_fp8=fp8 is not None)
+        self._tag_layers(pool.storages.items(), lambda key: key[0])
+        return pool
 
     def new_state(self, capacity: int = 4096, max_rewind: int = 0, kv_dtype: str | None = None, *,
                   pages: PagePool | None = None, prefix_pages: list[int] | None = None,
@@ -178,6 +182,9 @@ class Glm5Model(CausalLM):
         if pages is None and prefix_pages:
             raise ConfigError("prefix_pages needs pages=<the PagePool they belong to>")
         if arena is not None:
+            if self.devices is not None:
+                raise ConfigError("a SlotArena holds a graph step's states on one device; a placed model's states "
+                                  "live with their layers: leave arena out")
             if fp8 is not None:
                 raise ConfigError("a state in a SlotArena stores its KV in the model dtype; use kv_dtype=None")
             arena.check_fits(capacity, max_rewind, pages, self.fingerprint)
@@ -189,13 +196,14 @@ class Glm5Model(CausalLM):
             """The arena slot's buffer `key` as `shape`, or a zeroed one of this state's own."""
             if arena is not None and key in arena.rings:
                 return arena.buffer(key, slot).view(shape)
-            return torch.zeros(shape, dtype=dtype, device=dev)
+            return torch.zeros(shape, dtype=dtype, device=layer_dev)
 
         memo: dict = {}
         kp = max(cfg.index_kpool, 1)
         dsa_cap = -(-capacity // kp) * kp  # whole pools, at least capacity rows
         layers = []
         for i, kind in enumerate(cfg.layer_types):
+            layer_dev = self.layer_device(i)  # a layer's state lives on its device only (placed.py); `buffer` reads it
             if kind == KDA:
                 layers.append(self._kda_layer_state(i, max_rewind, buffer))
                 continue
@@ -205,9 +213,9 @@ class Glm5Model(CausalLM):
                                                            for part in ("dsa_k", "dsa_gate")),
                                             arena.buffer((i, "dsa_valid"), slot)[:, 0])
             elif cfg.indexer_types[i] == "full":
-                dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=dev, key_dtype=fp8)
+                dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=layer_dev, key_dtype=fp8)
             latent = pages.view(i, LATENT, table, capacity, memo) if pages is not None else \
-                torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=dev)
+                torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=layer_dev)
             layers.append(MlaLayerState(latent=latent, dsa=dsa))
         state = Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
                           device=dev, dtype=dt, kv_fp8=fp8 is not None, tp=self.tp, pages=pages, page_table=table,
@@ -215,6 +223,8 @@ class Glm5Model(CausalLM):
                           arena=arena, slot=slot)
         if arena is not None:
             arena.bind(slot, state)
+        state.dev_set = self.dev_set
+        self._tag_layers(enumerate(layers), lambda i: i)
         return state
 
     def _kda_layer_state(self, i: int, max_rewind: int, buffer) -> KdaLayerState:
@@ -247,39 +257,57 @@ class Glm5Model(CausalLM):
 
     # ---- forward: the rows of one model call (CausalLM runs the chunk loop and the checks) ----
     def _run_rows(self, batch: RowBatch, last_only: bool | list[bool]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        ops = batch.ops
         for seg in batch.segments:
             seg.state._dsa_sync(seg.start, 0)  # reconcile as eager decode does (seed): rewind if ahead
             seg.state._kda_begin(seg.start, seg.length)
-        streams = self.model.embed_tokens(batch.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
-        streams = streams.contiguous()
+        walk = Walk(self, batch, lambda b, name: None)  # a placed model's devices (one device: no moves)
+        b, _ = walk.enter(walk.name("embed"), batch.token_ids)
+        with walk.scope(walk.name("embed")):
+            streams = self.model.embed_tokens(b.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
+            streams = streams.contiguous()
         # MLA runs verify rows one after another, as decode rows (`Segment.parts`); KDA runs a
         # sequence's rows as its recurrence does, whose last max_rewind rows are single steps already
         parts = [p for seg in batch.segments for p in seg.parts()]
         sels: list = [None] * len(parts)  # each unit's DSA selection, shared down its layers
         for i, block in enumerate(self.model.layers):
-            x, post, comb = block.attn_hc.collapse(streams, ops)
-            x = block.input_layernorm(x, ops)
-            units = batch.segments if block.kind == KDA else parts
-            y = x.new_zeros(x.shape) if len(units) > 1 else None
-            for s, seg in enumerate(units):
-                xs = own_rows(x, seg.rows) if ops.fresh_rows(seg.length) else x[seg.rows]
-                ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s, ops)
-                if y is None:
-                    y = ys
-                else:
-                    y[seg.rows] = ys
-            streams = HyperConnection.expand(streams, y, post, comb, ops)
-            x, post, comb = block.ffn_hc.collapse(streams, ops)
-            x = block.post_attention_layernorm(x, ops)
-            y = block.mlp(x, ops)
-            streams = HyperConnection.expand(streams, y, post, comb, ops)
+            if walk.crosses(walk.name(i)):  # the DSA selections go on down the layers with the streams
+                sels = [None if sel is None else walk.devmap.hop(sel, walk.name(i)) for sel in sels]
+            b, streams = walk.enter(walk.name(i), streams)
+            with walk.scope(walk.name(i)):
+                streams = self._layer(i, block, streams, parts, sels, b)
         for seg in batch.segments:
             seg.state._kda_commit()
             seg.state.pos = seg.state.written_until = seg.start + seg.length
-        scored = streams[batch.scored_rows(last_only)]
-        logits = self.lm_head(self.model.norm(stream_mean(scored), ops), ops).float()
+        b, streams = walk.enter(walk.name("head"), streams)
+        with walk.scope(walk.name("head")):
+            scored = streams[b.scored_rows(last_only)]
+            logits = self.lm_head(self.model.norm(stream_mean(scored), b.ops), b.ops).float()
         return batch.split_scored(logits, last_only), streams
+
+    def _layer(self, i: int, block, streams: torch.Tensor, parts: list, sels: list, batch: RowBatch) -> torch.Tensor:
+        """Layer i on the rows' streams: attention per sequence (KDA) or per unit (MLA), then the MLP."""
+        ops = batch.ops
+        x, post, comb = block.attn_hc.collapse(streams, ops)
+        x = block.input_layernorm(x, ops)
+        units = batch.segments if block.kind == KDA else parts
+        y = x.new_zeros(x.shape) if len(units) > 1 else None
+        for s, seg in enumerate(units):
+            xs = own_rows(x, seg.rows) if ops.fresh_rows(seg.length) else x[seg.rows]
+            ys = self._attend(block, xs, seg, seg.state.layers[i], sels, s, ops)
+            if y is None:
+                y = ys
+            else:
+                y[seg.rows] = ys
+        streams = HyperConnection.expand(streams, y, post, comb, ops)
+        x, post, comb = block.ffn_hc.collapse(streams, ops)
+        x = block.post_attention_layernorm(x, ops)
+        y = block.mlp(x, ops)
+        return HyperConnection.expand(streams, y, post, comb, ops)
+
+    def _placement_units(self):
+        body = self.model
+        return [body.embed_tokens], list(body.layers), \
+            [body.norm, self.lm_head, *([self.mtp] if self.mtp is not None else [])]
 
     @staticmethod
     def _attend(block, x: torch.Tensor, seg, ls, sels: list, s: int, ops: Backend) -> torch.Tensor:
@@ -305,8 +333,9 @@ class Glm5Model(CausalLM):
         to run (None: `backend()`, the model's own mode). Returns (logits [T, vocab] for two
         positions ahead, the MTP output [T, d])."""
         ops = self.backend() if ops is None else ops
-        h = self.model.norm(stream_mean(hidden), ops) if hidden.dim() == 3 else hidden
-        return self.mtp(h, self._as_ids(token_ids), mtp_state, self.model.embed_tokens, self.lm_head, ops)
+        with self._head_scope():
+            h = self.model.norm(stream_mean(hidden), ops) if hidden.dim() == 3 else hidden
+            return self.mtp(h, self._as_ids(token_ids), mtp_state, self._embed_at_head, self.lm_head, ops)
 
     # ---- accounting ---------------------------------------------------------------------------
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
