@@ -17,6 +17,18 @@ every check, so a run cut short still says what it measured. The report (JSON, `
   every arena tensor), and against the forward (max |diff|), through a rewind and an admission;
 - `invariant_graphs`: the tiny V4's graph decode with the Triton kernels and batch invariance on,
   a sequence's replayed logits and streams alone against beside others (`torch.equal`);
+- `split_tiny`: the tiny V4 and GLM-5.3 split by `CausalLM.place` (all but the last two layers
+  on the device, each holding half its routed experts, the rest on the host; embedding on the
+  host, head on the device) against the same weights on the CPU alone: prefill and greedy steps
+  (max |diff|, each step's argmax; `torch.equal` under `--virtual`), the pack's expert hits;
+- `split_flash`: a V4-Flash-shaped stack (`--split-flash-layers`, bf16, random weights drawn on the
+  device, held on the host) run on the CPU alone, then split (`--split-gpu-layers`, default all
+  but the last) with every card layer's experts on the host (`host_experts`) and with a partial
+  pack (`partial_pack`, `--split-gpu-experts`, default half): logits against the CPU run and one
+  sequence's decode tok/s at `--split-context`; beside it (`llama_cpp`) llama-bench's decode with
+  `-ngl 99 --n-cpu-moe N` when `--llama-cpp DIR` and `--gguf FILE` are given, else why not.
+  `--virtual` runs both on the CPU with every device virtual (layers/virtual_devices.py), where
+  a crossing the split misses raises and the bits must equal the CPU's;
 - `speed`: decode tokens/s of the `medium` config and of a V4-Flash-shaped stack (the release's
   shapes, `--flash-layers` layers, random bf16 weights) at 1, 8 and 64 sequences and at the given
   contexts, with the fraction of `--bandwidth` (bytes/s) that one step's weight and state bytes
@@ -29,12 +41,19 @@ On the GPU machine (torch and triton are there; transformers 5.23 is not):
     pip download --no-deps transformers==5.23.0 -d .gpu-wheels    # here, once
     run: pip install --no-deps -t /tmp/tf .gpu-wheels/*.whl && PYTHONPATH=/tmp/tf:. \
          python bench/gpu_check.py --device cuda --out $OUT/gpu.json        (carry .gpu-wheels)
+The split cells alone (a few minutes; host RAM: --split-flash-layers x 13 GB and a copy of the
+card layers' host experts, the GPU: their dense parts, pack and head):
+    python bench/gpu_check.py --device cuda --no-families --no-triton --no-graphs --no-speed \
+         --out $OUT/split.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -317,37 +336,44 @@ def check_graphs(family: str, dtype: torch.dtype, device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def device_random_(model: torch.nn.Module, seed: int = 0) -> None:
+def device_random_(model: torch.nn.Module, seed: int = 0, draw: torch.device | None = None) -> None:
     """init_random_'s kinds of values drawn on the model's device (a V4-Flash-shaped stack is too
-    big to draw on the CPU in reasonable time): O(1) activations, valid hash routing."""
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    big to draw on the CPU in reasonable time): O(1) activations, valid hash routing. `draw`: the
+    device to draw on when it is not the model's (split_flash's CPU model gets its values drawn on
+    the GPU a tensor at a time and copied)."""
+    draw = torch.device(draw) if draw is not None else next(model.parameters()).device
+    g = torch.Generator(device=draw).manual_seed(seed)
     for name, p in model.named_parameters():
+        t = p if p.device == draw else torch.empty(p.shape, dtype=p.dtype, device=draw)
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            t.fill_(1.0)
         elif leaf in ("sinks", "position_bias", "base", "hc_base", "scale", "hc_scale"):
-            p.normal_(1.0 if "scale" in leaf else 0.0, 0.2, generator=g)
+            t.normal_(1.0 if "scale" in leaf else 0.0, 0.2, generator=g)
         else:
-            p.normal_(0.0, 1.0 if name.endswith("embed_tokens.weight") else p.shape[-1] ** -0.5, generator=g)
+            t.normal_(0.0, 1.0 if name.endswith("embed_tokens.weight") else p.shape[-1] ** -0.5, generator=g)
+        if t is not p:
+            p.copy_(t)
     cfg = model.config
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
-            b.copy_(torch.rand(cfg.vocab_size, cfg.n_routed_experts, device=b.device, generator=g)
+            b.copy_(torch.rand(cfg.vocab_size, cfg.n_routed_experts, device=draw, generator=g)
                     .argsort(dim=1)[:, :cfg.num_experts_per_tok])
         elif name.endswith("e_score_correction_bias"):
             b.zero_()
 
 
-def flash_stack(layers: int, dtype: torch.dtype, device: torch.device, **shrink) -> Dsv4Model:
+def flash_stack(layers: int, dtype: torch.dtype, device: torch.device, draw: torch.device | None = None,
+                **shrink) -> Dsv4Model:
     """The release's V4-Flash shapes (tests/data's config.json) with `layers` layers: sliding, CSA,
-    HCA, CSA, ... (the first one hash-routed), random weights; `shrink` overrides config.json keys
-    (how the CPU test builds a small one)."""
+    HCA, CSA, ... (the first one hash-routed), random weights (drawn on `draw`, default `device`);
+    `shrink` overrides config.json keys (how the CPU test builds a small one)."""
     from kvfold.models.deepseek_v4.config import config_from_dict
     d = json.loads(FLASH_CONFIG.read_text())
     d.update(n_layers=layers, n_hash_layers=1, compress_ratios=([0] + [4, 128] * layers)[:layers], n_mtp_layers=0,
              **shrink)
     model = Dsv4Model(config_from_dict(d), dtype=dtype, device=device)
-    device_random_(model)
+    device_random_(model, draw=draw)
     return model
 
 
@@ -446,7 +472,7 @@ def speed(args, device: torch.device, report: dict, save) -> None:
               for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))]
     if args.flash_layers:
         models.append((f"v4-flash-{args.flash_layers}-layers-bf16",
-                       lambda: flash_stack(args.flash_layers, torch.bfloat16, device)))
+                       lambda: flash_stack(args.flash_layers, torch.bfloat16, device, **args.flash_shrink)))
     for label, make in models:
         entry = report["speed"].setdefault(label, {"cells": []})
         try:
@@ -514,6 +540,183 @@ def medium_model(name: str, dtype: torch.dtype, device: torch.device) -> Dsv4Mod
     return model
 
 
+# ---- split cells: one model across the device and the host (CausalLM.place, issue 46) ----------------
+def split_placement(model, gpu_layers: int, gpu_experts: int, accelerator: str):
+    """Layers 0..gpu_layers-1 on `accelerator` holding experts 0..gpu_experts-1 of each there (a
+    partial pack; the others run on the host), the later layers and the embedding on the host, the
+    head on the accelerator: every crossing a placement makes (kvfold/placement.py), in one model."""
+    from kvfold.placement import HOST, Placement
+    _, blocks, _ = model._placement_units()
+    moe = [getattr(b.mlp, "experts", None) is not None for b in blocks]
+    devices = tuple(accelerator if i < gpu_layers else HOST for i in range(len(blocks)))
+    experts = tuple(frozenset(range(gpu_experts if i < gpu_layers else 0)) if m else None for i, m in enumerate(moe))
+    return Placement(devices, experts, model.config.n_routed_experts, HOST, accelerator, accelerator)
+
+
+@contextlib.contextmanager
+def placed(model, placement, virtual: bool):
+    """`model` split as `placement` for the block's runs: on the real devices, or (`virtual`) with
+    every device the CPU under a VirtualDevices mode, in which an op that mixes the two sides
+    raises, so a missing crossing shows on a CPU-only machine. Yields the mode (None when real)."""
+    from kvfold.layers.virtual_devices import VirtualDevices
+    vd = VirtualDevices() if virtual else None
+    with vd if vd is not None else contextlib.nullcontext():
+        model.place(placement, virtual=vd)
+        yield vd
+
+
+def reference_run(model, ids: list[int], steps: int, cap: int):
+    """The one-device run: (its greedy tokens, (prefill logits, each step's logits) as float on the CPU)."""
+    st = model.new_state(capacity=cap)
+    first = model.forward(ids, st)
+    tokens, rows = greedy(model, st, first, steps)
+    return tokens, (first.float().cpu(), rows)
+
+
+def forced_run(model, ids: list[int], tokens: list[int], cap: int):
+    """(prefill logits, the logits after each of `tokens`) as float on the CPU. The split model is fed
+    the reference's greedy tokens, so each row answers the same history as the reference's and a
+    difference is the arithmetic's, never a divergence's."""
+    st = model.new_state(capacity=cap)
+    first = model.forward(ids, st).float().cpu()
+    return first, torch.stack([model.forward([t], st)[-1].float().cpu() for t in tokens])
+
+
+def split_vs_reference(want, got) -> dict:
+    """What check_family reports for device against CPU, for a split run against the one-device one;
+    `greedy_tokens_equal_cpu`: each step's argmax (the next greedy token) the same."""
+    def argmaxes(first, rows):
+        return [int(first[-1].argmax())] + rows.argmax(-1).tolist()
+    (wf, wr), (gf, gr) = want, got
+    return {"prefill_max_diff_vs_cpu": max_diff(wf, gf), "decode_max_diff_vs_cpu": max_diff(wr, gr),
+            "greedy_tokens_equal_cpu": argmaxes(wf, wr) == argmaxes(gf, gr),
+            "logits_equal_cpu": torch.equal(wf, gf) and torch.equal(wr, gr),
+            "logit_scale": max(wf.abs().max().item(), wr.abs().max().item())}
+
+
+def check_split_tiny(family: str, dtype: torch.dtype, accelerator: str, virtual: bool) -> dict:
+    """The tiny model split (all but its last two layers on the device, each holding half its
+    experts; the head there too) against the same weights on the CPU alone: a 40-token prefill and
+    8 greedy steps. Virtual: the same bits (`logits_equal_cpu`); on a GPU: its arithmetic's difference."""
+    ref, model = tiny_pair(family, dtype, torch.device("cpu"))
+    ids, cap = prompt(ref, 40), 96
+    tokens, want = reference_run(ref, ids, 8, cap)
+    placement = split_placement(model, model.config.num_hidden_layers - 2, model.config.n_routed_experts // 2,
+                                accelerator)
+    with placed(model, placement, virtual) as vd:
+        got = forced_run(model, ids, tokens, cap)
+    out = {"placement": placement.flags(), "virtual": virtual, **split_vs_reference(want, got),
+           "expert_hits": list(model.expert_hits())}
+    if vd is not None:
+        out["virtual_ops_checked"] = vd.checked
+    return out
+
+
+def twin(model: Dsv4Model) -> Dsv4Model:
+    """A second model holding `model`'s very tensors (V4-Flash-shaped weights do not fit the host
+    twice), to be placed while `model` stays whole on the CPU; placing copies only what moves."""
+    other = Dsv4Model(model.config, dtype=model.dtype, device=model.device)
+    other.load_state_dict(model.state_dict(), assign=True)
+    return other
+
+
+def split_flash_run(master, gpu_experts: int, args, accelerator: str, ids, tokens, want) -> dict:
+    """`master`'s twin split (--split-gpu-layers, `gpu_experts` a card layer): logits against the
+    one-device run, then one sequence's decode at --split-context, timed as the speed cells are."""
+    model = twin(master)
+    gpu_layers = args.split_gpu_layers if args.split_gpu_layers is not None else args.split_flash_layers - 1
+    placement = split_placement(model, gpu_layers, gpu_experts, accelerator)
+    cuda = accelerator.startswith("cuda") and not args.virtual
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with placed(model, placement, args.virtual):
+        out = {"placement": placement.flags(), **split_vs_reference(want, forced_run(model, ids, tokens, 64)),
+               "expert_hits": list(model.expert_hits())}
+        out["decode"] = run_check(lambda: decode_cell(model, 1, args.split_context, args.steps))
+    if cuda:
+        out["device_peak_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def check_split_flash(args, accelerator: str, draw: torch.device | None, deadline: float) -> dict:
+    """A V4-Flash-shaped stack (--split-flash-layers layers, bf16, random weights drawn on `draw`)
+    built on the CPU, run there alone for the reference, then split twice: every card layer's
+    routed experts on the host (`host_experts`, --gpu-experts 0) and a partial pack
+    (`partial_pack`, --split-gpu-experts, default half). Each: logits against the reference (max
+    |diff|) and decode tok/s."""
+    master = flash_stack(args.split_flash_layers, torch.bfloat16, torch.device("cpu"), draw=draw,
+                         **args.flash_shrink)
+    cfg = master.config
+    k = args.split_gpu_experts if args.split_gpu_experts is not None else cfg.n_routed_experts // 2
+    ids = prompt(master, 32)
+    t = time.perf_counter()
+    tokens, want = reference_run(master, ids, 8, 64)
+    out = {"layers": cfg.num_hidden_layers, "n_experts": cfg.n_routed_experts, "virtual": args.virtual,
+           "weight_bytes": sum(p.numel() * p.element_size() for p in master.parameters()),
+           "cpu_reference_s": time.perf_counter() - t}
+    for label, experts in (("host_experts", 0), ("partial_pack", k)):
+        if time.perf_counter() > deadline:
+            out[label] = {"skipped": "--time-budget spent"}
+            continue
+        out[label] = run_check(lambda: split_flash_run(master, experts, args, accelerator, ids, tokens, want))
+        gc.collect()  # the twin's card tensors go before the next one's arrive
+        if accelerator.startswith("cuda") and not args.virtual:
+            torch.cuda.empty_cache()
+    return out
+
+
+def llama_cpp_cells(args, deadline: float) -> list[dict]:
+    """llama.cpp's decode of a GGUF at hand (--gguf) with every layer on the card and the routed
+    experts of the first N layers on the host (`-ngl 99 --n-cpu-moe N`, N of --llama-n-cpu-moe; 99:
+    all of them, as `host_experts`), at --split-context: the peer's number beside split_flash's.
+    A record saying why where it cannot run (kvfold/bench/llamacpp.py's records)."""
+    from kvfold.bench import llamacpp as LL
+    context, llama = args.split_context, LL.locate(args.llama_cpp)
+    why = llama.problem if llama.bench is None else None
+    if why is None and not (args.gguf and Path(args.gguf).is_file()):
+        why = "no GGUF at hand (--gguf FILE)" if not args.gguf else f"--gguf {args.gguf}: no such file"
+    if why is not None:
+        return [LL.unavailable_record(context, why)]
+    cells = []
+    for n in args.llama_n_cpu_moe:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            cells.append(LL.unavailable_record(context, "--time-budget spent"))
+            continue
+        cell = LL.run_cell(llama, Path(args.gguf), context, decode_tokens=args.steps, threads=os.cpu_count() or 1,
+                           time_limit=left, extra=["-ngl", "99", "--n-cpu-moe", str(n)])
+        cells.append({"n_cpu_moe": n, **cell})
+    return cells
+
+
+def split_cells(args, device: torch.device, report: dict, save) -> None:
+    """split_tiny (each family and --split-dtypes) and split_flash, within --time-budget."""
+    if device.type != "cuda" and not args.virtual:
+        why = {"skipped": f"a split needs an accelerator: --device cuda, or --virtual (every device the CPU)"}
+        report["split_tiny"], report["split_flash"] = dict(why), dict(why)
+        return
+    from kvfold.placement import ACCELERATOR
+    accelerator = ACCELERATOR if args.virtual else f"cuda:{device.index or 0}"
+    deadline = START + args.time_budget
+    report["split_tiny"] = {}
+    for family in ("deepseek_v4", "glm5_next"):
+        for dtype in args.split_dtypes:
+            name = f"{family}-{str(dtype)[6:]}"
+            report["split_tiny"][name] = {"skipped": "--time-budget spent"} if time.perf_counter() > deadline \
+                else run_check(lambda: check_split_tiny(family, dtype, accelerator, args.virtual))
+            save()
+    if not args.split_flash_layers:
+        report["split_flash"] = {"skipped": "--split-flash-layers 0"}
+    elif time.perf_counter() > deadline:
+        report["split_flash"] = {"skipped": "--time-budget spent"}
+    else:
+        draw = device if device.type == "cuda" and not args.virtual else None
+        report["split_flash"] = run_check(lambda: check_split_flash(args, accelerator, draw, deadline))
+    save()
+    report["split_flash"]["llama_cpp"] = llama_cpp_cells(args, deadline)
+    save()
+
+
 def failure(exc: BaseException) -> dict:
     return {"error": repr(exc), "traceback": traceback.format_exc(limit=6)}
 
@@ -528,6 +731,22 @@ def run_check(fn) -> dict:
     return out
 
 
+def split_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-split", action="store_true", help="leave out the split cells")
+    p.add_argument("--virtual", action="store_true",
+                   help="split cells on the CPU, every device virtual (VirtualDevices): the bits must be the CPU's")
+    p.add_argument("--split-dtypes", default="float32,bfloat16", help="split_tiny's dtypes")
+    p.add_argument("--split-flash-layers", type=int, default=3, help="layers of split_flash's stack (0: none)")
+    p.add_argument("--split-gpu-layers", type=int, default=None,
+                   help="split_flash's layers on the device (default: all but the last)")
+    p.add_argument("--split-gpu-experts", type=int, default=None,
+                   help="split_flash's partial pack: experts a card layer holds (default: half)")
+    p.add_argument("--split-context", type=int, default=512, help="split_flash's decode context")
+    p.add_argument("--llama-cpp", default=None, help="a llama.cpp checkout or build with llama-bench")
+    p.add_argument("--gguf", default=None, help="the GGUF llama-bench runs beside split_flash")
+    p.add_argument("--llama-n-cpu-moe", default="99", help="llama-bench --n-cpu-moe values (comma-separated)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -539,12 +758,19 @@ def main(argv=None) -> int:
     p.add_argument("--flash-layers", type=int, default=4, help="layers of the V4-Flash-shaped stack (0: none)")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="the device's memory bandwidth, bytes/s")
     p.add_argument("--no-speed", action="store_true", help="the correctness checks only")
+    p.add_argument("--no-families", action="store_true", help="leave out the families checks")
     p.add_argument("--no-triton", action="store_true", help="leave out the Triton check")
     p.add_argument("--no-graphs", action="store_true", help="leave out the graph-decode checks and cells")
-    p.add_argument("--time-budget", type=float, default=500, help="seconds after which no speed cell starts")
+    p.add_argument("--time-budget", type=float, default=500,
+                   help="seconds after which no split or speed cell starts")
+    p.add_argument("--flash-shrink", type=json.loads, default={},
+                   help="JSON of config.json keys overriding the V4-Flash shapes (how the tests shrink them)")
+    split_arguments(p)
     args = p.parse_args(argv)
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.split_dtypes = [getattr(torch, d) for d in args.split_dtypes.split(",")]
+    args.llama_n_cpu_moe = [int(n) for n in args.llama_n_cpu_moe.split(",")]
     device = torch.device(args.device)
     report = {"device": str(device), "torch": torch.__version__, "families": {}, "speed": {}}
     if device.type == "cuda":
@@ -556,7 +782,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     with torch.inference_mode():
-        for family in ("deepseek_v4", "glm5_next"):
+        for family in () if args.no_families else ("deepseek_v4", "glm5_next"):
             for dtype in (torch.float32, torch.bfloat16):
                 name = f"{family}-{str(dtype)[6:]}"
                 report["families"][name] = run_check(lambda: check_family(family, dtype, device))
@@ -572,6 +798,8 @@ def main(argv=None) -> int:
                 report["invariant_graphs"] = {str(dt)[6:]: run_check(lambda: check_invariant_graphs(dt, device))
                                               for dt in (torch.float32, torch.bfloat16)}
                 save()
+        if not args.no_split:
+            split_cells(args, device, report, save)
         if not args.no_speed:
             speed(args, device, report, save)
     save()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import sys
 from typing import Any, Sequence
@@ -12,7 +13,7 @@ import torch
 
 from .argtypes import nonneg_float as _nonneg_float, nonneg_int as _nonneg_int, pos_int as _pos_int, top_p as _top_p
 from .errors import KvfoldError
-from .progress import quieted
+from .progress import is_quiet, quieted
 from .decoding.generate import generate, generation_capacity
 from .models.registry import checkpoint_dir
 
@@ -31,8 +32,13 @@ def _load_model(path: str, device: str, dtype: torch.dtype, numerics: str = "hf"
     return kvfold.load_model(path, device=device, dtype=dtype, **extra)
 
 
-def _load_for(args: argparse.Namespace) -> Any:
+def _load_for(args: argparse.Namespace, seq_len: int | None = None) -> Any:
+    """The model a command runs; with placement flags (generate, serve: kvfold/load_placed.py)
+    split across the accelerator and the host, its state sized for `seq_len` tokens."""
     tp = getattr(args, "tp", 1)
+    placing = _placement_options(args, seq_len)
+    if placing:  # (--tp > 1 with a placement is refused before the load, so no group is joined)
+        return _load_placed_for(args, placing)
     if tp > 1:  # this process is one rank of a torchrun launch
         import kvfold
         from .parallel.group import join_group
@@ -42,6 +48,34 @@ def _load_for(args: argparse.Namespace) -> Any:
     if args.numerics == "hf" and args.weights == "dequant":  # (tests patch a 3-argument _load_model)
         return _load_model(args.model, args.device, _DTYPES[args.dtype])
     return _load_model(args.model, args.device, _DTYPES[args.dtype], args.numerics, args.weights)
+
+
+def _placement_options(args: argparse.Namespace, seq_len: int | None) -> dict:
+    from .load_placed import placement_options
+    return placement_options(args, virtual=getattr(args, "virtual", None), max_seq_len=seq_len,
+                             kv_dtype=getattr(args, "kv_dtype", None))
+
+
+def _load_placed_for(args: argparse.Namespace, placing: dict) -> Any:
+    import kvfold
+    from .load_placed import describe
+    tp = getattr(args, "tp", 1)
+    model = kvfold.load_model(args.model, device=args.device, dtype=_DTYPES[args.dtype], numerics=args.numerics,
+                              weights=args.weights, **({"tp": tp} if tp > 1 else {}), **placing)
+    if not is_quiet():
+        print(f"[kvfold] {describe(model)}", file=sys.stderr)
+    return model
+
+
+def _virtual_devices(args: argparse.Namespace):
+    """--virtual-devices: the test mode (kvfold/layers/virtual_devices.py), entered for the whole
+    command: a TorchFunctionMode sees only the ops run while it is entered, on this thread."""
+    args.virtual = None
+    if not getattr(args, "virtual_devices", False):
+        return contextlib.nullcontext()
+    from .layers.virtual_devices import VirtualDevices
+    args.virtual = VirtualDevices()
+    return args.virtual
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +114,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="shard the model over N ranks (DeepSeek-V4): run as torchrun --nproc-per-node N -m kvfold "
                         "generate ... --tp N; rank 0 prints")
     _add_model_args(g)
+    from .load_placed import add_placement_arguments
+    add_placement_arguments(g, "test mode: run the placement with every device on the CPU, each op checked to run "
+                               "on its own side (layers/virtual_devices.py); needs --gpu-memory-gib")
 
     i = sub.add_parser("inspect", help="print the layer schedule, state sizes and kernels of a model")
     i.add_argument("model", help=_MODEL_HELP)
@@ -144,7 +181,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     loaded = None
     if args.load_session:  # a damaged file is refused before the (possibly large) model loads
         loaded = sess.read_session(args.load_session)
-    model = _load_for(args)
+    model = _load_for(args, _generation_tokens(args, loaded))
     state = None
     try:
         if loaded is not None:
@@ -181,6 +218,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if state is not None:
             state.free()
     return 0
+
+
+def _generation_tokens(args: argparse.Namespace, loaded: Any) -> int:
+    """At most the tokens this run's state holds, known before the tokenizer loads (a placement's
+    budgets hold that state): each prompt token covers at least a byte, plus BOS and a session's."""
+    fed = len(args.prompt.encode("utf-8")) + 1 + (0 if loaded is None else len(loaded.tokens) + 1)
+    return generation_capacity(fed, args.max_new_tokens, args.speculative, args.num_draft)[0]
 
 
 def _resume_session(args: argparse.Namespace, model: Any, loaded: Any) -> tuple[list[int], Any, list[int]]:
@@ -346,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
-        return _cmd_generate(args)
+        with _virtual_devices(args):
+            return _cmd_generate(args)
     if args.command == "convert":
         return _cmd_convert(args)
     if args.command == "eval-ppl":

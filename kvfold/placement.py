@@ -11,8 +11,9 @@ peers' (llama.cpp `-ngl 99 --n-cpu-moe`, ktransformers' and flyweight's expert o
 * Routed experts are the bytes a card holds worst: a token reads top_k of a layer's E (V4-Flash 6
   of 256), everything else in the layer whole. So a card layer holds experts 0..K-1 of its E on
   the card (`--gpu-experts K`, the same K for every card layer; `all` = E) and runs the other E-K
-  on the host: the seed's partial pack. The set is static and uncalibrated, the first K by index;
-  a set chosen from routing counts over a text stored beside the checkpoint is issue 46's item 2.
+  on the host: the seed's partial pack. The set is the first K by index, or the K that routing
+  counts over a calibration text rank highest (`ranked`, models/expert_counts.py), or the K used
+  most recently (models/split_experts.py, "lru").
   The k picked experts' outputs are combined in ascending expert order whichever side ran each
   (numerics/rows.py `combine_experts`), so the split changes no addition order.
 * The head (final norm, mHC head, lm_head) goes on the card whenever it fits: a token reads all of
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import PlacementError
 
@@ -155,6 +156,19 @@ class Placement:
         for i in self.partial_layers:
             hops += 2 * host_pick_chance(len(self.device_experts[i]), self.n_experts, top_k)
         return hops
+
+    def ranked(self, counts: list[list[int] | None]) -> "Placement":
+        """The same packs, each partial one holding the experts `counts` (per layer, how often a
+        calibration text picked each: models/expert_counts.py) ranks highest, ties to the lower id."""
+        if len(counts) != len(self.device_experts):
+            raise PlacementError(f"expert counts for {len(counts)} layers, the placement has {len(self.device_experts)}")
+        sets = []
+        for i, s in enumerate(self.device_experts):
+            if i in self.partial_layers and counts[i] is not None:
+                c = counts[i]
+                s = frozenset(sorted(range(len(c)), key=lambda e: (-c[e], e))[:len(s)])
+            sets.append(s)
+        return replace(self, device_experts=tuple(sets))
 
     @classmethod
     def prefix(cls, sizes: ModelSizes, gpu_layers: int, gpu_experts: int, head_on_accelerator: bool,

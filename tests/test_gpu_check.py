@@ -47,6 +47,8 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_every_same_device_comparison_ex
         assert got["vs_forward_max_diff"] <= fp32_paths_bound(torch.tensor(got["logit_scale"]), blocks, dtype), \
             (name, got)
         assert got["graph_captures"] == 2 and got["graph_recaptures"] == 0, got  # buckets 4, then 5 (of 1, 2, 4, 5)
+    for cell in ("split_tiny", "split_flash"):  # a CPU run without --virtual has no second side to split to
+        assert "--virtual" in report[cell]["skipped"], report[cell]
     for label in ("tiny-bench-fp32", "tiny-bench-bf16"):
         speed = report["speed"][label]
         assert [(c["batch"], c["context"]) for c in speed["cells"]] == [(1, 48), (2, 48)], speed
@@ -72,3 +74,64 @@ def test_the_v4_flash_shaped_stack_builds_routes_and_decodes(tmp_path):
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     # two tokens route to at most 12 of 8 experts: all of them are read
     assert gc.bytes_per_step(model, 2, 0) - gc.bytes_per_step(model, 1, 0) == expert_bytes - expert_bytes * 6 // 8
+
+
+# V4-Flash's keys with small values: the release's layer kinds and routing at test sizes
+FLASH_SHRINK = dict(vocab_size=512, dim=64, moe_inter_dim=32, n_routed_experts=8, n_heads=4, head_dim=64,
+                    rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=16, index_n_heads=4,
+                    index_head_dim=32, index_topk=8)
+
+
+def test_the_split_cells_run_on_virtual_devices_and_give_the_cpus_bits(tmp_path):
+    from test_bench_peers import _fake_llama_cpp
+    llama, gguf = _fake_llama_cpp(tmp_path), tmp_path / "flash.gguf"
+    gguf.write_bytes(b"GGUF")  # the fake llama-bench never reads it
+    out = tmp_path / "report.json"
+    assert _script().main(["--device", "cpu", "--virtual", "--out", str(out), "--no-families", "--no-triton",
+                           "--no-graphs", "--no-speed", "--split-dtypes", "float32", "--steps", "2",
+                           "--split-context", "40", "--flash-shrink", json.dumps(FLASH_SHRINK),
+                           "--llama-cpp", str(llama), "--gguf", str(gguf), "--llama-n-cpu-moe", "99,1"]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["split_tiny"]) == {"deepseek_v4-float32", "glm5_next-float32"}
+    for name, got in report["split_tiny"].items():
+        assert "error" not in got, (name, got.get("traceback"))
+        assert got["virtual"] and got["virtual_ops_checked"] > 0, name
+        assert got["logits_equal_cpu"] and got["greedy_tokens_equal_cpu"], (name, got)
+        assert got["prefill_max_diff_vs_cpu"] == 0 and got["decode_max_diff_vs_cpu"] == 0, (name, got)
+        hits, routed = got["expert_hits"]
+        assert 0 < hits < routed, (name, got)  # half of each card layer's experts: some rows cross, some stay
+    flash = report["split_flash"]
+    assert "error" not in flash, flash.get("traceback")
+    assert flash["virtual"] and flash["layers"] == 3 and flash["n_experts"] == 8
+    for label, card_only in (("host_experts", False), ("partial_pack", True)):
+        got = flash[label]
+        assert "error" not in got, (label, got.get("traceback"))
+        assert got["placement"] == f"--gpu-layers 2 --gpu-experts {4 if card_only else 0}", got
+        assert got["logits_equal_cpu"] and got["greedy_tokens_equal_cpu"], (label, got)
+        assert got["prefill_max_diff_vs_cpu"] == 0 and got["decode_max_diff_vs_cpu"] == 0, (label, got)
+        hits, routed = got["expert_hits"]
+        assert routed > 0 and (0 < hits < routed if card_only else hits == 0), (label, got)
+        assert got["decode"]["tok_s"] > 0 and got["decode"]["context"] == 40, got["decode"]
+    cells = flash["llama_cpp"]
+    assert [c["n_cpu_moe"] for c in cells] == [99, 1], cells
+    for n, cell in zip((99, 1), cells):
+        assert cell["decode_status"] == "ok" and cell["decode_tok_s"] > 0, cell
+        assert any(f"-ngl 99 --n-cpu-moe {n}" in c and "-d 40" in c for c in cell["commands"]), cell
+
+
+def test_the_llama_cpp_comparison_says_why_it_did_not_run(tmp_path):
+    import argparse
+    from test_bench_peers import _fake_llama_cpp
+    gc = _script()
+    args = argparse.Namespace(split_context=40, steps=2, llama_n_cpu_moe=[99], llama_cpp=None, gguf=None)
+    bench = _fake_llama_cpp(tmp_path)
+    far = float("inf")
+    for llama_cpp, gguf, why in ((str(tmp_path / "none"), None, "not a directory"),
+                                 (str(bench), None, "no GGUF at hand"),
+                                 (str(bench), str(tmp_path / "x.gguf"), "x.gguf: no such file")):
+        args.llama_cpp, args.gguf = llama_cpp, gguf
+        [cell] = gc.llama_cpp_cells(args, far)
+        assert cell["not_run"] and why in cell["decode_status"], (why, cell)
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    [cell] = gc.llama_cpp_cells(args, 0.0)  # a spent --time-budget starts no llama-bench
+    assert cell["not_run"] and "--time-budget spent" in cell["decode_status"] and "commands" not in cell, cell

@@ -16,8 +16,9 @@ Layers, lowest first; a module may import its own layer and those below it:
   decoding    sampling, drafters, the generation loop; and chat (prompt formats, output parsers),
               which needs nothing above errors and which the server uses beside decoding
   engine      batching, scheduling, prefix cache
-  api         the `kvfold` package itself (load_model, the engine re-exported) and session files
-              (which record kvfold.__version__)
+  api         the `kvfold` package itself (load_model, the engine re-exported), session files
+              (which record kvfold.__version__) and load_placed (load_model's placement across an
+              accelerator and the host, and the flags generate and serve take for it)
   commands    server, bench, plan (and its placement report), doctor: what `kvfold <command>` runs
   cli         kvfold.cli and kvfold.__main__
 """
@@ -37,7 +38,7 @@ LAYERS = [
     ("models", ("kvfold.models",)),
     ("decoding", ("kvfold.decoding", "kvfold.chat")),
     ("engine", ("kvfold.engine",)),
-    ("api", ("kvfold", "kvfold.session")),
+    ("api", ("kvfold", "kvfold.session", "kvfold.load_placed")),
     ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.plan_placement", "kvfold.doctor")),
     ("cli", ("kvfold.cli", "kvfold.__main__")),
 ]

@@ -24,6 +24,9 @@ def engine_metrics(engine) -> dict[str, float]:
         spec_accepted_per_position=tuple(engine.spec.accepted_at) if engine.spec is not None else (),
         max_running=engine.scheduler.max_running,
     )
+    # a placed model's partial expert packs (models/split_experts.py): routed (row, slot) pairs the
+    # card served, of all those routed in layers with a pack
+    m["expert_card_hits"], m["expert_routed_slots"] = engine.model.expert_hits()
     m.update(dict.fromkeys(("pages_total", "pages_used", "pages_free", "pages_shared", "page_bytes",
                             "page_bytes_total", "page_bytes_used"), 0))
     if engine.pages is not None:

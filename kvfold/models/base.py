@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError
+from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError, PlacementError
 from ..layers.basic import QuantizedWeight, _param
 from ..layers.rows import RowBatch
 from ..numerics.backend import Backend, KernelSet, build_backend, invariance_by_default, invariance_unsupported
@@ -119,14 +119,16 @@ class CausalLM(nn.Module):
         are `block.mlp.experts` where it has them."""
         raise NotImplementedError
 
-    def place(self, placement, virtual=None) -> None:
+    def place(self, placement, virtual=None, expert_policy: str = "static") -> None:
         """Split this model as `placement` (a kvfold.placement.Placement, from `kvfold plan`,
         `--gpu-layers`/`--gpu-experts` or a device map) says: each block, the embedding and the
         head move to their device; a card layer's routed experts outside its card set stay on the
         host (models/split_experts.py). States made before are refused from then on (their
         layers live elsewhere: the seed's `dev_set`). `virtual`: a VirtualDevices test mode, in
-        which every device is the CPU and the mode checks each part runs on its own side. Every
-        check runs before anything moves (PlacementError)."""
+        which every device is the CPU and the mode checks each part runs on its own side.
+        `expert_policy`: "static" (a card layer holds its placement's expert set) or "lru" (as
+        many card slots, holding the experts used most recently; split_experts.py). Every check
+        runs before anything moves (PlacementError)."""
         from .placed import DeviceMap
         from .split_experts import SplitExperts
         if self.tp is not None:
@@ -134,6 +136,9 @@ class CausalLM(nn.Module):
                               "a tensor-parallel shard")
         if self.devices is not None:
             raise ConfigError("this model is placed already; load it again to place it another way")
+        from .split_experts import POLICIES
+        if expert_policy not in POLICIES:
+            raise PlacementError(f"expert_policy must be one of {', '.join(POLICIES)}, got {expert_policy!r}")
         devmap = DeviceMap(placement, virtual)
         embed, blocks, head = self._placement_units()
         moes = [getattr(b.mlp, "experts", None) for b in blocks]
@@ -142,7 +147,7 @@ class CausalLM(nn.Module):
             name = devmap.layer(i)
             card = devmap.card_experts(i)
             if card is not None:  # split on the host, where the stacks are, before the layer moves
-                block.mlp.experts = SplitExperts(experts, card, devmap, name, self._side_backend)
+                block.mlp.experts = SplitExperts(experts, card, devmap, name, self._side_backend, expert_policy)
             self._move(devmap, block, name)
             if card is not None:  # the pack's host stack stayed (SplitExperts._apply)
                 block.mlp.experts.tag_host()
@@ -154,6 +159,13 @@ class CausalLM(nn.Module):
         self._backends.clear()
         self.batch_invariant = self.invariant_by_default
         self._on_device()
+
+    def expert_hits(self) -> tuple[int, int]:
+        """(routed (row, slot) pairs a card's partial pack served, all pairs routed in layers with a
+        partial pack) since load: the pack's hit rate (0, 0 on a model without one)."""
+        from .split_experts import SplitExperts
+        packs = [m for m in self.modules() if isinstance(m, SplitExperts)]
+        return sum(m.hits for m in packs), sum(m.slots for m in packs)
 
     @staticmethod
     def _move(devmap, module: nn.Module, name: str) -> None:
@@ -193,6 +205,10 @@ class CausalLM(nn.Module):
     def dev_set(self) -> tuple[str, ...] | None:
         """Each layer's device (None: the whole model on `device`); a state keeps the set it was made for."""
         return None if self.devices is None else self.devices.dev_set
+
+    def _device_name(self, i: int) -> str | None:
+        """Layer i's device name in the placement (None on one device)."""
+        return None if self.devices is None else self.devices.layer(i)
 
     def layer_device(self, i: int) -> torch.device:
         """The device layer i's weights and state live on."""

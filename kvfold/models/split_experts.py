@@ -110,7 +110,7 @@ class SplitExperts(nn.Module):
 
     @torch.no_grad()
     def _load_slot(self, j: int, e: int) -> None:
-        src = int(self.host_local[e])
+        src = e  # under "lru" the host stack holds every expert, in id order
         virtual = self.devmap.virtual  # the copy is a crossing, as a hop is
         with virtual.unchecked() if virtual is not None else contextlib.nullcontext():
             for name in Experts.quantizable:

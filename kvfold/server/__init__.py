@@ -89,6 +89,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_int_at_least(1), default=None,
                    help="threads of the model's kernels (default: torch's count, at most one fewer than the "
                         "CPUs, so the HTTP front end keeps a core)")
+    from ..load_placed import add_placement_arguments
+    add_placement_arguments(p, "refused for serve: the test mode is a TorchFunctionMode, which sees only its own "
+                               "thread's ops, and the engine steps on a worker thread; check a placement with "
+                               "kvfold generate --virtual-devices")
     return p
 
 
@@ -115,11 +119,12 @@ def build_engine(args: argparse.Namespace):
     from ..engine import Engine
     from ..errors import KvfoldError
     tp = getattr(args, "tp", 1)
-    if tp > 1:
+    placing = _placement_options(args)
+    if tp > 1 and not placing:  # (a placement with --tp is refused at the load, before any work)
         from ..parallel.group import join_group
         join_group(tp, args.device)
     model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                              weights=getattr(args, "weights", "dequant"), **({"tp": tp} if tp > 1 else {}))
+                              weights=getattr(args, "weights", "dequant"), **({"tp": tp} if tp > 1 else {}), **placing)
     try:
         return Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
                       max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
@@ -131,6 +136,20 @@ def build_engine(args: argparse.Namespace):
                       conversations=getattr(args, "conversation_tokens", 0))
     except ValueError as exc:  # inconsistent limits: a usage error, reported like kvfold's own
         raise KvfoldError(f"serve: {exc}") from None
+
+
+def _placement_options(args: argparse.Namespace) -> dict:
+    """load_model's placement keywords from serve's flags ({} without them): the budgets hold
+    --max-running sequences of --max-seq-len tokens."""
+    from ..errors import ConfigError
+    from ..load_placed import placement_options
+    if getattr(args, "virtual_devices", False):
+        # A TorchFunctionMode is thread-local: entered here it would not see the engine's worker
+        # thread (engine/async_engine.py), and the check would pass without having looked.
+        raise ConfigError("serve --virtual-devices is refused: the virtual-device check sees only the thread that "
+                          "enters it, and the server steps its engine on a worker thread; check the placement with "
+                          "kvfold generate --virtual-devices (same flags), then serve it on a machine with the card")
+    return placement_options(args, max_seq_len=args.max_seq_len, sequences=args.max_running)
 
 
 def build_app(args: argparse.Namespace):
@@ -186,11 +205,20 @@ def startup_banner(args: argparse.Namespace, engine) -> str:
              f"thread{'s' if threads != 1 else ''}, batch-invariant {'on' if engine.batch_invariant else 'off'}"
              # under --tp the weights and state above are this rank's share
              f"{f', rank 0 of {args.tp} (memory: its share)' if getattr(args, 'tp', 1) > 1 else ''}",
+             *_placement_lines(model),
              f"  state:        {_state_summary(args, engine)}",
              f"  prefix cache: {_prefix_cache_summary(args, engine)}",
              f"  page:         {page}{port_note}",
              f"  API:          {url}/v1{port_note}"]
     return "\n".join(lines) + "\n"
+
+
+def _placement_lines(model) -> list[str]:
+    """The banner's line for a model split across the accelerator and the host (none otherwise)."""
+    if getattr(model, "devices", None) is None:
+        return []
+    from ..load_placed import describe
+    return [f"  {describe(model).replace('placement: ', 'placement:   ', 1)}"]
 
 
 def _state_summary(args: argparse.Namespace, engine) -> str:

@@ -222,7 +222,7 @@ class Dsv4Model(CausalLM):
             table = pages.take_table(capacity, prefix_pages, fingerprint=self.fingerprint, dtype=self.dtype,
                                      device=self.device, kv_fp8=nope is not None)
         slot = arena.take() if arena is not None else None
-        layers, memo = [], {}
+        layers, memos = [], {}  # one row-map memo per device: a page table's index lives with its pool
         for i, (kind, ratio) in enumerate(zip(cfg.layer_types, cfg.compress_ratios)):
             dev = self.layer_device(i)  # a layer's state lives on its device only (placed.py)
             window = arena.ring((i, "window"), slot) if arena is not None else \
@@ -232,7 +232,8 @@ class Dsv4Model(CausalLM):
             for pool_kind, width in ((COMPRESSOR, cfg.head_dim), (INDEXER, cfg.index_head_dim)):
                 if kind == SLIDING or (pool_kind == INDEXER and kind != CSA):
                     continue
-                view = pages.view(i, pool_kind, table, rows, memo) if pages is not None else None
+                view = pages.view(i, pool_kind, table, rows, memos.setdefault(self._device_name(i), {})) \
+                    if pages is not None else None
                 rings = None if arena is None else \
                     (arena.ring((i, pool_kind, "kv"), slot), arena.ring((i, pool_kind, "score"), slot))
                 c = compressor_state(ratio, kind == CSA, width, capacity, max_rewind, self.dtype, dev,

@@ -198,7 +198,7 @@ class Glm5Model(CausalLM):
                 return arena.buffer(key, slot).view(shape)
             return torch.zeros(shape, dtype=dtype, device=layer_dev)
 
-        memo: dict = {}
+        memos: dict = {}  # one row-map memo per device: a page table's index lives with its pool
         kp = max(cfg.index_kpool, 1)
         dsa_cap = -(-capacity // kp) * kp  # whole pools, at least capacity rows
         layers = []
@@ -214,7 +214,8 @@ class Glm5Model(CausalLM):
                                             arena.buffer((i, "dsa_valid"), slot)[:, 0])
             elif cfg.indexer_types[i] == "full":
                 dsa = Glm5NextDsaState(dsa_cap, cfg.index_head_dim, kp, dtype=dt, device=layer_dev, key_dtype=fp8)
-            latent = pages.view(i, LATENT, table, capacity, memo) if pages is not None else \
+            latent = pages.view(i, LATENT, table, capacity, memos.setdefault(self._device_name(i), {})) \
+                if pages is not None else \
                 torch.zeros(capacity, cfg.kv_lora_rank, dtype=fp8 or dt, device=layer_dev)
             layers.append(MlaLayerState(latent=latent, dsa=dsa))
         state = Glm5State(layers, capacity=capacity, max_rewind=max_rewind, fingerprint=self.fingerprint,
