@@ -31,9 +31,9 @@ demo: $(VENV)/.stamp-run
 	$(VENV)/bin/kvfold generate --model tiny --prompt "$(PROMPT)" \
 		--max-new-tokens 64 --temperature 0.8 --top-p 0.95 --seed 0
 
-# The batch-invariance tests run twice: with the kernels MKL, ATen and kvfold's own native build
-# pick on this machine, and held to AVX2, so one machine checks that no guarantee rests on either
-# instruction set's kernels.
+# The batch-invariance and placement-exactness tests run twice: with the kernels MKL, ATen and
+# kvfold's own native build pick on this machine, and held to AVX2, so one machine checks that no
+# guarantee rests on either instruction set's kernels.
 test: $(VENV)/.stamp-dev
 	$(PY) -m pytest -q
-	MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 KVFOLD_NATIVE_ISA=avx2 $(PY) -m pytest -q -m batch_invariance
+	MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 KVFOLD_NATIVE_ISA=avx2 $(PY) -m pytest -q -m "batch_invariance or exactness"

@@ -54,6 +54,7 @@ import gc
 import json
 import math
 import os
+import resource
 import sys
 import time
 import traceback
@@ -620,20 +621,23 @@ def twin(model: Dsv4Model) -> Dsv4Model:
     return other
 
 
-def split_flash_run(master, gpu_experts: int, args, accelerator: str, ids, tokens, want) -> dict:
-    """`master`'s twin split (--split-gpu-layers, `gpu_experts` a card layer): logits against the
-    one-device run, then one sequence's decode at --split-context, timed as the speed cells are."""
+def split_flash_run(master, gpu_experts: int, args, accelerator: str, reference) -> dict:
+    """`master`'s twin split (--split-gpu-layers, `gpu_experts` per card layer): logits against the
+    one-device run (`reference`: its prompt, greedy tokens, logits and state capacity), then one
+    sequence's decode at --split-context, timed as the speed cells are."""
+    ids, tokens, want, cap = reference
     model = twin(master)
     gpu_layers = args.split_gpu_layers if args.split_gpu_layers is not None else args.split_flash_layers - 1
     placement = split_placement(model, gpu_layers, gpu_experts, accelerator)
-    cuda = accelerator.startswith("cuda") and not args.virtual
-    if cuda:
+    if not args.virtual:
         torch.cuda.reset_peak_memory_stats()
     with placed(model, placement, args.virtual):
-        out = {"placement": placement.flags(), **split_vs_reference(want, forced_run(model, ids, tokens, 64)),
+        out = {"placement": placement.flags(), **split_vs_reference(want, forced_run(model, ids, tokens, cap)),
                "expert_hits": list(model.expert_hits())}
         out["decode"] = run_check(lambda: decode_cell(model, 1, args.split_context, args.steps))
-    if cuda:
+        # its count takes a split layer's card and host stacks for dense weights, all read each step
+        out["decode"].pop("bytes_per_step", None)
+    if not args.virtual:
         out["device_peak_bytes"] = torch.cuda.max_memory_allocated()
     return out
 
@@ -648,9 +652,9 @@ def check_split_flash(args, accelerator: str, draw: torch.device | None, deadlin
                          **args.flash_shrink)
     cfg = master.config
     k = args.split_gpu_experts if args.split_gpu_experts is not None else cfg.n_routed_experts // 2
-    ids = prompt(master, 32)
+    ids, cap = prompt(master, 32), 64
     t = time.perf_counter()
-    tokens, want = reference_run(master, ids, 8, 64)
+    tokens, want = reference_run(master, ids, 8, cap)
     out = {"layers": cfg.num_hidden_layers, "n_experts": cfg.n_routed_experts, "virtual": args.virtual,
            "weight_bytes": sum(p.numel() * p.element_size() for p in master.parameters()),
            "cpu_reference_s": time.perf_counter() - t}
@@ -658,10 +662,12 @@ def check_split_flash(args, accelerator: str, draw: torch.device | None, deadlin
         if time.perf_counter() > deadline:
             out[label] = {"skipped": "--time-budget spent"}
             continue
-        out[label] = run_check(lambda: split_flash_run(master, experts, args, accelerator, ids, tokens, want))
+        out[label] = run_check(lambda: split_flash_run(master, experts, args, accelerator, (ids, tokens, want, cap)))
         gc.collect()  # the twin's card tensors go before the next one's arrive
-        if accelerator.startswith("cuda") and not args.virtual:
+        if not args.virtual:
             torch.cuda.empty_cache()
+    # whole process, earlier checks included: what the host held at most beside the card
+    out["process_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
 
@@ -692,7 +698,7 @@ def llama_cpp_cells(args, deadline: float) -> list[dict]:
 def split_cells(args, device: torch.device, report: dict, save) -> None:
     """split_tiny (each family and --split-dtypes) and split_flash, within --time-budget."""
     if device.type != "cuda" and not args.virtual:
-        why = {"skipped": f"a split needs an accelerator: --device cuda, or --virtual (every device the CPU)"}
+        why = {"skipped": "a split needs an accelerator: --device cuda, or --virtual (every device the CPU)"}
         report["split_tiny"], report["split_flash"] = dict(why), dict(why)
         return
     from kvfold.placement import ACCELERATOR

@@ -94,7 +94,8 @@ def _refuse_without_placement(request: PlacementRequest) -> None:
     stray = [name for name, v in given if v is not None]
     stray += ["expert_policy"] if request.expert_policy != "static" else []
     if stray:
-        raise ConfigError(f"{', '.join(stray)} only apply to a model split across an accelerator and the host: "
+        raise ConfigError(f"{', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} only to a model split "
+                          f"across an accelerator and the host: "
                           f"give a placement too (placement=, or gpu_layers=/gpu_experts=/gpu_memory_gib=; on the "
                           f"command line --gpu-layers, --gpu-experts, --gpu-memory-gib or --device-map)")
 
@@ -103,7 +104,11 @@ def _check_request(request: PlacementRequest, device, kwargs: dict) -> None:
     """Refusals that need no model (PlacementError, before the load)."""
     from .layers.virtual_devices import VirtualDevices
     from .models.split_experts import POLICIES
-    if torch.device(device).type != HOST:
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:  # not a device name at all: not the host either
+        kind = str(device)
+    if kind != HOST:
         raise PlacementError(f"device={str(device)!r} with a placement: a placed model loads on the host and moves "
                              f"each part to its own device; leave device at 'cpu' (--device cpu), the placement names "
                              f"the accelerator ({ACCELERATOR} for gpu_layers/gpu_experts, a device map its own)")
@@ -300,17 +305,13 @@ def _count_or(*words: str):
 
 
 def device_map_arg(text: str) -> dict:
-    """--device-map: a JSON object ({"model.layers.0": 0, ..., "lm_head": 0}) or a file holding one."""
-    source = text
-    if not text.lstrip().startswith("{"):
-        try:
-            source = Path(text).read_text()
-        except OSError as exc:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither a JSON object nor a file to read ({exc})") from None
+    """--device-map: a file holding a JSON object, or the object itself ({"model.layers.0": 0, ...})."""
     try:
+        source = Path(text).read_text() if Path(text).is_file() else text
         value = json.loads(source)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"the device map is not valid JSON ({exc})") from None
+    except (OSError, ValueError) as exc:  # ValueError: also a name too long to be a path
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a file holding a JSON device map nor one "
+                                         f"({exc})") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError('a device map is a JSON object {"module": device}, with device an '
                                          'integer n (cuda:n), "cuda:n" or "cpu"')

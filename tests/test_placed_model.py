@@ -55,6 +55,7 @@ FAMILIES = {"deepseek_v4": v4_pair, "glm5_next": glm_pair}
 SPLITS = [(3, 2, CARD, "cpu"), (5, 0, CARD, "cpu"), (2, 3, "cpu", CARD), (1, 1, CARD, CARD)]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("split", SPLITS)
 def test_a_split_model_computes_the_one_device_models_bits(family, split):
@@ -175,6 +176,7 @@ def test_bad_placements_are_refused_before_anything_moves():
     assert model.devices is None and model.model.layers[0].self_attn.kv_proj.weight is weight
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_engine_on_a_split_model_batches_hits_its_prefix_cache_and_speculates_as_on_one_device(family):
     ref, model = FAMILIES[family]()

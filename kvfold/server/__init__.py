@@ -218,7 +218,7 @@ def _placement_lines(model) -> list[str]:
     if getattr(model, "devices", None) is None:
         return []
     from ..load_placed import describe
-    return [f"  {describe(model).replace('placement: ', 'placement:   ', 1)}"]
+    return [f"  placement:    {describe(model).removeprefix('placement: ')}"]
 
 
 def _state_summary(args: argparse.Namespace, engine) -> str:
