@@ -19,7 +19,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                placement=None, gpu_layers: int | str | None = None, gpu_experts: int | str | None = None,
                gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
                gpu_reserve_gib: float | None = None, expert_policy: str = "static", virtual_devices=None,
-               max_seq_len: int | None = None, sequences: int | None = None, kv_dtype: str | None = None, **kwargs):
+               max_seq_len: int | None = None, sequences: int | None = None, kv_dtype: str | None = None,
+               expert_counts=None, **kwargs):
     """Load a model: a DeepSeek-V4 or GLM-5.3 checkpoint directory, "tiny" (the built-in small
     DeepSeek-V4 trained on Python's documentation, kvfold/assets/tiny) or "tiny-random" (random
     weights, byte-level tokenizer). Keyword options: `numerics` ("hf" | "reference") and `weights`
@@ -33,13 +34,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     card layer there, the rest on the host). Budgets in GiB, measured when None: `gpu_memory_gib`
     (free card memory), `host_memory_gib` (MemAvailable), `gpu_reserve_gib` (kept back, default 2);
     they hold `sequences` (default 1) states of `max_seq_len` (default 4096) tokens in `kv_dtype`
-    beside the weights. `expert_policy`: "static" | "lru". `virtual_devices`: a
+    beside the weights. `expert_policy`: "static" | "lru". `expert_counts`: the routing counts
+    (`kvfold calibrate-experts`) whose K most picked experts a static pack holds (None: the
+    checkpoint's expert_counts.json where present; a path; False: experts 0..K-1). `virtual_devices`: a
     kvfold.layers.virtual_devices.VirtualDevices test mode (every device the CPU, each side
     checked), entered around this call and every call that runs the model. Refusals:
     PlacementError, saying what fits."""
     from .load_placed import PlacementRequest, load_placed
     request = PlacementRequest(placement, gpu_layers, gpu_experts, gpu_memory_gib, host_memory_gib, gpu_reserve_gib,
-                               expert_policy, virtual_devices, max_seq_len, sequences, kv_dtype)
+                               expert_policy, virtual_devices, max_seq_len, sequences, kv_dtype, expert_counts)
     return load_placed(path, device, dtype, request, **kwargs)
 
 

@@ -133,6 +133,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from .plan_placement import add_plan_command
     add_plan_command(sub)
+    from .calibrate_experts import add_calibrate_command
+    add_calibrate_command(sub)
     from .bench import add_bench_parser
     add_bench_parser(sub)
     from .doctor import add_doctor_parser
@@ -399,6 +401,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from .bench import run_bench
         return run_bench(args)
+    if args.command == "calibrate-experts":
+        from .calibrate_experts import run_calibrate_command
+        return run_calibrate_command(args)
     if args.command == "plan":
         from .plan_placement import run_plan_command
         return run_plan_command(args)

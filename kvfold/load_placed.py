@@ -57,6 +57,10 @@ class PlacementRequest:
     max_seq_len: int | None = None
     sequences: int | None = None
     kv_dtype: str | None = None
+    # partial packs made from the flags hold the experts these routing counts rank highest
+    # (models/expert_counts.py): None: the checkpoint's expert_counts.json where it has one;
+    # a path; False: experts 0..K-1
+    expert_counts: str | Path | bool | None = None
 
     @property
     def placing(self) -> bool:
@@ -84,8 +88,26 @@ def load_placed(path, device, dtype: torch.dtype, request: PlacementRequest, **k
     family = family_of(directory).name if directory is not None else "deepseek_v4"  # tiny-random is one
     sizes = loaded_sizes(model, family, request.max_seq_len or DEFAULT_MAX_SEQ_LEN, request.kv_dtype)
     placement = _resolve(request, sizes, budget)
+    counts = _counts_path(request, directory)
+    if counts is not None and placement.partial_layers:
+        from .models import expert_counts
+        placement = placement.ranked(expert_counts.load(counts, model))
     model.place(placement, virtual=request.virtual_devices, expert_policy=request.expert_policy)
+    model.devices.counts = counts
     return model
+
+
+def _counts_path(request: PlacementRequest, directory: Path | None) -> Path | None:
+    """The routing counts a flags-made static placement ranks its packs by, or None."""
+    from .models.expert_counts import FILE
+    if request.placement is not None or request.expert_policy != "static" or request.expert_counts is False:
+        return None
+    if request.expert_counts not in (None, True):
+        return Path(request.expert_counts)
+    found = directory / FILE if directory is not None else None
+    if request.expert_counts is True and (found is None or not found.is_file()):
+        raise PlacementError(f"no {FILE} beside the checkpoint; make it with kvfold calibrate-experts")
+    return found if found is not None and found.is_file() else None
 
 
 def _refuse_without_placement(request: PlacementRequest) -> None:
@@ -285,6 +307,8 @@ def describe(model) -> str:
     d = model.devices
     p = d.placement
     mode = "; virtual devices: every device is the CPU, each side checked" if d.virtual is not None else ""
+    if getattr(d, "counts", None) is not None:
+        mode = f"; packs ranked by {d.counts}" + mode
     return (f"placement: {p.flags()}, embedding on {p.embed_device}, head on {p.head_device} "
             f"(of {len(p.layer_devices)} layers and {p.n_experts} routed experts each){mode}")
 
@@ -338,6 +362,10 @@ def add_placement_arguments(p: argparse.ArgumentParser, virtual_help: str) -> No
     g.add_argument("--expert-policy", choices=("static", "lru"), default="static",
                    help="static: each accelerator layer holds experts 0..K-1; lru: K slots holding the experts "
                         "used most recently (default static)")
+    g.add_argument("--expert-counts", default=None, metavar="PATH|none",
+                   help="routing counts (kvfold calibrate-experts) that choose each partial pack's experts: the "
+                        "K picked most (default: the checkpoint's expert_counts.json where it has one; none: "
+                        "experts 0..K-1)")
     g.add_argument("--device-map", type=device_map_arg, default=None, metavar="JSON_OR_PATH",
                    help='accelerate-style map, e.g. {"model.embed_tokens": "cpu", "model.layers.0": 0, ..., '
                         '"model.layers.0.mlp.experts": "cpu", "lm_head": 0}, or a file holding one')
@@ -355,6 +383,9 @@ def placement_options(args: argparse.Namespace, *, virtual=None, max_seq_len: in
     options = {k: v for k, v in flags.items() if v is not None}
     if getattr(args, "expert_policy", "static") != "static":
         options["expert_policy"] = args.expert_policy
+    counts = getattr(args, "expert_counts", None)
+    if counts is not None:
+        options["expert_counts"] = False if counts == "none" else counts
     if PlacementRequest(**options).placing:
         options.update(max_seq_len=max_seq_len, sequences=sequences, kv_dtype=kv_dtype)
     return options

@@ -39,7 +39,8 @@ LAYERS = [
     ("decoding", ("kvfold.decoding", "kvfold.chat")),
     ("engine", ("kvfold.engine",)),
     ("api", ("kvfold", "kvfold.session", "kvfold.load_placed")),
-    ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.plan_placement", "kvfold.doctor")),
+    ("commands", ("kvfold.server", "kvfold.bench", "kvfold.plan", "kvfold.plan_placement", "kvfold.doctor",
+                  "kvfold.calibrate_experts")),
     ("cli", ("kvfold.cli", "kvfold.__main__")),
 ]
 
