@@ -13,7 +13,9 @@ A token reads every dense part whole, one embedding row and top_k of each MoE la
 Routing is taken as uniform over the k-subsets of the E experts: a card layer holding K of them
 reads k*K/E experts on the card and the rest on the host, and sends its hidden row to the host and
 back (two hops) with chance 1 - C(K, k)/C(E, k); real routing is skewed, so a set calibrated on
-routing counts (issue 46, item 2) would do better than the first K by index. Hops also count each
+routing counts (`kvfold calibrate-experts`) does better than the first K by index
+(bench/RESULTS.md: on the trained tiny, K = 4 of 8 serves 56% of routed pairs on the card
+against 45% for experts 0..3). Hops also count each
 change of device along embedding, layers and head (the end of the layer prefix among them). r_f is
 one host core's rate for format f through kvfold's decode-row kernels (bench/RESULTS.md: one Zen 4
 core from DRAM); the accelerator is taken to read at its stated bandwidth whatever the format. The
@@ -161,8 +163,8 @@ def _assumptions(p: Placement, sizes: ModelSizes, rates: Rates) -> str:
             f"chosen without calibration; routing uniform over the {k}-subsets of {e} experts, so the card "
             f"serves K/E of the expert reads and {trip_text}; {boundaries:.0f} crossings at device "
             f"boundaries along embedding, layers and head; card and host terms add (no overlap); weights only: "
-            f"state reads, attention and routing arithmetic and Python not counted. A plan: loading a split "
-            f"model is not built yet.")
+            f"state reads, attention and routing arithmetic and Python not counted. An estimate: no split model "
+            f"has run on a GPU yet.")
 
 
 def _header(p: Placement, sizes: ModelSizes, budget: Budget) -> str:
@@ -221,8 +223,8 @@ def _count(text: str) -> int:
 
 def add_placement_arguments(p) -> None:
     from .argtypes import nonneg_float, pos_float, pos_int
-    g = p.add_argument_group("one accelerator plus host memory (issue 46; a plan: loading a split model is not "
-                             "built yet)")
+    g = p.add_argument_group("one accelerator plus host memory (the placement `kvfold generate|serve` run with "
+                             "the same flags)")
     g.add_argument("--gpu-memory-gib", type=nonneg_float, default=None, help="accelerator memory: print a placement")
     g.add_argument("--host-memory-gib", type=nonneg_float, default=None, help="host memory for the rest")
     g.add_argument("--gpu-layers", type=count_or_auto, default="auto",

@@ -11,12 +11,17 @@ import torch
 import kvfold
 from kvfold import Engine, SamplingParams
 from kvfold.errors import PlacementError, StateMismatchError
+from kvfold.layers.basic import QuantizedWeight
 from kvfold.layers.virtual_devices import VirtualDeviceError, VirtualDevices
 from kvfold.models import placed
 from kvfold.models.split_experts import SplitExperts
 from kvfold.placement import Placement
+from kvfold.server.metrics import render
 
 from helpers import random_ids
+from test_glm5_mtp import mtp_pair  # noqa: F401  (a GLM-5.3 checkpoint with its MTP layer)
+from test_official_checkpoint import IDS
+from test_resident_quant import official_dir, original  # noqa: F401  (a V4 checkpoint in FP8 / FP4)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import gpu_check  # noqa: E402  (the GPU run's tiny GLM-5.3 model)
@@ -209,3 +214,41 @@ def test_an_engine_on_a_split_model_batches_hits_its_prefix_cache_and_speculates
             m = engine.metrics()
             assert m["prefix_cache_hits"] == plain.metrics()["prefix_cache_hits"] > 0
             assert 0 < m["expert_card_hits"] < m["expert_routed_slots"]
+            ratio = next(line for line in render(m).splitlines() if line.startswith("kvfold_expert_card_hit_ratio "))
+            assert float(ratio.split()[1]) == pytest.approx(m["expert_card_hits"] / m["expert_routed_slots"])
+
+
+@pytest.mark.exactness
+def test_glm_mtp_speculation_on_a_split_model_decodes_as_on_one_device(mtp_pair):
+    """GLM-5.3's MTP layer sits with the head; it reads the embedding from the host side."""
+    *_, directory = mtp_pair
+    ref, model = kvfold.load_model(directory), kvfold.load_model(directory)
+    prompts = [random_ids(30, model.config.vocab_size, seed=s).tolist() for s in (1, 2)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    vd = VirtualDevices()
+    with vd:
+        model.place(placement(model, 2, 1), virtual=vd)
+        engine = Engine(model, max_seq_len=256, speculative="mtp", num_draft=2)
+        got = [c.token_ids for c in engine.generate(prompts, params)]
+    want = [c.token_ids for c in Engine(ref, max_seq_len=256, speculative="mtp", num_draft=2).generate(prompts, params)]
+    assert got == want and engine.metrics()["spec_draft_tokens"] > 0
+
+
+@pytest.mark.exactness
+def test_a_quantized_split_model_reads_its_host_experts_as_stored_with_the_one_device_bits(official_dir, monkeypatch):
+    """FP8 / FP4 weights kept as the checkpoint stores them: a partial pack's experts on either side
+    run through native.c on those bytes (nothing decoded into memory), with the one-device bits."""
+    ref = kvfold.load_model(official_dir, weights="quantized")
+    model = kvfold.load_model(official_dir, weights="quantized")
+    ids = IDS[:40]
+    want = decode(ref, ref.new_state(64), ids, steps=3)
+    decoded = []
+    real = QuantizedWeight.dequant
+    monkeypatch.setattr(QuantizedWeight, "dequant", lambda self, *a, **k: decoded.append(self) or real(self, *a, **k))
+    vd = VirtualDevices()
+    with vd:
+        model.place(placement(model, model.config.num_hidden_layers, 1), virtual=vd)
+        got = decode(model, model.new_state(64), ids, steps=3)
+    packs = [m for m in model.modules() if isinstance(m, SplitExperts)]
+    assert packs and all(isinstance(p.host.gate_up_proj, QuantizedWeight) for p in packs)
+    assert decoded == [] and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -343,7 +343,7 @@ def test_cli_prints_the_placement_for_both_releases(gib, capsys, v4, glm):
         assert f"| weights | {acc.weights / GIB:.2f} GiB | {host.weights / GIB:.2f} GiB |" in out
         assert "| embedding, head | head | embedding |" in out
         assert f"expected decode: {decode_seconds(p, sizes, Rates())['tok_s']:.1f} tok/s" in out
-        assert f"1 - C({k}, {sizes.top_k})/C({e}, {sizes.top_k})" in out and "not built yet" in out
+        assert f"1 - C({k}, {sizes.top_k})/C({e}, {sizes.top_k})" in out and "no split model has run on a GPU yet" in out
 
 
 def test_cli_flags_and_their_refusals(capsys):
