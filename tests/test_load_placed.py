@@ -255,11 +255,28 @@ def test_cli_device_map_takes_json_or_a_file(tmp_path):
             device_map_arg(bad)
 
 
-def test_serve_refuses_virtual_devices():
-    args = cli._build_parser().parse_args(["serve", "--gpu-layers", "2", "--gpu-memory-gib", "3",
-                                           "--virtual-devices"])
-    with pytest.raises(ConfigError, match="worker thread"):
-        server.build_engine(args)
+def test_a_served_split_model_answers_the_openai_client_as_the_plain_server():
+    """serve --virtual-devices: the load and the engine's worker thread both run under the check,
+    and a real client gets the one-device server's completion."""
+    import openai
+    from helpers import serving
+    answers = []
+    for extra in ([], ["--gpu-layers", "3", "--gpu-experts", "4", "--gpu-memory-gib", "3", "--host-memory-gib", "4",
+                       "--virtual-devices"]):
+        args = cli._build_parser().parse_args(["serve", "--max-seq-len", "256", "--max-running", "2", *extra])
+        app = server.build_app(args)
+        vd = app.state.engine.engine.model.devices.virtual if extra else None
+        before = vd.checked if extra else 0
+        with serving(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+            out = client.completions.create(model="tiny", prompt="The with statement", max_tokens=12, temperature=0)
+            answers.append((out.choices[0].text, out.choices[0].finish_reason))
+            metrics = client.get(url + "/metrics", cast_to=str) if extra else ""
+        checked = vd.checked - before if extra else 0
+    assert answers[0] == answers[1] and answers[1][1] == "length"
+    assert checked > 1000  # the engine's thread ran the model under the check
+    hits = next(line for line in metrics.splitlines() if line.startswith("kvfold_expert_card_hits_total "))
+    assert float(hits.split()[1]) > 0
 
 
 @no_cuda

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -126,6 +127,13 @@ class AsyncEngine:
 
     # ---- worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        # a placed model's virtual-device test mode (layers/virtual_devices.py) is thread-local:
+        # this thread runs the model, so it enters the mode too
+        virtual = getattr(getattr(self.engine.model, "devices", None), "virtual", None)
+        with virtual if virtual is not None else contextlib.nullcontext():
+            self._loop()
+
+    def _loop(self) -> None:
         published = time.monotonic()
         while True:
             beat = getattr(self.engine, "heartbeat_s", None)  # tensor parallel: step at least this often

@@ -6,6 +6,7 @@ starts, so other commands never pay for them. The app itself is `kvfold.server.a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -90,9 +91,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="threads of the model's kernels (default: torch's count, at most one fewer than the "
                         "CPUs, so the HTTP front end keeps a core)")
     from ..load_placed import add_placement_arguments
-    add_placement_arguments(p, "refused for serve: the test mode is a TorchFunctionMode, which sees only its own "
-                               "thread's ops, and the engine steps on a worker thread; check a placement with "
-                               "kvfold generate --virtual-devices")
+    add_placement_arguments(p, "test mode: every device is the CPU and each side is checked (the engine's "
+                               "thread enters the check too); for checking a placement on a machine without "
+                               "the card")
     return p
 
 
@@ -123,8 +124,11 @@ def build_engine(args: argparse.Namespace):
     if tp > 1 and not placing:  # (a placement with --tp is refused at the load, before any work)
         from ..parallel.group import join_group
         join_group(tp, args.device)
-    model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
-                              weights=getattr(args, "weights", "dequant"), **({"tp": tp} if tp > 1 else {}), **placing)
+    virtual = placing.get("virtual_devices")
+    with virtual if virtual is not None else contextlib.nullcontext():
+        model = kvfold.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                                  weights=getattr(args, "weights", "dequant"), **({"tp": tp} if tp > 1 else {}),
+                                  **placing)
     try:
         return Engine(model, max_seq_len=args.max_seq_len, max_running=args.max_running,
                       max_queue=args.max_queue, max_batch_tokens=args.max_batch_tokens,
@@ -141,14 +145,12 @@ def build_engine(args: argparse.Namespace):
 def _placement_options(args: argparse.Namespace) -> dict:
     """load_model's placement keywords from serve's flags ({} without them): the budgets hold
     --max-running sequences of --max-seq-len tokens."""
-    from ..errors import ConfigError
     from ..load_placed import placement_options
-    if getattr(args, "virtual_devices", False):
-        # A TorchFunctionMode is thread-local: entered here it would not see the engine's worker
-        # thread (engine/async_engine.py), and the check would pass without having looked.
-        raise ConfigError("serve --virtual-devices is refused: the virtual-device check sees only the thread that "
-                          "enters it, and the server steps its engine on a worker thread; check the placement with "
-                          "kvfold generate --virtual-devices (same flags), then serve it on a machine with the card")
+    virtual = None
+    if getattr(args, "virtual_devices", False):  # entered for the load here, and by the engine's thread
+        from ..layers.virtual_devices import VirtualDevices
+        virtual = VirtualDevices()
+    return placement_options(args, virtual=virtual, max_seq_len=args.max_seq_len, sequences=args.max_running)
     return placement_options(args, max_seq_len=args.max_seq_len, sequences=args.max_running)
 
 
