@@ -616,8 +616,9 @@ def check_split_tiny(family: str, dtype: torch.dtype, accelerator: str, virtual:
 def twin(model: Dsv4Model) -> Dsv4Model:
     """A second model holding `model`'s very tensors (V4-Flash-shaped weights do not fit the host
     twice), to be placed while `model` stays whole on the CPU; placing copies only what moves."""
-    other = Dsv4Model(model.config, dtype=model.dtype, device=model.device)
+    other = Dsv4Model(model.config, dtype=model.dtype, device="meta")  # no placeholders: 42 GB at 3 layers
     other.load_state_dict(model.state_dict(), assign=True)
+    other.materialize_(model.device)  # what is computed at construction (RoPE tables), on the CPU
     return other
 
 
