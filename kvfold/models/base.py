@@ -130,13 +130,12 @@ class CausalLM(nn.Module):
         many card slots, holding the experts used most recently; split_experts.py). Every check
         runs before anything moves (PlacementError)."""
         from .placed import DeviceMap
-        from .split_experts import SplitExperts
+        from .split_experts import POLICIES, SplitExperts
         if self.tp is not None:
             raise ConfigError("a placement splits one whole model across an accelerator and the host; this one is "
                               "a tensor-parallel shard")
         if self.devices is not None:
             raise ConfigError("this model is placed already; load it again to place it another way")
-        from .split_experts import POLICIES
         if expert_policy not in POLICIES:
             raise PlacementError(f"expert_policy must be one of {', '.join(POLICIES)}, got {expert_policy!r}")
         devmap = DeviceMap(placement, virtual)

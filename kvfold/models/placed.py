@@ -8,7 +8,7 @@ Rules (kvfold/placement.py says why; the seed's `Dsv4State` fields name them):
 * the rows' streams cross once at each change of device along embedding, layers and head; a
   layer's rows (ids, positions, rope) are copied to its device once per call (`RowBatch.moved`);
 * a card layer's routed experts that the placement leaves on the host run there
-  (layers/split_experts.py) and their outputs come back to be combined in the fixed slot order.
+  (models/split_experts.py) and their outputs come back to be combined in the fixed slot order.
 
 `virtual`: a `VirtualDevices` test mode (layers/virtual_devices.py). Every name then maps to the
 CPU, and each part's run is a scope of that mode, so a missing hop or a tensor on the wrong side
@@ -29,6 +29,7 @@ class DeviceMap:
     def __init__(self, placement: Placement, virtual: VirtualDevices | None = None):
         self.placement = placement
         self.virtual = virtual
+        self.counts = None  # the routing counts that ranked its packs (load_placed.py), if any
 
     # ---- names --------------------------------------------------------------------------------
     def real(self, name: str) -> torch.device:

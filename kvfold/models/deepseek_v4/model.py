@@ -302,7 +302,7 @@ class Dsv4Model(CausalLM):
                 logits = logits[batch.scored_rows(last_only)]
         else:
             name = walk.name("embed")
-            b, ids = walk.enter(name, batch.token_ids)
+            b, _ = walk.enter(name, batch.token_ids)
             with walk.scope(name):
                 streams = self.model.embed_tokens(b.token_ids)[:, None, :].expand(-1, self.config.hc_mult, -1)
                 streams = streams.contiguous()
