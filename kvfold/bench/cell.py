@@ -213,11 +213,17 @@ def run_cell(args) -> None:
     peak_reset = reset_peak_rss()
     eng.start(args.context + args.decode_tokens + 8)
     t2 = time.perf_counter()
-    last = eng.prefill(ids, last_only=args.prefill_logits == "last")
-    prefill_s = time.perf_counter() - t2
+    if args.context_fill == "synthetic":  # decode timing only: the state at `context` with random rows
+        from .synthetic_context import fill
+        fill(eng.state, args.context, args.seed)
+        last, prefill_s = eng.step(int(ids[-1])), None
+    else:
+        last = eng.prefill(ids, last_only=args.prefill_logits == "last")
+        prefill_s = time.perf_counter() - t2
     prefill_peak = max_rss()
     tok = int(last.argmax())
-    emit("prefill", context=args.context, prefill_s=prefill_s, prefill_tok_s=args.context / prefill_s,
+    emit("prefill", context=args.context, prefill_s=prefill_s,
+         prefill_tok_s=args.context / prefill_s if prefill_s else None, context_fill=args.context_fill,
          rss_before_prefill=rss_before, prefill_peak_rss=prefill_peak, peak_reset=peak_reset,
          state_bytes_after_prefill=eng.state_bytes(), first_token=tok)
 
@@ -322,6 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--mem-limit-bytes", type=int, default=0)
     p.add_argument("--prefill-logits", choices=("all", "last"), default="all")
+    p.add_argument("--context-fill", choices=("prefill", "synthetic"), default="prefill",
+                   help="synthetic (kvfold only): start decode at --context with random state rows, no prefill")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant")
     p.add_argument("--bandwidth-mib", type=int, default=512)

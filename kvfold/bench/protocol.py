@@ -4,3 +4,4 @@ and a cell that hit a limit ends in one of the statuses below (kvfold's and llam
 MARK = "@@kvfold-bench "
 SKIP_TIME = "skipped: > time limit"
 OOM = "out of memory"
+SYNTHETIC = "not timed: synthetic context"  # a prefill that --context-fill synthetic replaced

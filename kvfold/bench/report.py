@@ -131,6 +131,9 @@ def _header_lines(result: dict[str, Any]) -> list[str]:
             f"prefill returns {'the last row of' if s.get('prefill_logits') == 'last' else 'all'} logits"
             + (f", kvfold in {s['kvfold_dtype']}" if s.get("kvfold_dtype", "float32") != "float32" else "")
             + (f", kvfold weights {s['kvfold_weights']}" if s.get("kvfold_weights", "dequant") != "dequant" else ""),
+            *(["context: synthetic (each decode starts from a state filled with random rows at that position, "
+               "kvfold/bench/synthetic_context.py; no prefill was timed and the tokens mean nothing)"]
+              if s.get("context_fill") == "synthetic" else []),
             *_resident_lines(result),
             f"command: {result['command']}",
             f"machine: {m['cpu_count']} CPUs ({m['processor'] or m['machine']}), {m['mem_total_gib']:.1f} GiB RAM, "
@@ -178,6 +181,12 @@ def _flatness_lines(result: dict[str, Any]) -> list[str]:
                          f"from the fastest step: {_f(best, '{:.2f}')}")
         else:
             lines.append(f"decode flatness {e}: - (fewer than two contexts decoded)")
+    held = sorted((c["context"], c["state_bytes_after_prefill"]) for c in result["cells"]
+                  if c["engine"] == "kvfold" and c.get("state_bytes_after_prefill"))
+    if len(held) > 1:  # what a sequence's state grows by per token of context (the pools)
+        (c0, b0), (c1, b1) = held[0], held[-1]
+        lines.append(f"state held by kvfold: {b0 / 1e6:.2f} MB at {c0}, {b1 / 1e6:.2f} MB at {c1}: "
+                     f"{(b1 - b0) / (c1 - c0):,.0f} B per further token of context")
     return lines
 
 

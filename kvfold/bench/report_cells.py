@@ -1,7 +1,7 @@
 """Table cells of the bench report: a number, or the short status of a cell that did not run."""
 from __future__ import annotations
 
-from .protocol import OOM, SKIP_TIME
+from .protocol import OOM, SKIP_TIME, SYNTHETIC
 
 _MIB = 1024 * 1024
 
@@ -25,6 +25,8 @@ def _short_status(s: str | None) -> str:
         return "partial"
     if s.startswith("unavailable"):
         return "unavailable"
+    if s.startswith(SYNTHETIC):
+        return "synthetic context"
     return "error"
 
 

@@ -112,6 +112,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weights and input seed (default 0)")
     p.add_argument("--warmup", type=_nonneg_int, default=64,
                    help="tokens of an untimed warm-up prefill (+2 decode steps) in each cell (default 64; 0 = none)")
+    p.add_argument("--context-fill", choices=("prefill", "synthetic"), default="prefill",
+                   help="synthetic: kvfold's decode starts at each context from a state filled with random rows "
+                        "instead of a prefill (decode's work depends on the position, not the values: long "
+                        "contexts in minutes); prefill is then not timed and no peer runs")
     p.add_argument("--prefill-logits", choices=("all", "last"), default="all",
                    help="all = the prefill returns logits for every prompt position (kvfold forward(ids, state), "
                         "transformers default); last = only the last one (kvfold forward(..., last_only=True), "
@@ -221,6 +225,9 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         from .serve import run_bench_serve
         return run_bench_serve(args, log=log)
     engines = _engines(args)
+    if getattr(args, "context_fill", "prefill") == "synthetic" and engines != ["kvfold"]:
+        raise ConfigError("--context-fill synthetic times kvfold's decode from a filled state; a peer would be "
+                          "timed after a real prefill, so leave out --vs for it")
     if "transformers" in engines:
         require("transformers", "kvfold bench --vs transformers")
     started = _dt.datetime.now(_dt.timezone.utc)
@@ -296,6 +303,7 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
                      "mem_limit_gib": args.mem_limit_gib, "threads": args.threads, "seed": args.seed,
                      "warmup_tokens": args.warmup,
                      "prefill_logits": args.prefill_logits, "kvfold_dtype": args.dtype,
+                     "context_fill": getattr(args, "context_fill", "prefill"),
                      "kvfold_weights": args.weights,
                      "prefill_call": _prefill_calls(args.prefill_logits)},
         "checkpoint": str(ckpt),
@@ -401,8 +409,8 @@ def _engine_cell(args: argparse.Namespace, ckpt: Path, eng: str, ctx: int, mem_l
                               threads=args.threads, seed=args.seed, warmup=args.warmup,
                               time_limit=args.time_limit, mem_limit_bytes=mem_limit(),
                               prefill_logits=args.prefill_logits,
-                              extra=["--dtype", args.dtype, "--weights", args.weights]
-                              if kvfold else None)
+                              extra=["--dtype", args.dtype, "--weights", args.weights,
+                                     "--context-fill", args.context_fill] if kvfold else None)
     return _cell_record(eng, ctx, raw), (raw["status"] if raw["status"] in (SKIP_TIME, OOM) else None)
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .protocol import MARK, OOM, SKIP_TIME
+from .protocol import MARK, OOM, SKIP_TIME, SYNTHETIC
 
 def _mem_available() -> int | None:
     try:
@@ -156,7 +156,9 @@ def _cell_record(engine: str, context: int, raw: dict[str, Any]) -> dict[str, An
     if loaded.get("weight_bytes"):
         rec["weight_bytes"], rec["parameters"] = loaded["weight_bytes"], loaded["parameters"]
     if pre:
-        rec["prefill_status"] = "ok"
+        # --context-fill synthetic: the state was filled, not prefilled (synthetic_context.py)
+        rec["prefill_status"] = "ok" if pre.get("prefill_s") is not None else SYNTHETIC
+        rec["context_fill"] = pre.get("context_fill", "prefill")
         rec["prefill_s"] = pre["prefill_s"]
         rec["prefill_tok_s"] = pre["prefill_tok_s"]
         rec["rss_before_prefill_bytes"] = pre["rss_before_prefill"]

@@ -12,7 +12,7 @@ the split always combines as above.)
 
 Which experts the card holds:
 * "static": a fixed set (the first K by id, or the K a calibration's routing counts rank
-  highest: decoding/expert_counts.py);
+  highest: models/expert_counts.py);
 * "lru": K card slots hold the experts used most recently; an expert a step ran on the host is
   copied into the least recently used slot after that step, so the next step finds it there.
   The host keeps every expert then (a slot is only a copy).
