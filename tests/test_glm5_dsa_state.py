@@ -57,7 +57,9 @@ def test_capacity_rounds_down_to_whole_pools():
     assert s.k_normed.shape == s.gate.shape == (16384, 128) and s.valid.shape == (16384,)
     assert s.k_normed.dtype == s.gate.dtype == torch.bfloat16 and s.valid.dtype == torch.uint8
     assert not s.k_normed.any() and not s.gate.any() and not s.valid.any()  # allocated zeroed
-    assert s.nbytes == indexer_state_bytes(16384, 128) == 8_404_992 == 16384 * 513
+    # rows: 16384 x 513 B; the pooled-key cache: one bf16 key row and a validity byte per pool of 4
+    assert indexer_state_bytes(16384, 128) == 8_404_992 == 16384 * 513
+    assert s.nbytes == indexer_state_bytes(16384, 128, index_kpool=4) == 16384 * 513 + 4096 * (2 * 128 + 1)
     assert 11 * s.nbytes < 100 * 2**20
     assert Glm5NextDsaState.alloc(Glm5NextDsaConfig(index_kpool=8, max_context=1001)).capacity == 1000
 
@@ -70,7 +72,7 @@ def test_dtype_and_row_offset():
         assert s.gate[p].data_ptr() - s.gate.data_ptr() == s.row_offset(p)
     f = Glm5NextDsaState(8, 16, 4, dtype=torch.float32)
     assert f.k_normed.dtype == torch.float32 and f.row_offset(3) == 3 * 16 * 4
-    assert f.nbytes == indexer_state_bytes(8, 16, torch.float32) == 8 * (2 * 16 * 4 + 1)
+    assert f.nbytes == indexer_state_bytes(8, 16, torch.float32, index_kpool=4) == 8 * (2 * 16 * 4 + 1) + 2 * (16 * 4 + 1)
 
 
 def test_advance_cap_edges_and_refusals_keep_len():
@@ -403,3 +405,41 @@ def test_geometry_documented_values_and_refusals():
             s.geometry(bad_cfg, q_rows)
         assert type(e.value) is error
     assert s.len == 16384
+
+
+def test_pooled_keys_kept_between_calls_equal_pooling_every_row():
+    """The state keeps the complete pools' keys (`pooled`); after appends one row or many at a
+    time, left padding, a rewind and a rewrite, and a restore, the selectable pools' keys, their
+    rows and validity equal `dsa_pool_keys` over every row, bit for bit."""
+    from kvfold.models.glm5.dsa_select import dsa_pool_keys
+    g = torch.Generator().manual_seed(0)
+    d, kp = 16, 4
+    s = Glm5NextDsaState(256, d, kp, dtype=torch.float32)
+    ape = torch.randn(kp, d, generator=g)
+
+    def append(n, valid=None):
+        s.write_rows(s.len, torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), valid)
+        s.advance(n)
+
+    def check():
+        k, gate, valid = s.readable()
+        keys, rows, ok = dsa_pool_keys(k, gate, valid, ape, kp)
+        got_keys, got_rows, got_ok = s.pooled(ape, kp)
+        assert torch.equal(got_ok, ok) and torch.equal(got_rows, rows)
+        assert torch.equal(got_keys[ok], keys[ok])
+
+    append(3, torch.zeros(3))  # left padding: pools start at row 3
+    for n in (1, 1, 5, 7, 1, 1, 1, 13, 2):
+        append(n)
+        check()
+    assert s._pooled == (s.len - 3) // kp  # the complete pools are kept
+    s.rewind_to(s.len - 6)  # a rejected draft, then other rows in its place
+    append(9)
+    check()
+    other = Glm5NextDsaState(256, d, kp, dtype=torch.float32)
+    other.write_rows(0, torch.randn(40, d, generator=g), torch.randn(40, d, generator=g))
+    other.advance(40)
+    s.restore_blob(other.snapshot_blob())
+    check()
+    append(4)
+    check()

@@ -182,12 +182,14 @@ def test_fp8_state_holds_one_byte_per_latent_and_key_value(pair):
 def test_real_config_fp8_bytes_per_token():
     """GLM-5.3-Flash in bf16 (11 DSA layers, all full; kv_lora 512, index_head_dim 128, index_kpool
     4): per token 11 * (512 * 2 + 513) = 16907 bytes plain, 11 * (512 + 128 + 256 + 1) = 9867 with
-    FP8 latent rows and keys (the gates and validity bytes stay)."""
+    FP8 latent rows and keys (the gates and validity bytes stay); plus, either way, a quarter of 11
+    pooled keys (a bf16 key row of 128 and a validity byte per pool of 4): 706.75."""
     cfg = glm5_config_from_dict({"model_type": "glm5_next_text", "index_kpool": 4})
     meta = Glm5Model.__new__(Glm5Model)
     meta.config, meta.dtype = cfg, torch.bfloat16
-    assert meta.state_bytes_per_token() == 16907
-    assert meta.state_bytes_per_token(kv_dtype="fp8") == 11 * (512 + 128 + 256 + 1) == 9867
+    pooled = 11 * (128 * 2 + 1) / 4
+    assert meta.state_bytes_per_token() == 16907 + pooled
+    assert meta.state_bytes_per_token(kv_dtype="fp8") == 11 * (512 + 128 + 256 + 1) + pooled == 9867 + pooled
     assert meta.fixed_state_bytes(4, kv_dtype="fp8") == meta.fixed_state_bytes(4)
 
 

@@ -409,7 +409,9 @@ def test_accounting_and_real_config_bytes(pair):
     assert len(cfg.dsa_layers) == 11 and len(cfg.kda_layers) == 34
     meta = Glm5Model.__new__(Glm5Model)
     meta.config, meta.dtype = cfg, torch.bfloat16
-    assert meta.state_bytes_per_token() == 11 * 512 * 2 + 11 * 513 == 16907
+    # per token: 11 latent rows of 512 bf16, 11 indexer rows of 513 B, and a quarter of 11 pooled
+    # keys (one bf16 key row of 128 and a validity byte per pool of 4)
+    assert meta.state_bytes_per_token() == 11 * 512 * 2 + 11 * 513 + 11 * (128 * 2 + 1) / 4 == 17613.75
     assert meta.fixed_state_bytes(0) == 34 * (64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2)
 
 

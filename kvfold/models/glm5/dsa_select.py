@@ -34,7 +34,8 @@ def _first_valid(is_valid: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
 
 
 def dsa_pool_keys(k_normed: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor,
-                  kpool: int, seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  kpool: int, seq: torch.Tensor | None = None, first: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gate-weighted pooled keys of the complete-pool candidates.
 
     k_normed, gate: [seq, d]; valid: [seq] (nonzero = valid); ape: [kp, d] gate bias by slot.
@@ -42,7 +43,8 @@ def dsa_pool_keys(k_normed: torch.Tensor, gate: torch.Tensor, valid: torch.Tenso
     [n_pools] bool) with n_pools = seq // kp and rows[P, s] = first + P*kp + s (possibly out of
     range when `first` > 0; such a pool is invalid). Batched: k_normed, gate [B, S, d], valid
     [B, S] and `seq` [B] (buffer b's rows are its first seq[b]; the rest count as past its end)
-    give every result a leading B, with n_pools = S // kp.
+    give every result a leading B, with n_pools = S // kp. `first` [B]: the rows pools start
+    from, where the caller knows them (a state pooling its new rows: `Glm5NextDsaState.pooled`).
     """
     batched = k_normed.dim() == 3
     if not batched:
@@ -53,8 +55,8 @@ def dsa_pool_keys(k_normed: torch.Tensor, gate: torch.Tensor, valid: torch.Tenso
         seq = torch.full((b,), s_rows, dtype=torch.long, device=device)
     is_valid = (valid != 0) & (torch.arange(s_rows, device=device)[None] < seq[:, None])
     n_pools = s_rows // kpool
-    rows = _first_valid(is_valid, seq)[:, None, None] + torch.arange(n_pools * kpool, device=device).view(
-        1, n_pools, kpool)
+    first = _first_valid(is_valid, seq) if first is None else first
+    rows = first[:, None, None] + torch.arange(n_pools * kpool, device=device).view(1, n_pools, kpool)
     safe = rows.clamp(max=max(s_rows - 1, 0)).flatten(1)  # [B, P * kp]
     slot_valid = (rows < seq[:, None, None]) & is_valid.gather(1, safe).view_as(rows)
     pick = safe[..., None].expand(-1, -1, d)
@@ -69,13 +71,14 @@ def dsa_pool_keys(k_normed: torch.Tensor, gate: torch.Tensor, valid: torch.Tenso
 
 def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
                valid: torch.Tensor, ape: torch.Tensor, *, topk: int, kpool: int,
-               select_tail: bool = True) -> torch.Tensor:
+               select_tail: bool = True, pooled: tuple | None = None) -> torch.Tensor:
     """Rows each of the last q_rows positions attends to (see the module docstring).
 
     q: [q_rows, H, d] indexer queries of positions seq - q_rows .. seq - 1 (no RoPE);
     weights: [q_rows, H] head weights, already scaled by H^-0.5;
     k_normed, gate: [seq, d]; valid: [seq]; rows [0, seq) of a state, including the queries' own;
     ape: [kp, d]. Returns int32 [q_rows, topk + kp - 1] (or [q_rows, topk] without the tail).
+    `pooled`: `dsa_pool_keys` of these rows, where the caller keeps them (a state's cache).
     """
     if kpool < 1 or topk < 1 or topk % kpool:
         raise ValueError(f"need kpool >= 1 and topk a positive multiple of it, got topk {topk}, kpool {kpool}")
@@ -91,7 +94,8 @@ def dsa_select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, g
         return torch.full((0, topk + (kpool - 1 if select_tail else 0)), -1, dtype=torch.int32, device=device)
     return _select(q, weights, k_normed[None], gate[None], valid[None], ape,
                    torch.full((1,), seq, dtype=torch.long, device=device), torch.arange(seq - q_rows, seq, device=device),
-                   topk=topk, kpool=kpool, select_tail=select_tail)
+                   topk=topk, kpool=kpool, select_tail=select_tail,
+                   pooled=None if pooled is None else tuple(t[None] for t in pooled))
 
 
 def dsa_select_last(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
@@ -109,7 +113,7 @@ def dsa_select_last(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tens
 
 def _select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate: torch.Tensor,
             valid: torch.Tensor, ape: torch.Tensor, seq: torch.Tensor, q_pos: torch.Tensor, *, topk: int,
-            kpool: int, select_tail: bool) -> torch.Tensor:
+            kpool: int, select_tail: bool, pooled: tuple | None = None) -> torch.Tensor:
     """The selection of Q queries at positions q_pos [Q] over B buffers [B, S, .] of seq [B] rows
     each: one buffer for all queries (B = 1, `dsa_select`; its [P] tensors broadcast over the
     queries) or one per query (B = Q)."""
@@ -123,7 +127,7 @@ def _select(q: torch.Tensor, weights: torch.Tensor, k_normed: torch.Tensor, gate
     visible = torch.cumsum(is_valid.long(), dim=1)[of, q_pos]  # valid rows <= q
 
     # pools: score every candidate, mask the ones this query cannot select
-    keys, rows, pool_valid = dsa_pool_keys(k_normed, gate, valid, ape, kpool, seq)  # [B, P, .]
+    keys, rows, pool_valid = pooled if pooled is not None else dsa_pool_keys(k_normed, gate, valid, ape, kpool, seq)
     n_pools = rows.shape[1]
     select_k = min(topk // kpool, n_pools)
     if select_k:

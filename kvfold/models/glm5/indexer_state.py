@@ -37,6 +37,7 @@ from ...errors import (CapacityError, ConfigError, FreedStateError, RewindError,
                       SnapshotModelError, SnapshotSizeError, SnapshotTruncatedError, StateError,
                       StateMismatchError)
 from ...numerics.quant import e4m3_saturate
+from .dsa_select import dsa_pool_keys
 
 BLOB_HEADER = struct.Struct("<QQ")  # len, index_head_dim: u64 little-endian each
 KV_FP8 = torch.float8_e4m3fn  # what kv_dtype="fp8" stores: MLA latent rows and indexer keys
@@ -102,10 +103,18 @@ def _row_bytes(index_head_dim: int, dtype: torch.dtype, key_dtype: torch.dtype |
 
 
 def indexer_state_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
-                        key_dtype: torch.dtype | None = None) -> int:
+                        key_dtype: torch.dtype | None = None, index_kpool: int = 0) -> int:
     """Bytes one state holds: two [capacity, d] row buffers plus one validity byte per row
-    (capacity * (4d + 1) in bf16, i.e. 513 B per token at d = 128; with FP8 keys 385 B)."""
-    return capacity * _row_bytes(index_head_dim, dtype, key_dtype)
+    (capacity * (4d + 1) in bf16, i.e. 513 B per token at d = 128; with FP8 keys 385 B), and,
+    with `index_kpool` kp > 0, the pooled keys of complete pools (`pool_cache_bytes`)."""
+    return capacity * _row_bytes(index_head_dim, dtype, key_dtype) + pool_cache_bytes(capacity, index_head_dim, dtype,
+                                                                                      index_kpool)
+
+
+def pool_cache_bytes(capacity: int, index_head_dim: int, dtype: torch.dtype, index_kpool: int) -> int:
+    """The pooled-key cache of a state (`Glm5NextDsaState.pooled`): per k-pool a key row in the
+    state dtype and a validity byte (capacity / kp * (2d + 1) in bf16); none for kp 0."""
+    return 0 if index_kpool < 1 else capacity // index_kpool * (index_head_dim * dtype.itemsize + 1)
 
 
 def dsa_blob_bytes(rows: int, index_head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -142,6 +151,15 @@ class Glm5NextDsaState:
                                                           device=self.device)
         self._gate: torch.Tensor | None = torch.zeros(self._capacity, index_head_dim, dtype=dtype, device=self.device)
         self._valid: torch.Tensor | None = torch.zeros(self._capacity, dtype=torch.uint8, device=self.device)
+        # derived from the rows, never snapshotted: the pooled keys of the complete pools, so a
+        # decode step pools only the rows new since the last one (`pooled`)
+        self._kp = max(index_kpool, 1)
+        self._pool_keys: torch.Tensor | None = torch.zeros(self._capacity // self._kp, index_head_dim, dtype=dtype,
+                                                           device=self.device)
+        self._pool_ok: torch.Tensor | None = torch.zeros(self._capacity // self._kp, dtype=torch.bool,
+                                                         device=self.device)
+        self._pooled = 0  # pools [0, _pooled) of `_pooled_for` hold their keys
+        self._pooled_for: tuple | None = None  # (first valid row, the ape they were pooled with)
 
     @classmethod
     def over(cls, max_context: int, index_kpool: int, k_normed: torch.Tensor, gate: torch.Tensor,
@@ -154,7 +172,8 @@ class Glm5NextDsaState:
         st.device = gate.device
         st._len, st._released = 0, False
         st._k_normed, st._gate, st._valid = (t[:st._capacity] for t in (k_normed, gate, valid))
-        return st
+        st._kp, st._pool_keys, st._pool_ok, st._pooled, st._pooled_for = max(index_kpool, 1), None, None, 0, None
+        return st  # (no pooled-key cache: a graph step pools every row it reads)
 
     @classmethod
     def alloc(cls, cfg: Glm5NextDsaConfig, *, dtype: torch.dtype = torch.bfloat16,
@@ -196,7 +215,8 @@ class Glm5NextDsaState:
     @property
     def nbytes(self) -> int:
         """Bytes of buffers held (0 once freed)."""
-        return 0 if self._released else indexer_state_bytes(self._capacity, self._d, self.dtype, self.key_dtype)
+        return 0 if self._released else indexer_state_bytes(
+            self._capacity, self._d, self.dtype, self.key_dtype, self._kp if self._pool_keys is not None else 0)
 
     def row_offset(self, pos: int) -> int:
         """Byte offset of row `pos` in gate, and in k_normed when the keys are in the state dtype
@@ -274,6 +294,7 @@ class Glm5NextDsaState:
                              f"below len ({self._len})")
         self.ensure_room_through(start + n)
         end = start + n
+        self._forget_pools_from(start)
         keys = k_normed.to(device=self.device)
         self._k_normed[start:end] = e4m3_saturate(keys) if self.fp8_keys else keys.to(self.dtype)
         self._gate[start:end] = gate.to(device=self.device, dtype=self.dtype)
@@ -313,6 +334,42 @@ class Glm5NextDsaState:
                               f"missing; run the indexer over positions [{self._len}, {seq_len}) first")
         self.ensure_room_through(seq_len + k)
         self._len = seq_len + k
+
+    # ---- pooled keys --------------------------------------------------------------------------
+    def pooled(self, ape: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`dsa_pool_keys` of rows [0, len) (keys [P, d], rows [P, kp], pool_valid [P]), the complete
+        pools' keys kept from call to call: a pool's key depends on its own kp rows only, so the
+        pools complete at the last call are not pooled again (a decode step pools at most one).
+        Pools past the complete ones are invalid, as dsa_pool_keys has them, and their keys are
+        never read. Rows rewritten (`write_rows` below a pool's end) or restored drop the pools
+        they touch."""
+        k, gate, valid = self.readable()
+        n = self._len
+        if self._pool_keys is None or kpool != self._kp:
+            return None  # (a graph step's slot, or another pool size: the selector pools every row)
+        is_valid = valid != 0
+        first = int(is_valid.to(torch.uint8).argmax()) if bool(is_valid.any()) else n  # the selector's `first`
+        key = (first, ape.data_ptr())
+        if key != self._pooled_for:
+            self._pooled, self._pooled_for = 0, key
+        complete = (n - first) // kpool
+        if self._pooled < complete:
+            a, b = first + self._pooled * kpool, first + complete * kpool
+            zero = torch.zeros(1, dtype=torch.long, device=k.device)
+            keys, _, ok = dsa_pool_keys(k[a:b][None], gate[a:b][None], valid[a:b][None], ape, kpool,
+                                        seq=torch.full((1,), b - a, dtype=torch.long, device=k.device), first=zero)
+            self._pool_keys[self._pooled:complete], self._pool_ok[self._pooled:complete] = keys[0], ok[0]
+            self._pooled = complete
+        n_pools = n // kpool
+        pool_valid = torch.zeros(n_pools, dtype=torch.bool, device=k.device)
+        pool_valid[:complete] = self._pool_ok[:complete]
+        rows = first + torch.arange(n_pools * kpool, device=k.device).view(n_pools, kpool)
+        return self._pool_keys[:n_pools], rows, pool_valid
+
+    def _forget_pools_from(self, row: int) -> None:
+        """Rows from `row` on change: the cached pools that hold any of them are dropped."""
+        if self._pooled_for is not None:
+            self._pooled = max(0, min(self._pooled, (row - self._pooled_for[0]) // self._kp))
 
     # ---- selection plan -----------------------------------------------------------------------
     def geometry(self, cfg: Glm5NextDsaConfig, q_rows: int) -> DsaSelectGeometry:
@@ -401,6 +458,7 @@ class Glm5NextDsaState:
                 _copy_raw(blob[at:at + size], buf[:rows])
             at += size
         self._len = rows
+        self._pooled = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def free(self) -> None:
@@ -409,7 +467,7 @@ class Glm5NextDsaState:
         if self._released:
             return
         self._released = True
-        self._k_normed = self._gate = self._valid = None
+        self._k_normed = self._gate = self._valid = self._pool_keys = self._pool_ok = None
         self._len = 0
 
     def _size_cause(self, size: int, rows: int) -> str:

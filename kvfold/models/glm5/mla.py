@@ -94,8 +94,9 @@ class DsaIndexer(nn.Module):
         t = x.shape[0]
         q = self.wq_b(q_resid, ops).view(t, self.nh, self.d)
         w = self.weights_proj(x, ops).float() * self.nh ** -0.5
-        return dsa_select(q, w, *dsa.readable(), self.index_kpool_compress_ape, topk=self.topk,
-                          kpool=self.kpool, select_tail=self.tail)
+        ape = self.index_kpool_compress_ape
+        return dsa_select(q, w, *dsa.readable(), ape, topk=self.topk, kpool=self.kpool, select_tail=self.tail,
+                          pooled=dsa.pooled(ape, self.kpool))
 
 
 class IndexedMLA(nn.Module):

@@ -342,8 +342,9 @@ class Glm5Model(CausalLM):
     def state_layout(self, max_rewind: int = 0, kv_dtype: str | None = None) -> tuple[int, list[tuple[int, int]]]:
         """CausalLM.state_layout from the config: fixed, per KDA layer its conv and recurrent state
         and the rings of per-token inputs that rewinding by up to max_rewind replays (state.py); per token, the MLA latent of every DSA layer; per whole
-        k-pool, the indexer rows (k, gate in the model dtype, one validity byte) of every full DSA
-        layer (its buffers round capacity up to pools). With kv_dtype="fp8" the latent and k take
+        k-pool, the indexer rows (k, gate in the model dtype, one validity byte) and the pool's
+        cached key (model dtype, one validity byte) of every full DSA layer (its buffers round
+        capacity up to pools). With kv_dtype="fp8" the latent and k take
         one byte per value."""
         fp8 = kv_storage(kv_dtype)
         cfg, esz = self.config, torch.finfo(self.dtype).bits // 8
@@ -354,6 +355,7 @@ class Glm5Model(CausalLM):
                + n_in * (2 * c * 4 + c * esz + self.kda_heads * 4))
         kp = max(cfg.index_kpool, 1)
         pools = [(1, len(cfg.dsa_layers) * cfg.kv_lora_rank * kv_esz)]
-        if cfg.full_dsa_layers:
-            pools.append((kp, kp * len(cfg.full_dsa_layers) * (cfg.index_head_dim * (kv_esz + esz) + 1)))
+        if cfg.full_dsa_layers:  # per pool: kp rows (k, gate, validity) and the pool's cached key (indexer_state.py)
+            row, pool = cfg.index_head_dim * (kv_esz + esz) + 1, cfg.index_head_dim * esz + 1
+            pools.append((kp, len(cfg.full_dsa_layers) * (kp * row + pool)))
         return len(cfg.kda_layers) * kda, pools

@@ -73,8 +73,8 @@ class Glm5Mtp(nn.Module):
         """`new_state(capacity, max_rewind).nbytes`, from the config: the latent rows and one
         indexer state (rewinding moves cursors only, so max_rewind costs nothing)."""
         dsa_cap = -(-capacity // self.kpool) * self.kpool
-        return capacity * self.kv_lora * self.dtype.itemsize + indexer_state_bytes(dsa_cap, self.index_head_dim,
-                                                                                   self.dtype, self.dtype)
+        return capacity * self.kv_lora * self.dtype.itemsize + indexer_state_bytes(
+            dsa_cap, self.index_head_dim, self.dtype, self.dtype, index_kpool=self.kpool)
 
     @torch.inference_mode()
     def forward(self, h: torch.Tensor, next_ids: torch.Tensor, state: Glm5State, embed: nn.Module,
