@@ -42,12 +42,14 @@ def test_deepseek_v4_flash_by_hand():
 def test_glm5_3_flash_by_hand():
     family, total, (r0,) = plan(GLM, tp=1, weights="bf16", max_seq_len=L)
     assert family == "glm5_next"
-    # state: 11 DSA layers x (512-wide bf16 latent + 513 indexer bytes) per token; 34 KDA layers of
-    # [64, 128, 128] fp32 plus 3 conv rows of 3 x 8192 bf16
-    assert r0.state_bytes == 11 * (1024 + 513) * L + 34 * (64 * 128 * 128 * 4 + 3 * 3 * 8192 * 2)
+    # state: 11 DSA layers x (512-wide bf16 latent + 513 indexer bytes) per token, and per pool of
+    # 4 tokens a pooled bf16 key of 128 and its validity byte; 34 KDA layers of [64, 128, 128] fp32
+    # plus 3 conv rows of 3 x 8192 bf16
+    dsa = 11 * (1024 + 513) * L + 11 * (L // 4) * (128 * 2 + 1)
+    assert r0.state_bytes == dsa + 34 * (64 * 128 * 128 * 4 + 3 * 3 * 8192 * 2)
     _, _, (a, b) = plan(GLM, tp=16, weights="fp8", max_seq_len=L)
     kda = 34 * (64 * 128 * 128 * 4 + 3 * 3 * 8192 * 2)
-    assert b.state_bytes == 11 * (1024 + 513) * L + kda // 16  # the KDA state splits with its heads
+    assert b.state_bytes == dsa + kda // 16  # the KDA state splits with its heads
     # the 288 routed experts of the 42 MoE layers, fp8, a sixteenth of them per rank
     experts = 42 * 288 * 3 * 4096 * 2048
     assert b.weight_bytes > experts / 16 * (1 + 4 / 128 ** 2)
