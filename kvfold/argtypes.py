@@ -37,3 +37,18 @@ def top_p(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def count_or(*words: str):
+    """An argparse type: a count >= 0, or one of `words` as it is ("auto", "all")."""
+    def parse(text: str) -> int | str:
+        if text in words:
+            return text
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"takes a count >= 0 or {' or '.join(words)}, got {text!r}")
+        return value
+    return parse

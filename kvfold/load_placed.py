@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .argtypes import nonneg_float
+from .argtypes import count_or, nonneg_float
 from .errors import ConfigError, PlacementError
 from .placement import (ACCELERATOR, DEFAULT_RESERVE_GIB, GIB, HOST, Budget, LayerSizes, ModelSizes, PartSizes,
                         Placement, check_devices_exist, check_fits)
 
 DEFAULT_MAX_SEQ_LEN = 4096  # serve's default --max-seq-len: what one sequence's state is sized for
-_NO_CARD_HINT = (f"what runs here: everything on the host (--gpu-layers 0 --gpu-experts 0 --gpu-memory-gib 0), or "
-                 f"--virtual-devices (virtual_devices=) to check a placement with every device on the CPU")
+_NO_CARD_HINT = ("what runs here: everything on the host (--gpu-layers 0 --gpu-experts 0 --gpu-memory-gib 0), or "
+                 "--virtual-devices (virtual_devices=) to check a placement with every device on the CPU")
 
 
 @dataclass(frozen=True)
@@ -314,20 +314,6 @@ def describe(model) -> str:
 
 
 # ---- command-line flags (kvfold generate, kvfold serve) ---------------------------------------------
-def _count_or(*words: str):
-    def parse(text: str) -> int | str:
-        if text in words:
-            return text
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"takes a count >= 0 or {' or '.join(words)}, got {text!r}")
-        return value
-    return parse
-
-
 def device_map_arg(text: str) -> dict:
     """--device-map: a file holding a JSON object, or the object itself ({"model.layers.0": 0, ...})."""
     try:
@@ -346,10 +332,10 @@ def add_placement_arguments(p: argparse.ArgumentParser, virtual_help: str) -> No
     """The flags that split the model across one accelerator and host memory (none: as before)."""
     g = p.add_argument_group("one accelerator plus host memory (kvfold plan shows the same placement; without "
                              "these flags the whole model runs on --device)")
-    g.add_argument("--gpu-layers", type=_count_or("auto"), default=None, metavar="N|auto",
+    g.add_argument("--gpu-layers", type=count_or("auto"), default=None, metavar="N|auto",
                    help="layers 0..N-1 keep attention, state, router and shared or dense MLP on the accelerator, "
                         "N.. run on the host; auto: the most that fit")
-    g.add_argument("--gpu-experts", type=_count_or("all", "auto"), default=None, metavar="K|all|auto",
+    g.add_argument("--gpu-experts", type=count_or("all", "auto"), default=None, metavar="K|all|auto",
                    help="routed experts 0..K-1 of each accelerator layer held there, the rest run on the host; "
                         "auto (default with --gpu-layers): the most that fit")
     g.add_argument("--gpu-memory-gib", type=nonneg_float, default=None, metavar="G",

@@ -25,7 +25,6 @@ estimate, not a measurement.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from collections import Counter
@@ -202,35 +201,16 @@ def report(p: Placement, sizes: ModelSizes, budget: Budget, rates: Rates) -> str
     return "\n".join(lines)
 
 
-def count_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    return _count(text)
-
-
-def count_all_or_auto(text: str) -> int | str:
-    if text in ("auto", "all"):
-        return text
-    return _count(text)
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a count >= 0, got {text}")
-    return value
-
-
 def add_placement_arguments(p) -> None:
-    from .argtypes import nonneg_float, pos_float, pos_int
+    from .argtypes import count_or, nonneg_float, pos_float, pos_int
     g = p.add_argument_group("one accelerator plus host memory (the placement `kvfold generate|serve` run with "
                              "the same flags)")
     g.add_argument("--gpu-memory-gib", type=nonneg_float, default=None, help="accelerator memory: print a placement")
     g.add_argument("--host-memory-gib", type=nonneg_float, default=None, help="host memory for the rest")
-    g.add_argument("--gpu-layers", type=count_or_auto, default="auto",
+    g.add_argument("--gpu-layers", type=count_or("auto"), default="auto",
                    help="layers 0..N-1 keep attention, state, router and shared or dense MLP on the accelerator, "
                         "N.. run wholly on the host; auto: the most whose non-expert parts fit (default)")
-    g.add_argument("--gpu-experts", type=count_all_or_auto, default="auto",
+    g.add_argument("--gpu-experts", type=count_or("all", "auto"), default="auto",
                    help="routed experts 0..K-1 of each accelerator layer held there, the rest on the host; all: "
                         "every one; auto: the most that fit after the layers and the head (default)")
     g.add_argument("--gpu-reserve-gib", type=nonneg_float, default=DEFAULT_RESERVE_GIB,
