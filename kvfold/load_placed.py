@@ -83,8 +83,9 @@ def load_placed(path, device, dtype: torch.dtype, request: PlacementRequest, **k
     gpu_gib, host_gib = _budget_gib(request)
     budget = Budget.of(gpu_gib, host_gib, request.sequences or 1, request.reserve_gib)  # refuses bad numbers
     _refuse_missing_accelerator(request)
-    model = load(path, device=HOST, dtype=dtype, **kwargs)
     directory = checkpoint_dir(path)
+    _refuse_host_below_checkpoint(directory, host_gib)
+    model = load(path, device=HOST, dtype=dtype, **kwargs)
     family = family_of(directory).name if directory is not None else "deepseek_v4"  # tiny-random is one
     sizes = loaded_sizes(model, family, request.max_seq_len or DEFAULT_MAX_SEQ_LEN, request.kv_dtype)
     placement = _resolve(request, sizes, budget)
@@ -108,6 +109,18 @@ def _counts_path(request: PlacementRequest, directory: Path | None) -> Path | No
     if request.expert_counts is True and (found is None or not found.is_file()):
         raise PlacementError(f"no {FILE} beside the checkpoint; make it with kvfold calibrate-experts")
     return found if found is not None and found.is_file() else None
+
+
+def _refuse_host_below_checkpoint(directory: Path | None, host_gib: float) -> None:
+    """The model is whole in host memory between the load and `place` (the module docstring): a
+    host budget below the checkpoint's own bytes is refused before the load, not met by the OOM
+    killer. (Loading each part straight to its device is not built.)"""
+    files = sorted(directory.glob("*.safetensors")) if directory is not None else []
+    need = sum(f.stat().st_size for f in files) / GIB
+    if need > host_gib:
+        raise PlacementError(f"nothing fits: kvfold loads a model whole into host memory before it splits it, and "
+                             f"this checkpoint's files hold {need:.2f} GiB, more than the {host_gib:.2f} GiB of host "
+                             f"memory (--host-memory-gib, or MemAvailable); load it on a host with more memory")
 
 
 def _refuse_without_placement(request: PlacementRequest) -> None:

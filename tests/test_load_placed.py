@@ -168,6 +168,9 @@ def test_the_accelerator_without_cuda_is_refused_before_the_load(no_load, option
     (dict(gpu_layers=2, gpu_memory_gib=-1.0, host_memory_gib=4.0), PlacementError, "must be >= 0"),
     (dict(expert_policy="lru"), ConfigError, "expert_policy applies only to a model split"),
     (dict(kv_dtype="fp8", sequences=2), ConfigError, "sequences, kv_dtype apply only"),
+    # tiny's checkpoint is 18 MB (0.017 GiB): it loads whole on the host before it is split
+    (dict(gpu_layers=0, gpu_experts=0, gpu_memory_gib=0.0, host_memory_gib=0.01), PlacementError,
+     "files hold 0.02 GiB"),
 ])
 def test_bad_requests_are_refused_before_the_load(no_load, options, error, words):
     with pytest.raises(error, match=words) as err:
