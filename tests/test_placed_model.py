@@ -235,7 +235,9 @@ def test_glm_mtp_speculation_on_a_split_model_decodes_as_on_one_device(mtp_pair)
 
 
 @pytest.mark.exactness
-def test_a_quantized_split_model_reads_its_host_experts_as_stored_with_the_one_device_bits(official_dir, monkeypatch):
+@pytest.mark.parametrize("policy", ["static", "lru"])
+def test_a_quantized_split_model_reads_its_host_experts_as_stored_with_the_one_device_bits(official_dir, monkeypatch,
+                                                                                           policy):
     """FP8 / FP4 weights kept as the checkpoint stores them: a partial pack's experts on either side
     run through native.c on those bytes (nothing decoded into memory), with the one-device bits."""
     ref = kvfold.load_model(official_dir, weights="quantized")
@@ -247,7 +249,7 @@ def test_a_quantized_split_model_reads_its_host_experts_as_stored_with_the_one_d
     monkeypatch.setattr(QuantizedWeight, "dequant", lambda self, *a, **k: decoded.append(self) or real(self, *a, **k))
     vd = VirtualDevices()
     with vd:
-        model.place(placement(model, model.config.num_hidden_layers, 1), virtual=vd)
+        model.place(placement(model, model.config.num_hidden_layers, 1), virtual=vd, expert_policy=policy)
         got = decode(model, model.new_state(64), ids, steps=3)
     packs = [m for m in model.modules() if isinstance(m, SplitExperts)]
     assert packs and all(isinstance(p.host.gate_up_proj, QuantizedWeight) for p in packs)

@@ -126,14 +126,19 @@ class QuantizedWeight(nn.Module):
             hit = cache[name] = (key, build(self))
         return hit[1]
 
+    def bytes_changed(self) -> None:
+        """q or scale is written in place: drop what was cached from their bytes (the native
+        descriptor, whose NaN-code scan is of the old bytes, and the derived layouts)."""
+        self.__dict__.pop("_native", None)
+        self.__dict__.pop("_derived", None)
+
     @torch.no_grad()
     def load_(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
               index: int | None = None, rows: slice | None = None) -> None:
         """Copy a stored tensor and its scale in as they are: all of the weight, or `[index]` (one expert)
         and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
         block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc)."""
-        self.__dict__.pop("_native", None)  # its NaN-code scan is of the old bytes
-        self.__dict__.pop("_derived", None)
+        self.bytes_changed()
         dq = self.q if index is None else self.q[index]
         start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
         if self.fmt == BF16:

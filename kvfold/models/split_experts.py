@@ -116,6 +116,8 @@ class SplitExperts(nn.Module):
             for name in Experts.quantizable:
                 dst, from_ = getattr(self.card, name), getattr(self.host, name)
                 parts = ("q", "scale") if isinstance(dst, QuantizedWeight) else (None,)
+                if isinstance(dst, QuantizedWeight):
+                    dst.bytes_changed()
                 for part in parts:
                     d = dst if part is None else getattr(dst, part)
                     s = from_ if part is None else getattr(from_, part)
