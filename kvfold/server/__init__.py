@@ -151,7 +151,6 @@ def _placement_options(args: argparse.Namespace) -> dict:
         from ..layers.virtual_devices import VirtualDevices
         virtual = VirtualDevices()
     return placement_options(args, virtual=virtual, max_seq_len=args.max_seq_len, sequences=args.max_running)
-    return placement_options(args, max_seq_len=args.max_seq_len, sequences=args.max_running)
 
 
 def build_app(args: argparse.Namespace):
