@@ -14,6 +14,9 @@ def add_calibrate_command(sub) -> None:
     c.add_argument("--text", required=True, help="UTF-8 calibration text (a few thousand tokens of what you serve)")
     c.add_argument("--out", default=None, help="directory to write expert_counts.json to (default: the checkpoint's)")
     c.add_argument("--max-tokens", type=int, default=65536, help="count over the text's first N tokens")
+    c.add_argument("--weights", choices=("dequant", "quantized"), default="quantized",
+                   help="quantized (default): FP8/FP4 weights held as stored, as a real checkpoint needs to fit; "
+                        "routing is computed the same either way")
 
 
 def run_calibrate_command(args: argparse.Namespace) -> int:
@@ -27,7 +30,7 @@ def run_calibrate_command(args: argparse.Namespace) -> int:
         return 2
     try:
         text = Path(args.text).read_text(encoding="utf-8")
-        model = kvfold.load_model(args.model)
+        model = kvfold.load_model(args.model, weights=args.weights)
         ids = model.tokenizer.encode(text)[:args.max_tokens]
         if not ids:
             raise KvfoldError(f"{args.text} holds no tokens to count")
