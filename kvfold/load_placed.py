@@ -300,7 +300,7 @@ def _part(modules: list[nn.Module], skip: nn.Module | None = None, lookup: bool 
                 if id(t) in skipped:
                     continue
                 held += t.nbytes
-                share = 1 / t.shape[0] if (lookup or name == "tid2eid") and t.dim() else 1.0
+                share = 1 / t.shape[0] if (lookup or name == "tid2eid") and t.dim() and t.shape[0] else 1.0
                 reads[fmt or _storage_format(t)] += t.nbytes * share
     return PartSizes(held, reads)
 

@@ -21,6 +21,7 @@ from kvfold.layers.virtual_devices import VirtualDevices
 from kvfold.load_placed import PlacementRequest, _budget_gib, device_map_arg, placement_options
 from kvfold.models.split_experts import SplitExperts
 from kvfold.placement import GIB, HOST, Placement
+from test_resident_quant import official_dir, original  # noqa: F401  (a V4 checkpoint in FP8 / FP4)
 
 PROMPT_TOKENS, DECODE_STEPS = 40, 8
 BUDGET = dict(gpu_memory_gib=3.0, host_memory_gib=4.0)  # 1 GiB of card after the 2 GiB reserve: tiny fits whole
@@ -304,3 +305,20 @@ def test_serve_with_a_host_only_placement_runs_and_says_so():
     while engine.has_unfinished():
         outputs += engine.step()
     assert outputs[-1].finished and outputs[-1].finish_reason != "error", outputs[-1]
+
+
+def test_a_checkpoint_held_as_stored_loads_split_with_the_plain_bits(official_dir):
+    """FP8 / FP4 weights and the bf16 embedding kept as the release stores them (a BF16
+    QuantizedWeight has an empty scale: its bytes count, its rows are a lookup)."""
+    from kvfold.layers.basic import QuantizedWeight
+    ids = list(range(3, 40))
+    plain = kvfold.load_model(official_dir, weights="quantized")
+    assert isinstance(plain.model.embed_tokens.weight, QuantizedWeight)
+    want = plain.forward(ids, plain.new_state(64))
+    vd = VirtualDevices()
+    with vd:
+        model = kvfold.load_model(official_dir, weights="quantized", gpu_layers=2, gpu_experts=2, **BUDGET,
+                                  virtual_devices=vd)
+        got = model.forward(ids, model.new_state(64))
+    assert model.devices.placement.flags() == "--gpu-layers 2 --gpu-experts 2"
+    assert torch.equal(got, want)
