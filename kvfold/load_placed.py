@@ -163,7 +163,7 @@ def _check_request(request: PlacementRequest, device, kwargs: dict) -> None:
         raise PlacementError(f"virtual_devices must be a kvfold.layers.virtual_devices.VirtualDevices, got "
                              f"{type(vd).__name__}")
     # A mode that is not entered sees no op: the split would run unchecked and pass vacuously.
-    if vd is not None and vd not in torch.overrides._get_current_function_mode_stack():
+    if vd is not None and not vd.entered:
         raise PlacementError("virtual_devices must be entered around the load and every call that runs the model: "
                              "`with vd: model = kvfold.load_model(..., virtual_devices=vd); ...`")
 
