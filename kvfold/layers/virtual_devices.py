@@ -18,7 +18,6 @@ checked: a real accelerator allows them too. This is a test mode; nothing enters
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -42,24 +41,25 @@ _UNCHECKED = frozenset({"__get__", "size", "dim", "numel", "stride", "is_contigu
 class VirtualDevices(TorchFunctionMode):
     def __init__(self):
         super().__init__()
-        self._depth = threading.local()  # how often this thread entered the mode (`entered`)
+        self._depth = 0  # how many `with` blocks of the mode are open (`entered`)
         self.tags = WeakIdKeyDictionary()
         self._scope: str | None = None
         self._off = 0
         self.checked = 0  # calls checked (a test asserts the mode saw the forward at all)
 
     def __enter__(self):
-        self._depth.n = getattr(self._depth, "n", 0) + 1
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._depth.n -= 1
+        self._depth -= 1
         return super().__exit__(*exc)
 
     @property
     def entered(self) -> bool:
-        """Whether this thread runs inside the mode (a mode not entered sees no op at all)."""
-        return getattr(self._depth, "n", 0) > 0
+        """Whether a `with` block of the mode is open (a mode never entered sees no op at all;
+        which thread entered it is torch's to know, and a server's worker enters it too)."""
+        return self._depth > 0
 
     def device_of(self, t: torch.Tensor) -> str | None:
         return self.tags.get(t)
