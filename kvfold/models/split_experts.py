@@ -42,7 +42,7 @@ class SplitExperts(nn.Module):
         n = experts.gate_up_proj.shape[0]
         card_ids = sorted(card)
         host_ids = list(range(n)) if policy == "lru" else [e for e in range(n) if e not in card]
-        self.devmap, self.home, self.policy, self.n = devmap, home, policy, n
+        self.devmap, self.home, self.policy = devmap, home, policy
         self._side_backend = side_backend  # (device name, ops) -> that device's Backend in ops' mode
         self.card = experts.subset(card_ids)  # moves with the layer
         self.host = experts.subset(host_ids)  # stays on the host (_apply)

@@ -343,10 +343,10 @@ class Glm5NextDsaState:
         Pools past the complete ones are invalid, as dsa_pool_keys has them, and their keys are
         never read. Rows rewritten (`write_rows` below a pool's end) or restored drop the pools
         they touch."""
-        k, gate, valid = self.readable()
-        n = self._len
         if self._pool_keys is None or kpool != self._kp:
             return None  # (a graph step's slot, or another pool size: the selector pools every row)
+        k, gate, valid = self.reachable()  # keys as stored: only the new pools' rows are decoded below
+        n = self._len
         is_valid = valid != 0
         first = int(is_valid.to(torch.uint8).argmax()) if bool(is_valid.any()) else n  # the selector's `first`
         key = (first, ape.data_ptr())
@@ -356,7 +356,8 @@ class Glm5NextDsaState:
         if self._pooled < complete:
             a, b = first + self._pooled * kpool, first + complete * kpool
             zero = torch.zeros(1, dtype=torch.long, device=k.device)
-            keys, _, ok = dsa_pool_keys(k[a:b][None], gate[a:b][None], valid[a:b][None], ape, kpool,
+            new_k = k[a:b] if k.dtype == self.dtype else k[a:b].to(self.dtype)  # (readable()'s decode)
+            keys, _, ok = dsa_pool_keys(new_k[None], gate[a:b][None], valid[a:b][None], ape, kpool,
                                         seq=torch.full((1,), b - a, dtype=torch.long, device=k.device), first=zero)
             self._pool_keys[self._pooled:complete], self._pool_ok[self._pooled:complete] = keys[0], ok[0]
             self._pooled = complete
