@@ -191,6 +191,32 @@ def test_every_fp4_code_and_extreme_scale_decodes_exactly():
     assert torch.equal(torch.cat([native_mm(LIB, eye[i:i + 1], *found) for i in range(64)]), finite.t())
 
 
+def test_fp4_release_layout_tiles_keep_every_bit_whatever_scale_sits_in_any_block():
+    # The releases' layout (e8m0 scales on 1 x 32 blocks, k a multiple of 32) decodes rows four at
+    # a time with its scales widened 16 blocks at a time (native_weights.h, fp4_row_tile_e8m0). k =
+    # 1,088 is 34 blocks: two runs of 16 and a partial run of 2, whose masked load must stop at the
+    # row's end. Exponents 0 (2^-127, a subnormal scale), 1 and 254 sit in random blocks; a NaN
+    # scale (255) in one row sends its whole tile to the generic path, whose bits must be the same.
+    n, k = 13, 1088
+    g = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    exps = torch.randint(110, 140, (n, k // 32), generator=g, dtype=torch.uint8)
+    spots = torch.randperm(n * (k // 32), generator=g)[:30]
+    exps.view(-1)[spots[:10]] = 0
+    exps.view(-1)[spots[10:20]] = 1
+    exps.view(-1)[spots[20:30]] = 254
+    for nan_at in (None, (6, 33), (1, 16)):  # no NaN; a NaN in the last, partial run; at a run's start
+        e = exps.clone()
+        if nan_at is not None:
+            e[nan_at] = 255
+        dense = dequant_fp4_blocks(packed, e)
+        found = describe(packed, e, (1, 32), packed_fp4=True)
+        for m in (1, 2, 3):
+            x = rows(m, k, 40 + m) * 1e-3
+            got, want = native_mm(LIB, x, *found), invariant_mm(LIB, x, dense)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (nan_at, m)
+
+
 def test_fp4_zero_codes_keep_quant_py_s_sign_of_zero_even_after_an_underflow():
     # quant.py's weight for codes 0 and 8 is 0 * scale: +0 under an e8m0 scale, -0 under a negative
     # float32 one. A lane whose products so far rounded to -0 (a tiny negative x times a tiny weight)

@@ -315,18 +315,61 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
 #define PAIRED_BF16(NR)
 #endif
 
-/* the FP4 tables of columns srow[0 .. nc) at column block blk (e2m1x8_lookup); 0 where a scale is
- * NaN (the block then goes value by value) */
-static inline int fp4_tables(const kv_weights *w, const void *scale, const int64_t *srow, int nc, int64_t blk,
+/* the FP4 tables of columns srow[0 .. nc) at column block blk (e2m1x8_lookup), from the block's
+ * scale s: each entry E2M1_VALUES[m] * s, one IEEE multiplication as quant.py's */
+static inline __attribute__((always_inline)) void fp4_table(float s, __m256 *table) {
+    for (int t = 0; t < E2M1_TABLES; t++)
+        table[t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s));
+}
+
+/* as fp4_table for columns srow[0 .. nc) at block blk, each scale read on its own; 0 where a scale
+ * is NaN (the block then goes value by value) */
+static inline __attribute__((always_inline)) int fp4_tables(const kv_weights *w, const void *scale, const int64_t *srow, int nc, int64_t blk,
                              __m256 table[][E2M1_TABLES]) {
     int numbers = 1;
     for (int c = 0; c < nc; c++) {
         const float s = scale_at(w, scale, srow[c] + blk);
         numbers &= !isnan(s);
-        for (int t = 0; t < E2M1_TABLES; t++)
-            table[c][t] = _mm256_mul_ps(_mm256_loadu_ps(E2M1_VALUES + t * LANES), _mm256_set1_ps(s));
+        fp4_table(s, table[c]);
     }
     return numbers;
+}
+
+/* The e8m0 scales of columns srow[0 .. nc) at blocks blk .. blk+15 as float32, into s[c][0 .. 16):
+ * e8m0_value's values, widened 16 at a time instead of a byte-to-float conversion a block (on a
+ * 2-core Zen 4 that conversion was a third of an FP4 decode row's instructions: bench/RESULTS.md).
+ * Returns 0, and the blocks read their scales one by one (fp4_tables), where the scales are floats,
+ * a NaN byte (255) is among them, or the machine lacks AVX-512BW's masked byte loads; the masked
+ * load reads no byte past the row's last block. */
+#define FP4_SCALE_RUN 16
+static inline __attribute__((always_inline)) int fp4_scales_run(const kv_weights *w, const void *scale, const int64_t *srow, int nc, int64_t blk,
+                                 float s[][FP4_SCALE_RUN]) {
+#if E2M1_TABLES == 2 && defined(__AVX512BW__)
+    if (w->scale_f32) return 0;
+    const int64_t left = (w->k + w->bc - 1) / w->bc - blk;
+    const __mmask16 live = (__mmask16)(left >= FP4_SCALE_RUN ? 0xFFFF : (1u << left) - 1);
+    for (int c = 0; c < nc; c++) {
+        const __m128i e = _mm_maskz_loadu_epi8(live, (const uint8_t *)scale + srow[c] + blk);
+        if (_mm_mask_cmpeq_epi8_mask(live, e, _mm_set1_epi8(-1))) return 0;
+        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(e), 23); /* 2^(e - 127) for e in 1 .. 254 */
+        const __mmask16 zero = _mm512_cmpeq_epi32_mask(bits, _mm512_setzero_si512()); /* e = 0: 2^-127 */
+        _mm512_storeu_si512(s[c], _mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(1 << 22)));
+    }
+    return 1;
+#else
+    (void)w, (void)scale, (void)srow, (void)nc, (void)blk, (void)s;
+    return 0;
+#endif
+}
+
+/* the tables of nc columns at block blk: from the run of scales read at the run's first block
+ * (fp4_scales_run, *run says whether it could), else one scale at a time; 0 where a scale is NaN */
+static inline __attribute__((always_inline)) int fp4_block_tables(const kv_weights *w, const void *scale, const int64_t *srow, int nc, int64_t blk,
+                                   float s[][FP4_SCALE_RUN], int *run, __m256 table[][E2M1_TABLES]) {
+    if (blk % FP4_SCALE_RUN == 0) *run = fp4_scales_run(w, scale, srow, nc, blk, s);
+    if (!*run) return fp4_tables(w, scale, srow, nc, blk, table);
+    for (int c = 0; c < nc; c++) fp4_table(s[c][blk % FP4_SCALE_RUN], table[c]);
+    return 1;
 }
 
 /* the block factors of columns srow[0 .. nc) at column block blk (1 unscaled); 0 where one would
@@ -363,6 +406,8 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
         const int64_t values_per_line = (FMT) == KV_FP4 ? 128 : (FMT) == KV_FP8 ? 64 : 32;            \
         __m256 acc[NR];                                                                               \
         int64_t srow[NR];                                                                             \
+        float run_scales[NR][FP4_SCALE_RUN]; /* FP4: fp4_block_tables */                              \
+        int run = 0;                                                                                  \
         for (int c = 0; c < NR; c++) {                                                                \
             acc[c] = _mm256_setzero_ps();                                                             \
             srow[c] = scaled(FMT) ? scale_row(w, j0 + c) : 0;                                         \
@@ -381,7 +426,7 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
             }                                                                                         \
             if ((FMT) == KV_FP4) {                                                                    \
                 __m256 table[NR][E2M1_TABLES];                                                        \
-                const int numbers = fp4_tables(w, scale, srow, NR, blk, table);                       \
+                const int numbers = fp4_block_tables(w, scale, srow, NR, blk, run_scales, &run, table); \
                 for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
                     for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 for (; i < b1; i += LANES) {                                                          \
@@ -469,6 +514,56 @@ WEIGHTS_ROW_TILE(fp8, KV_FP8, 4)
 WEIGHTS_ROW_TILE(fp4, KV_FP4, 1)
 WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
 
+#if E2M1_TABLES == 2 && defined(__AVX512BW__)
+/* weights_row_fp4_4 for the releases' FP4 layout (e8m0 scales on 1 x 32 blocks, k a multiple of 32),
+ * with the same operations in the same order, so the same bits: lane j of each of the 4 outputs
+ * takes ascending i = j mod 8 with fused multiply-adds of x against the block's table entries
+ * (fp4_table: E2M1_VALUES[m] * scale), then the halving sum plus the +0 tail of k8 == k. What
+ * differs is only the control: the scales are widened 16 blocks at a time (fp4_scales_run) and
+ * each block's four steps of 8 run as straight-line code, which the generic tile's per-block
+ * branches (NaN scales, folded FP8, block factors) kept from its registers: 1.9x the decode
+ * rate on a Zen 4 (bench/RESULTS.md). Returns 0, having written nothing, where a scale of the
+ * tile's rows is NaN (255); weights_row_fp4_4 then takes the tile, value by value in those blocks. */
+static int fp4_row_tile_e8m0(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
+                             int64_t j0, float *out) {
+    const int64_t k = w->k, rb = k / 2, blocks = k / 32;
+    const uint8_t *row[4];
+    int64_t srow[4];
+    for (int c = 0; c < 4; c++) {
+        row[c] = data + (j0 + c) * rb;
+        srow[c] = scale_row(w, j0 + c);
+        for (int64_t b = 0; b < blocks; b += 64) {
+            const __mmask64 live = blocks - b >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (blocks - b)) - 1;
+            const __m512i e = _mm512_maskz_loadu_epi8(live, (const uint8_t *)scale + srow[c] + b);
+            if (_mm512_mask_cmpeq_epi8_mask(live, e, _mm512_set1_epi8(-1))) return 0;
+        }
+    }
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float s[4][FP4_SCALE_RUN];
+    for (int64_t b = 0; b < blocks; b++) {
+        if (b % FP4_SCALE_RUN == 0) fp4_scales_run(w, scale, srow, 4, b, s);
+        __m256 table[4][2];
+        for (int c = 0; c < 4; c++) fp4_table(s[c][b % FP4_SCALE_RUN], table[c]);
+        const int64_t i0 = 32 * b;
+        if ((i0 & 127) == 0) prefetch_rows(data + (j0 + 8) * rb + i0 / 2, rb, 4);
+        for (int64_t i = i0; i < i0 + 32; i += LANES) {
+            const __m256 xv = _mm256_loadu_ps(x + i);
+            for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(row[c], i, table[c]), acc[c]);
+        }
+    }
+    for (int c = 0; c < 4; c++) out[c] = lanes_sum(acc[c], 0.0f);
+    return 1;
+}
+#define FP4_ROW_TILE_E8M0(w) (!(w)->scale_f32 && (w)->bc == 32 && (w)->k % 32 == 0)
+#else
+static int fp4_row_tile_e8m0(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
+                             int64_t j0, float *out) {
+    (void)x, (void)w, (void)data, (void)scale, (void)j0, (void)out;
+    return 0;
+}
+#define FP4_ROW_TILE_E8M0(w) 0
+#endif
+
 /* outputs j0 .. j0+NC-1 of R rows of x (row r at x + r ldx, into out + r ldo), for a matrix of
  * format FMT, the weights decoded in registers once for all R rows: each output is
  * weights_row_*'s and native_dot.h's dot (lane j: ascending i = j mod 8 with fused multiply-adds,
@@ -491,6 +586,8 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
         const int64_t values_per_line = (FMT) == KV_FP4 ? 128 : (FMT) == KV_FP8 ? 64 : 32;            \
         __m256 acc[R][NC];                                                                            \
         int64_t srow[NC];                                                                             \
+        float run_scales[NC][FP4_SCALE_RUN]; /* FP4: fp4_block_tables */                              \
+        int run = 0;                                                                                  \
         for (int c = 0; c < NC; c++) {                                                                \
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_setzero_ps();                              \
             srow[c] = scaled(FMT) ? scale_row(w, j0 + c) : 0;                                         \
@@ -513,7 +610,7 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
             }                                                                                         \
             if ((FMT) == KV_FP4) {                                                                    \
                 __m256 table[NC][E2M1_TABLES];                                                        \
-                const int numbers = fp4_tables(w, scale, srow, NC, blk, table);                       \
+                const int numbers = fp4_block_tables(w, scale, srow, NC, blk, run_scales, &run, table); \
                 for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
                     for (int c = 0; c < NC; c++)                                                      \
                         for (int r = 0; r < R; r++)                                                   \
@@ -608,6 +705,41 @@ static void fold_fp8_scales(const float *x, const kv_weights *w, const void *sca
     }
 }
 
+/* weights_row_fp8_4 where every column block of x folded (all_folded) and no row of the tile holds
+ * a subnormal code, k a multiple of 8: the same operations in the same order, so the same bits
+ * (lane j of each output: ascending i = j mod 8, fused multiply-adds of xs against
+ * e4m3x8_scaled_down's weights; the halving sum plus the +0 tail of k8 == k). Only the control
+ * differs: one straight loop over the row, two rows a register with AVX-512 (KV_ROW_PAIRS),
+ * instead of the generic tile's per-block branches, which kept its accumulators out of registers
+ * (bench/RESULTS.md). Returns 0, having written nothing, where a row of the tile holds a
+ * subnormal code; weights_row_fp8_4 then takes the tile. */
+static int fp8_row_tile_folded(const kv_weights *w, const uint8_t *data, int64_t j0, float *out, const float *xs,
+                               const uint8_t *subnormal) {
+    const int64_t k = w->k, rb = k, blocks = (k + w->bc - 1) / w->bc;
+    if (subnormal && memchr(subnormal + j0 * blocks, 1, 4 * blocks)) return 0;
+    const uint8_t *row = data + j0 * rb;
+    __m256 acc[4];
+#if KV_ROW_PAIRS
+    __m512 pair[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t i = 0; i < k; i += LANES) {
+        if ((i & 63) == 0) prefetch_rows(row + 8 * rb + i, rb, 4);
+        const __m512 xv = x_pair(xs + i);
+        pair[0] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(row, row + rb, i), pair[0]);
+        pair[1] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(row + 2 * rb, row + 3 * rb, i), pair[1]);
+    }
+    FROM_PAIRS(4)
+#else
+    for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += LANES) {
+        if ((i & 63) == 0) prefetch_rows(row + 8 * rb + i, rb, 4);
+        const __m256 xv = _mm256_loadu_ps(xs + i);
+        for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(xv, e4m3x8_scaled_down(row + c * rb, i), acc[c]);
+    }
+#endif
+    for (int c = 0; c < 4; c++) out[c] = lanes_sum(acc[c], 0.0f);
+    return 1;
+}
+
 /* outputs n0 .. n1-1 of one row x for an FP8 matrix, a block row of scales at a time: x folded
  * into `buf` (k floats, then a flag a column block) once, then tiles that stay inside it */
 static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *data, const void *scale, float *out,
@@ -617,7 +749,10 @@ static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *
         int64_t r1 = ((w->row_phase + r0) / w->br + 1) * w->br - w->row_phase, c = r0;
         r1 = r1 < n1 ? r1 : n1;
         fold_fp8_scales(x, w, scale, scale_row(w, r0), buf, folded);
-        for (; c + 4 <= r1; c += 4) weights_row_fp8_4(x, w, data, scale, c, out + c, buf, folded, subnormal);
+        const int all_folded = w->k % LANES == 0 && !memchr(folded, 0, (w->k + w->bc - 1) / w->bc);
+        for (; c + 4 <= r1; c += 4)
+            if (!(all_folded && fp8_row_tile_folded(w, data, c, out + c, buf, subnormal)))
+                weights_row_fp8_4(x, w, data, scale, c, out + c, buf, folded, subnormal);
         for (; c < r1; c++) weights_row_fp8_1(x, w, data, scale, c, out + c, buf, folded, subnormal);
         r0 = r1;
     }
@@ -703,6 +838,10 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
 #define ROWS(NAME)                                                                                \
         for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c, NULL, NULL, NULL); \
         for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c, NULL, NULL, NULL);
+        if (w->fmt == KV_FP4 && FP4_ROW_TILE_E8M0(w))
+            for (; c + 4 <= n1; c += 4)
+                if (!fp4_row_tile_e8m0(x, w, data, scale, c, out + c))
+                    weights_row_fp4_4(x, w, data, scale, c, out + c, NULL, NULL, NULL);
         if (w->fmt == KV_FP8) { ROWS(fp8) } else if (w->fmt == KV_FP4) { ROWS(fp4) } else { ROWS(bf16) }
 #undef ROWS
         return;
@@ -736,7 +875,13 @@ typedef struct {
  * while every row passes over it) */
 static inline int64_t job_block(const mm_job *j) {
     int64_t block = (16384 / (j->w->k > 0 ? j->w->k : 1)) & ~(int64_t)3;
-    return block < 4 ? 4 : block;
+    block = block < 4 ? 4 : block;
+    /* FP8 decode rows fold x into a block row's scales once a call (fp8_folded_rows): a call of 4
+     * columns of a 4,096-wide matrix spent a fifth of its time folding (bench/RESULTS.md), so they
+     * take up to a block row (128 columns in the releases) a call */
+    if (j->w->fmt == KV_FP8 && j->m <= KV_REGISTER_ROWS && KV_DECODE_IN_REGISTERS && j->w->br > block)
+        block = j->w->br < 128 ? j->w->br : 128;
+    return block;
 }
 
 /* a panel for decoded columns (more than KV_REGISTER_ROWS rows, or no vector decoders), or (FP8
