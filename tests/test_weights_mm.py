@@ -133,12 +133,14 @@ def test_fp8_scales_folded_into_a_decode_row_keep_every_product_exact():
     # or NaN: each output must still be the dot over the dequantized weight.
     # Subnormal codes send their blocks through halves (tile_subnormal), so the fold is tested on
     # the normal codes alone, and on all of them.
+    # Without flags (the default on CPUs that take no assist: weights_mm.subnormal_assists) the
+    # subnormal codes fold too, as float32 subnormal operands.
     block = (16, 128)
-    for subnormals in (False, True):
+    for subnormals, flagged in ((False, True), (True, True), (True, False)):
         q, exps = _every_finite_fp8_code(16, [0, 1, 120, 127, 133, 134, 200, 254, 255], block, subnormals)
         dense = dequant_fp8_blocks(q, exps, block)
-        found = describe(q, exps, block)
-        assert not found[0].nan_codes and bool(found[0].subnormal_blocks) == subnormals
+        found = describe(q, exps, block, subnormal_flags=flagged)
+        assert not found[0].nan_codes and bool(found[0].subnormal_blocks) == (subnormals and flagged)
         for special in (None, 1e-39, 1e-30, 3e-36, 1e30, 3e38, 0.0, float("inf"), float("nan")):
             x = rows(6, 256, 3)
             if special is not None:  # in a decode row (row 0), and in later rows of tiles of rows 1..
@@ -408,7 +410,7 @@ def test_subnormal_fp8_codes_flag_exactly_the_row_blocks_that_hold_them():
     sub = (v != 0) & (v.abs() < 2 ** -6)
     want = torch.nn.functional.pad(sub, (0, 3 * 128 - 300)).view(3, 40, 3, 128).any(-1)
     assert 5 <= int(want.sum()) < want.numel()  # the planted ones, and any the quantizer wrote
-    desc = describe(q, torch.full((3, 1, 3), 127, dtype=torch.uint8), (128, 128))[0]
+    desc = describe(q, torch.full((3, 1, 3), 127, dtype=torch.uint8), (128, 128), subnormal_flags=True)[0]
     flags = desc.tensors[2]
     assert torch.equal(flags.bool(), want)
     assert desc.subnormal_blocks == flags.data_ptr() and desc.subnormal_stride == 40 * 3
@@ -417,7 +419,15 @@ def test_subnormal_fp8_codes_flag_exactly_the_row_blocks_that_hold_them():
     clean = q.view(torch.uint8).clone()
     clean[sub] = 0
     assert describe(clean.view(torch.float8_e4m3fn), torch.full((3, 1, 3), 127, dtype=torch.uint8),
-                    (128, 128))[0].subnormal_blocks is None
+                    (128, 128), subnormal_flags=True)[0].subnormal_blocks is None
+    assert describe(q, torch.full((3, 1, 3), 127, dtype=torch.uint8), (128, 128),
+                    subnormal_flags=False)[0].subnormal_blocks is None
+
+
+def test_only_cpus_known_to_run_subnormal_operands_at_full_rate_drop_the_flags():
+    from kvfold.numerics.weights_mm import subnormal_assists
+    assert not subnormal_assists("AuthenticAMD")
+    assert subnormal_assists("GenuineIntel") and subnormal_assists("") and subnormal_assists("HygonGenuine")
 
 
 def test_fp8_decode_rows_stay_exact_where_a_tile_mixes_flagged_and_clean_blocks():
@@ -428,14 +438,14 @@ def test_fp8_decode_rows_stay_exact_where_a_tile_mixes_flagged_and_clean_blocks(
     q, s = quantize_fp8_blocks(weights(2 * 64, 384, 12).view(2, 64, 384), block)
     q = _plant_subnormal_codes(q, [(0, 1, 3), (0, 6, 200), (0, 6, 201), (0, 63, 383), (1, 12, 128), (1, 40, 7)])
     dense = dequant_fp8_blocks(q, s, block)
-    found = describe(q, s, block)
+    found = describe(q, s, block, subnormal_flags=True)
     assert found[0].subnormal_blocks
     x = rows(5, 384, 6)
     for m in (1, 2, 5):  # a decode row, a tile of two rows, tiles of four and one
         for e in range(2):
             exactly(native_mm(LIB, x[:m], *found, index=e), invariant_mm(LIB, x[:m], dense[e]))
         flat_q, flat_s = q[0].contiguous(), s[0].contiguous()
-        for desc, per, k in row_groups(describe(flat_q, flat_s, block), 8):
+        for desc, per, k in row_groups(describe(flat_q, flat_s, block, subnormal_flags=True), 8):
             first = (desc.data - flat_q.data_ptr()) // 384
             exactly(native_mm(LIB, x[:m], desc, per, k), invariant_mm(LIB, x[:m], dense[0, first:first + per]))
 

@@ -27,12 +27,39 @@ _FORMAT_OF = {torch.float32: F32, torch.bfloat16: BF16, torch.float8_e4m3fn: FP8
 _LANES = 8
 
 
+def subnormal_assists(vendor: str) -> bool:
+    """Whether a CPU of this vendor (cpuinfo's vendor_id) takes a microcode assist, about a hundred
+    cycles, for each multiply-add with a float32 subnormal operand. Intel's cores do (bench/RESULTS.md,
+    the Xeon run of FP8 blocks holding subnormal codes); AMD's Zen cores run them at full rate (a
+    2-core Zen 4: the same multiply-add rate with and without, bench/RESULTS.md). Where they do,
+    `describe` flags the FP8 blocks that hold subnormal codes and the decode rows take those blocks
+    through halves (native_weights.h, tile_subnormal). Each path gives the same bits, so this
+    chooses speed only; a vendor not known to run them at full rate keeps the flags."""
+    return vendor != "AuthenticAMD"
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# a property of the machine, read once: whether `describe` builds subnormal-block flags by default
+SUBNORMAL_FLAGS = subnormal_assists(_cpu_vendor())
+
+
 def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-             packed_fp4: bool = False) -> tuple[WeightsDesc, int, int] | None:
+             packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS) -> tuple[WeightsDesc, int, int] | None:
     """(descriptor, rows n, columns k) of `data` [..., n, k] (FP4: [..., n, k/2] bytes with
     `packed_fp4`), its leading dims a stack of matrices; None where the kernels cannot read it
     (another device, a non-contiguous tensor, scale blocks not a multiple of 8 columns, an
-    unknown dtype)."""
+    unknown dtype). FP8 blocks holding subnormal codes are flagged where `subnormal_flags`
+    (default: this CPU's `subnormal_assists`)."""
     if not data.is_cpu or not data.is_contiguous() or data.dim() < 2:
         return None
     fmt = FP4 if packed_fp4 else _FORMAT_OF.get(data.dtype)
@@ -41,6 +68,7 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     rows, k = data.shape[-2], data.shape[-1] * (2 if fmt == FP4 else 1)
     br, bc = block if block is not None else (1, _LANES)
     nan_codes, flags = scan_fp8_codes(data, bc) if fmt == FP8 else (False, None)
+    flags = flags if subnormal_flags else None
     desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
                        int(nan_codes))
     desc.tensors = (data, scale)
