@@ -851,7 +851,7 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
     for (int64_t c0 = n0; c0 < n1; c0 += panel_rows) {
         int64_t c1 = c0 + panel_rows < n1 ? c0 + panel_rows : n1;
         for (int64_t c = c0; c < c1; c++) decode_row(w, data, scale, c, panel + (c - c0) * k);
-        matmul_cols(x, ldx, panel, out + c0, ldo, m, 0, c1 - c0, k);
+        matmul_cols_tiled(x, ldx, panel, out + c0, ldo, m, 0, c1 - c0, k, 1);
     }
 }
 
