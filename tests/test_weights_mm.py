@@ -277,6 +277,23 @@ def test_fp4_decode_rows_keep_every_bit_when_the_thread_rounds_downward():
     assert third() == 0x3EAAAAAB
 
 
+def test_fp8_decode_rows_under_float32_scales_keep_every_bit_in_partial_and_overflowing_blocks():
+    # Float32 block scales (GLM-5.3's release) do not fold into x: a decode row's tiles decode each
+    # block's codes as halves times 2^8 * scale (native_weights.h, fp8_row_tile_scaled). k = 400
+    # leaves a last block of 16 columns; one row's scale of 2^125 makes 2^8 * scale overflow, which
+    # sends its tile to the generic path, value by value in that block: the bits must not change.
+    block = (1, 128)
+    q, s = quantize_fp8_blocks(weights(13, 400, 21), block)
+    fs = torch.rand(s.shape, generator=torch.Generator().manual_seed(5)) * 1e-2 + 1e-3  # not powers of two
+    fs[6, 2] = 2.0 ** 121
+    dense = dequant_fp8_blocks(q, fs, block)
+    found = describe(q, fs, block)
+    assert found[0].scale_f32 and not found[0].nan_codes
+    for m in (1, 2):
+        x = rows(m, 400, 30 + m)
+        exactly(native_mm(LIB, x, *found), invariant_mm(LIB, x, dense))
+
+
 def test_float32_scales_multiply_as_stored():
     q, s = quantize_fp8_blocks(weights(20, 200, 2), (8, 8))
     fs = torch.rand(s.shape, generator=torch.Generator().manual_seed(3)) * 1e-2  # not powers of two

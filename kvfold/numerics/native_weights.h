@@ -706,6 +706,40 @@ static void fold_fp8_scales(const float *x, const kv_weights *w, const void *sca
     }
 }
 
+/* weights_row_fp8_4 for a matrix whose decode rows do not fold (float32 scales, as GLM-5.3's
+ * release stores them; blocks of fewer than 16 rows), with no NaN code, k and the block width
+ * multiples of 16: the same operations in the same order, so the same bits (each block's codes
+ * as halves times the block factor 2^8 * scale, then per 16 values two fused multiply-adds into
+ * lane j's running sum; the halving sum plus the +0 tail of k8 == k), as one straight loop a
+ * block. Returns 0, having written nothing, where a block factor of the tile would overflow
+ * (block_factor's 0); weights_row_fp8_4 then takes the tile, value by value in that block. */
+static int fp8_row_tile_scaled(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
+                               int64_t j0, float *out) {
+    const int64_t k = w->k, rb = k, bc = w->bc;
+    const uint8_t *row = data + j0 * rb;
+    int64_t srow[4];
+    for (int c = 0; c < 4; c++) srow[c] = scale_row(w, j0 + c);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b0 = 0, blk = 0; b0 < k; b0 += bc, blk++) {
+        __m256 f[4];
+        if (!block_factors(KV_FP8, w, scale, srow, 4, blk, f)) return 0;
+        const int64_t b1 = b0 + bc < k ? b0 + bc : k; /* the last block may be partial */
+        for (int64_t i = b0; i < b1; i += 2 * LANES) {
+            if (i % 64 == 0) prefetch_rows(row + 8 * rb + i, rb, 4);
+            const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);
+            for (int c = 0; c < 4; c++) {
+                __m256 lo, hi;
+                e4m3x16(row + c * rb, i, 0, &lo, &hi);
+                acc[c] = _mm256_fmadd_ps(x0, _mm256_mul_ps(lo, f[c]), acc[c]);
+                acc[c] = _mm256_fmadd_ps(x1, _mm256_mul_ps(hi, f[c]), acc[c]);
+            }
+        }
+    }
+    for (int c = 0; c < 4; c++) out[c] = lanes_sum(acc[c], 0.0f);
+    return 1;
+}
+#define FP8_ROW_TILE_SCALED(w) (!(w)->nan_codes && (w)->k % 16 == 0 && (w)->bc % 16 == 0)
+
 /* weights_row_fp8_4 where every column block of x folded (all_folded) and no row of the tile holds
  * a subnormal code, k a multiple of 8: the same operations in the same order, so the same bits
  * (lane j of each output: ascending i = j mod 8, fused multiply-adds of xs against
@@ -843,6 +877,10 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
             for (; c + 4 <= n1; c += 4)
                 if (!fp4_row_tile_e8m0(x, w, data, scale, c, out + c))
                     weights_row_fp4_4(x, w, data, scale, c, out + c, NULL, NULL, NULL);
+        if (w->fmt == KV_FP8 && FP8_ROW_TILE_SCALED(w))
+            for (; c + 4 <= n1; c += 4)
+                if (!fp8_row_tile_scaled(x, w, data, scale, c, out + c))
+                    weights_row_fp8_4(x, w, data, scale, c, out + c, NULL, NULL, NULL);
         if (w->fmt == KV_FP8) { ROWS(fp8) } else if (w->fmt == KV_FP4) { ROWS(fp4) } else { ROWS(bf16) }
 #undef ROWS
         return;
