@@ -481,6 +481,19 @@ static void decode_row(const kv_weights *w, const uint8_t *data, const void *sca
     int64_t i = 0;
 #if KV_DECODE_IN_REGISTERS
     const uint8_t *row = data + j * weights_row_bytes(w);
+#if E2M1_TABLES == 2
+    if (w->fmt == KV_FP4) { /* each block's table (its 16 values times its scale, fp4_table): 8 values a lookup */
+        const int64_t srow = scale_row(w, j), k8 = w->k - w->k % LANES;
+        for (int64_t b0 = 0; b0 < k8; b0 += w->bc) {
+            __m256 table[E2M1_TABLES];
+            fp4_table(scale_at(w, scale, srow + b0 / w->bc), table);
+            const int64_t b1 = b0 + w->bc < k8 ? b0 + w->bc : k8;
+            for (i = b0; i < b1; i += LANES) _mm256_storeu_ps(dst + i, e2m1x8_lookup(row, i, table));
+        }
+        for (; i < w->k; i++) dst[i] = weight_value(w, data, scale, j, i);
+        return;
+    }
+#endif
     const int64_t bc = scaled(w->fmt) ? w->bc : 2 * LANES, srow = scaled(w->fmt) ? scale_row(w, j) : 0;
     if (bc % (2 * LANES) == 0)
         for (; i + 2 * LANES <= w->k; i += 2 * LANES) {
