@@ -78,10 +78,11 @@ DOT_TILE(4, 1)
 DOT_TILE(4, 2)
 DOT_TILE(4, 3)
 #if defined(__AVX512VL__)
-/* 32 vector registers: 24 accumulators, a 4 x 6 tile loads 10 vectors for 24 multiply-adds where
- * 4 x 3 loads 7 for 12 (the panels stream from L2) */
+/* 32 vector registers: a 4 x 5 tile holds its 20 accumulators and the 9 vectors it loads for 20
+ * multiply-adds (4 x 3 loads 7 for 12); 4 x 6 would need 34 registers, and the compiler then
+ * reloads every weight vector from memory (measured slower: bench/RESULTS.md) */
 #define KV_WIDE_TILE 1
-DOT_TILE(4, 6)
+DOT_TILE(4, 5)
 #else
 #define KV_WIDE_TILE 0
 #endif
@@ -106,7 +107,7 @@ static inline double sum_squares(const float *x, int64_t n) {
 /* out[m, j] = dot(x row m, w row j) for x [M, K] (row stride ldx), w [N, K], out (row stride ldo),
  * over columns [n0, n1). Tiles of 4 rows x 3 or 2 columns, then the last 3, 2 or 1 rows together
  * (3 x 4, 2 x 4, 1 x 4: so a verify step's 2 or 3 rows read each weight once, not once a row),
- * share their loads; every output is still the one `dot` above. `wide`: 4 x 6 tiles first where the
+ * share their loads; every output is still the one `dot` above. `wide`: 4 x 5 tiles first where the
  * machine has the registers (KV_WIDE_TILE), for w in cache (a decoded panel); w streamed from
  * memory reads better 3 rows at a time (bench/RESULTS.md). */
 static void matmul_cols_tiled(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t m,
@@ -115,7 +116,7 @@ static void matmul_cols_tiled(const float *x, int64_t ldx, const float *w, float
     for (; r + 4 <= m; r += 4) {
         int64_t c = n0;
 #if KV_WIDE_TILE
-        for (; wide && c + 6 <= n1; c += 6) dot_tile_4x6(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
+        for (; wide && c + 5 <= n1; c += 5) dot_tile_4x5(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
 #endif
         for (; c + 3 <= n1; c += 3) dot_tile_4x3(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
         for (; c + 2 <= n1; c += 2) dot_tile_4x2(x + r * ldx, ldx, w + c * k, k, k, out + r * ldo + c, ldo);
