@@ -535,7 +535,7 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
  * (fp4_table: E2M1_VALUES[m] * scale), then the halving sum plus the +0 tail of k8 == k. What
  * differs is only the control: the scales are widened 16 blocks at a time (fp4_scales_run) and
  * each block's four steps of 8 run as straight-line code, which the generic tile's per-block
- * branches (NaN scales, folded FP8, block factors) kept from its registers: 1.9x the decode
+ * branches (NaN scales, folded FP8, block factors) kept from its registers: 1.7-1.8x the decode
  * rate on a Zen 4 (bench/RESULTS.md). Returns 0, having written nothing, where a scale of the
  * tile's rows is NaN (255); weights_row_fp4_4 then takes the tile, value by value in those blocks. */
 static int fp4_row_tile_e8m0(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
