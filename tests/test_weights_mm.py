@@ -19,6 +19,7 @@ from kvfold.numerics.rows import invariant_mm
 from kvfold.numerics.weights_mm import describe, native_mm, row_groups
 
 LIB = native.library()  # native.c: the kernels these tests check (None would fail every test, loudly)
+pytestmark = pytest.mark.exactness  # bits against the dense reference: `make test` runs them under AVX2 too
 
 SHAPES = [(37, 300), (130, 1000), (5, 8), (3, 62), (9, 6), (64, 256)]  # tails, partial blocks, k < 8
 ROWS = [1, 2, 3, 4, 5, 8, 9, 33]  # a decode row; register tiles of 4 and 2 rows, and a last one; a panel
