@@ -195,8 +195,9 @@ def test_every_fp4_code_and_extreme_scale_decodes_exactly():
 
 
 def test_fp4_release_layout_tiles_keep_every_bit_whatever_scale_sits_in_any_block():
-    # The releases' layout (e8m0 scales on 1 x 32 blocks, k a multiple of 32) decodes rows four at
-    # a time with its scales widened 16 blocks at a time (native_weights.h, fp4_row_tile_e8m0). k =
+    # The releases' layout (e8m0 scales on 1 x 32 blocks, k a multiple of 32) decodes columns four
+    # at a time for 1, 2 or 4 rows of x, its scales widened 16 blocks at a time (native_weights.h,
+    # fp4_tile_e8m0). k =
     # 1,088 is 34 blocks: two runs of 16 and a partial run of 2, whose masked load must stop at the
     # row's end. Exponents 0 (2^-127, a subnormal scale), 1 and 254 sit in random blocks; a NaN
     # scale (255) in one row sends its whole tile to the generic path, whose bits must be the same.
@@ -214,7 +215,7 @@ def test_fp4_release_layout_tiles_keep_every_bit_whatever_scale_sits_in_any_bloc
             e[nan_at] = 255
         dense = dequant_fp4_blocks(packed, e)
         found = describe(packed, e, (1, 32), packed_fp4=True)
-        for m in (1, 2, 3):
+        for m in (1, 2, 3, 4, 5):  # a decode row; tiles of 2, of 2 and 1, of 4, of 4 and 1 rows
             x = rows(m, k, 40 + m) * 1e-3
             got, want = native_mm(LIB, x, *found), invariant_mm(LIB, x, dense)
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (nan_at, m)

@@ -529,52 +529,65 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 1)
 WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
 
 #if E2M1_TABLES == 2 && defined(__AVX512BW__)
-/* weights_row_fp4_4 for the releases' FP4 layout (e8m0 scales on 1 x 32 blocks, k a multiple of 32),
- * with the same operations in the same order, so the same bits: lane j of each of the 4 outputs
- * takes ascending i = j mod 8 with fused multiply-adds of x against the block's table entries
- * (fp4_table: E2M1_VALUES[m] * scale), then the halving sum plus the +0 tail of k8 == k. What
- * differs is only the control: the scales are widened 16 blocks at a time (fp4_scales_run) and
- * each block's four steps of 8 run as straight-line code, which the generic tile's per-block
- * branches (NaN scales, folded FP8, block factors) kept from its registers: 1.7-1.8x the decode
+/* weights_row_fp4_4 (R = 1) and weights_rows_fp4_Rx4 (R = 2, 4 rows of x, row r at x + r ldx, into
+ * out + r ldo) for the releases' FP4 layout (e8m0 scales on 1 x 32 blocks, k a multiple of 32),
+ * with the same operations in the same order, so the same bits: lane j of each output takes
+ * ascending i = j mod 8 with fused multiply-adds of its row of x against the block's table
+ * entries (fp4_table: E2M1_VALUES[m] * scale), then the halving sum plus the +0 tail of k8 == k.
+ * What differs is only the control: the scales are widened 16 blocks at a time (fp4_scales_run)
+ * and each block's four steps of 8 run as straight-line code, which the generic tiles' per-block
+ * branches (NaN scales, folded FP8, block factors) kept from their registers: 1.7-1.8x the decode
  * rate on a Zen 4 (bench/RESULTS.md). Returns 0, having written nothing, where a scale of the
- * tile's rows is NaN (255); weights_row_fp4_4 then takes the tile, value by value in those blocks. */
-static int fp4_row_tile_e8m0(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
-                             int64_t j0, float *out) {
-    const int64_t k = w->k, rb = k / 2, blocks = k / 32;
-    const uint8_t *row[4];
-    int64_t srow[4];
-    for (int c = 0; c < 4; c++) {
-        row[c] = data + (j0 + c) * rb;
-        srow[c] = scale_row(w, j0 + c);
+ * tile's 4 columns is NaN (255); the generic tile then takes it, value by value in those blocks. */
+static inline int fp4_tile_scales_are_numbers(const kv_weights *w, const void *scale, const int64_t *srow) {
+    const int64_t blocks = w->k / 32;
+    for (int c = 0; c < 4; c++)
         for (int64_t b = 0; b < blocks; b += 64) {
             const __mmask64 live = blocks - b >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (blocks - b)) - 1;
             const __m512i e = _mm512_maskz_loadu_epi8(live, (const uint8_t *)scale + srow[c] + b);
             if (_mm512_mask_cmpeq_epi8_mask(live, e, _mm512_set1_epi8(-1))) return 0;
         }
-    }
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    float s[4][FP4_SCALE_RUN];
-    for (int64_t b = 0; b < blocks; b++) {
-        if (b % FP4_SCALE_RUN == 0) fp4_scales_run(w, scale, srow, 4, b, s);
-        __m256 table[4][2];
-        for (int c = 0; c < 4; c++) fp4_table(s[c][b % FP4_SCALE_RUN], table[c]);
-        const int64_t i0 = 32 * b;
-        if ((i0 & 127) == 0) prefetch_rows(data + (j0 + 8) * rb + i0 / 2, rb, 4);
-        for (int64_t i = i0; i < i0 + 32; i += LANES) {
-            const __m256 xv = _mm256_loadu_ps(x + i);
-            for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(row[c], i, table[c]), acc[c]);
-        }
-    }
-    for (int c = 0; c < 4; c++) out[c] = lanes_sum(acc[c], 0.0f);
     return 1;
 }
+#define FP4_TILE_E8M0(R)                                                                              \
+    static int fp4_tile_e8m0_##R(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data, \
+                                 const void *scale, int64_t j0, float *out, int64_t ldo) {            \
+        const int64_t k = w->k, rb = k / 2, blocks = k / 32;                                          \
+        const uint8_t *row[4];                                                                        \
+        int64_t srow[4];                                                                              \
+        for (int c = 0; c < 4; c++) {                                                                 \
+            row[c] = data + (j0 + c) * rb;                                                            \
+            srow[c] = scale_row(w, j0 + c);                                                           \
+        }                                                                                             \
+        if (!fp4_tile_scales_are_numbers(w, scale, srow)) return 0;                                   \
+        __m256 acc[R][4];                                                                             \
+        for (int r = 0; r < (R); r++)                                                                 \
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();                              \
+        float s[4][FP4_SCALE_RUN];                                                                    \
+        for (int64_t b = 0; b < blocks; b++) {                                                        \
+            if (b % FP4_SCALE_RUN == 0) fp4_scales_run(w, scale, srow, 4, b, s);                      \
+            __m256 table[4][2];                                                                       \
+            for (int c = 0; c < 4; c++) fp4_table(s[c][b % FP4_SCALE_RUN], table[c]);                \
+            const int64_t i0 = 32 * b;                                                                \
+            if ((i0 & 127) == 0) prefetch_rows(data + (j0 + 8) * rb + i0 / 2, rb, 4);                 \
+            for (int64_t i = i0; i < i0 + 32; i += LANES) {                                           \
+                __m256 xv[R];                                                                         \
+                for (int r = 0; r < (R); r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);               \
+                for (int c = 0; c < 4; c++) {                                                         \
+                    const __m256 wv = e2m1x8_lookup(row[c], i, table[c]);                             \
+                    for (int r = 0; r < (R); r++) acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);  \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int r = 0; r < (R); r++)                                                                 \
+            for (int c = 0; c < 4; c++) out[r * ldo + c] = lanes_sum(acc[r][c], 0.0f);                \
+        return 1;                                                                                     \
+    }
+FP4_TILE_E8M0(1)
+FP4_TILE_E8M0(2)
+FP4_TILE_E8M0(4)
 #define FP4_ROW_TILE_E8M0(w) (!(w)->scale_f32 && (w)->bc == 32 && (w)->k % 32 == 0)
 #else
-static int fp4_row_tile_e8m0(const float *x, const kv_weights *w, const uint8_t *data, const void *scale,
-                             int64_t j0, float *out) {
-    (void)x, (void)w, (void)data, (void)scale, (void)j0, (void)out;
-    return 0;
-}
 #define FP4_ROW_TILE_E8M0(w) 0
 #endif
 
@@ -830,6 +843,24 @@ static void fp8_folded_rows(const float *x, const kv_weights *w, const uint8_t *
         r0 = r1;                                                                                      \
     }
 
+/* FP4 rows r .. r+R-1 against columns [n0, n1): the releases' layout in fp4_tile_e8m0's tiles of 4
+ * columns where it can, the generic tiles elsewhere */
+#if E2M1_TABLES == 2 && defined(__AVX512BW__)
+#define FP4_ROWS_COLS(R)                                                                              \
+    if (FP4_ROW_TILE_E8M0(w)) {                                                                       \
+        int64_t c = n0;                                                                               \
+        for (; c + 4 <= n1; c += 4)                                                                   \
+            if (!fp4_tile_e8m0_##R(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo))      \
+                weights_rows_fp4_##R##x4(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo, \
+                                         NULL, NULL, subnormal);                                      \
+        for (; c < n1; c++)                                                                           \
+            weights_rows_fp4_##R##x1(x + r * ldx, ldx, w, data, scale, c, out + r * ldo + c, ldo,     \
+                                     NULL, NULL, subnormal);                                          \
+    } else ROWS_COLS(R, fp4, n0, n1, NULL, NULL)
+#else
+#define FP4_ROWS_COLS(R) ROWS_COLS(R, fp4, n0, n1, NULL, NULL)
+#endif
+
 /* out[r, n0 .. n1) for m rows of x, in groups of 4 rows, then 2 (a last single row is the
  * caller's decode row); `buf` (an FP8 matrix whose rows fold, else NULL): room for
  * fold_rows_floats(w, 4). Returns the rows done. */
@@ -842,7 +873,7 @@ static int64_t weights_rows_cols(const float *x, int64_t ldx, const kv_weights *
 #define BY_FORMAT(R)                                                                                  \
     if (w->fmt == KV_FP8 && buf) { FP8_FOLDED_ROWS(R) }                                               \
     else if (w->fmt == KV_FP8) ROWS_COLS(R, fp8, n0, n1, NULL, NULL)                                  \
-    else if (w->fmt == KV_FP4) ROWS_COLS(R, fp4, n0, n1, NULL, NULL)                                  \
+    else if (w->fmt == KV_FP4) FP4_ROWS_COLS(R)                                                       \
     else ROWS_COLS(R, bf16, n0, n1, NULL, NULL)
     for (; r + 4 <= m; r += 4) BY_FORMAT(4)
     for (; r + 2 <= m; r += 2) BY_FORMAT(2)
@@ -886,10 +917,12 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
 #define ROWS(NAME)                                                                                \
         for (; c + 4 <= n1; c += 4) weights_row_##NAME##_4(x, w, data, scale, c, out + c, NULL, NULL, NULL); \
         for (; c < n1; c++) weights_row_##NAME##_1(x, w, data, scale, c, out + c, NULL, NULL, NULL);
+#if E2M1_TABLES == 2 && defined(__AVX512BW__)
         if (w->fmt == KV_FP4 && FP4_ROW_TILE_E8M0(w))
             for (; c + 4 <= n1; c += 4)
-                if (!fp4_row_tile_e8m0(x, w, data, scale, c, out + c))
+                if (!fp4_tile_e8m0_1(x, 0, w, data, scale, c, out + c, 0))
                     weights_row_fp4_4(x, w, data, scale, c, out + c, NULL, NULL, NULL);
+#endif
         if (w->fmt == KV_FP8 && FP8_ROW_TILE_SCALED(w))
             for (; c + 4 <= n1; c += 4)
                 if (!fp8_row_tile_scaled(x, w, data, scale, c, out + c))
