@@ -537,18 +537,9 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
  * What differs is only the control: the scales are widened 16 blocks at a time (fp4_scales_run)
  * and each block's four steps of 8 run as straight-line code, which the generic tiles' per-block
  * branches (NaN scales, folded FP8, block factors) kept from their registers: 1.7-1.8x the decode
- * rate on a Zen 4 (bench/RESULTS.md). Returns 0, having written nothing, where a scale of the
- * tile's 4 columns is NaN (255); the generic tile then takes it, value by value in those blocks. */
-static inline int fp4_tile_scales_are_numbers(const kv_weights *w, const void *scale, const int64_t *srow) {
-    const int64_t blocks = w->k / 32;
-    for (int c = 0; c < 4; c++)
-        for (int64_t b = 0; b < blocks; b += 64) {
-            const __mmask64 live = blocks - b >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (blocks - b)) - 1;
-            const __m512i e = _mm512_maskz_loadu_epi8(live, (const uint8_t *)scale + srow[c] + b);
-            if (_mm512_mask_cmpeq_epi8_mask(live, e, _mm512_set1_epi8(-1))) return 0;
-        }
-    return 1;
-}
+ * rate on a Zen 4 (bench/RESULTS.md). Returns 0, having written nothing (the sums are its own
+ * until the end), where a run of scales holds a NaN (255, fp4_scales_run); the generic tile then
+ * takes the tile, value by value in those blocks. */
 #define FP4_TILE_E8M0(R)                                                                              \
     static int fp4_tile_e8m0_##R(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data, \
                                  const void *scale, int64_t j0, float *out, int64_t ldo) {            \
@@ -559,13 +550,12 @@ static inline int fp4_tile_scales_are_numbers(const kv_weights *w, const void *s
             row[c] = data + (j0 + c) * rb;                                                            \
             srow[c] = scale_row(w, j0 + c);                                                           \
         }                                                                                             \
-        if (!fp4_tile_scales_are_numbers(w, scale, srow)) return 0;                                   \
         __m256 acc[R][4];                                                                             \
         for (int r = 0; r < (R); r++)                                                                 \
             for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();                              \
         float s[4][FP4_SCALE_RUN];                                                                    \
         for (int64_t b = 0; b < blocks; b++) {                                                        \
-            if (b % FP4_SCALE_RUN == 0) fp4_scales_run(w, scale, srow, 4, b, s);                      \
+            if (b % FP4_SCALE_RUN == 0 && !fp4_scales_run(w, scale, srow, 4, b, s)) return 0;          \
             __m256 table[4][2];                                                                       \
             for (int c = 0; c < 4; c++) fp4_table(s[c][b % FP4_SCALE_RUN], table[c]);                \
             const int64_t i0 = 32 * b;                                                                \
