@@ -136,8 +136,9 @@ def test_quantized_residency_keeps_the_fp8_weights_as_stored_in_fewer_bytes(fp8)
     assert set(held) == expected_fp8_slots() and not deq.quantized_weights()
     for name, w in held.items():
         assert w.q.dtype == torch.float8_e4m3fn and w.scale.dtype == torch.float32, name
-        halves_split_blocks = name.endswith("gate_up_proj") and INTER % block[0]
-        assert w.block == ((1, block[1]) if halves_split_blocks else block), name
+        # routed experts: each expert's gate, up and down tensors held apart, with their stored scale blocks
+        assert w.block == block and w.pieces == (2 if name.endswith("gate_up_proj") else
+                                                 1 if name.endswith("experts.down_proj") else 0), name
     # every other tensor stays float: router, lm_head, KDA projections
     for name in ("model.layers.1.mlp.gate.weight", "lm_head.weight",
                  "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.indexer.weights_proj.weight"):
@@ -146,9 +147,9 @@ def test_quantized_residency_keeps_the_fp8_weights_as_stored_in_fewer_bytes(fp8)
     src = "model.language_model.layers.4"
     assert torch.equal(held["model.layers.4.self_attn.o_proj.weight"].q.view(torch.uint8),
                        tensors[f"{src}.self_attn.o_proj.weight"].view(torch.uint8))
-    gate_up = held["model.layers.4.mlp.experts.gate_up_proj"].q[3].view(torch.uint8)
-    assert torch.equal(gate_up[:INTER], tensors[f"{src}.mlp.experts.3.gate_proj.weight"].view(torch.uint8))
-    assert torch.equal(gate_up[INTER:], tensors[f"{src}.mlp.experts.3.up_proj.weight"].view(torch.uint8))
+    (gate, _), (up, _) = held["model.layers.4.mlp.experts.gate_up_proj"].matrix_pieces(3)
+    assert torch.equal(gate.view(torch.uint8), tensors[f"{src}.mlp.experts.3.gate_proj.weight"].view(torch.uint8))
+    assert torch.equal(up.view(torch.uint8), tensors[f"{src}.mlp.experts.3.up_proj.weight"].view(torch.uint8))
     # decoded per matmul to exactly what the load-time decode wrote
     params = dict(deq.named_parameters())
     for name, w in held.items():

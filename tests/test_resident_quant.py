@@ -62,8 +62,11 @@ def test_fp8_and_fp4_weights_stay_as_stored(both):
     assert isinstance(wq_b, QuantizedWeight) and wq_b.q.dtype == torch.float8_e4m3fn
     assert wq_b.scale.shape == (2, 2) and wq_b.scale.dtype == torch.uint8 and wq_b.block == (128, 128)
     experts = q.model.layers[2].mlp.experts
-    assert experts.gate_up_proj.q.dtype == torch.uint8 and experts.gate_up_proj.q.shape == (8, 160, 128)
-    assert experts.down_proj.scale.shape == (8, 256, 3)  # 80 columns: blocks of 32, 32, 16
+    gu, down = experts.gate_up_proj, experts.down_proj  # each expert's w1, w3 and w2 held apart, as stored
+    assert gu.pieces == 2 and down.pieces == 1 and gu.shape == (8, 160, 256)
+    (w1, s1), (w3, _) = gu.matrix_pieces(5)
+    assert w1.dtype == torch.uint8 and w1.shape == w3.shape == (80, 128) and s1.shape == (80, 8)
+    assert down.matrix_pieces(7)[0][1].shape == (256, 3)  # 80 columns: blocks of 32, 32, 16
     # the release's bf16 matrices (embed, head, compressor and indexer projections) are held in
     # bf16 too, except the router's (not a matmul weight: it stays an fp32 parameter); norms stay fp32
     bf16 = {n for n, w in held.items() if w.fmt == "bf16"}
@@ -136,7 +139,7 @@ def test_resident_bytes_are_a_quarter_for_fp8_and_under_a_seventh_for_fp4(both):
         for fmt, low in (("fp8", 3.99 * esz / 4), ("fp4", 7.4 * esz / 4)):
             ws = [w for w in held if w.fmt == fmt]
             float_bytes = sum(w.numel() * esz for w in ws)
-            resident = sum(w.q.nbytes + w.scale.nbytes for w in ws)
+            resident = sum(t.nbytes for w in ws for t in w.buffers())
             ratio = float_bytes / resident
             # fp32: FP8 4 / (1 + 1/16384 per full block); FP4 4 / (1/2 + 1/32), a little less with partial blocks
             assert low < ratio <= (4 if fmt == "fp8" else 32 / 4.25) * esz / 4, (dtype, fmt, ratio)
@@ -254,10 +257,16 @@ def test_fp8_experts_whose_halves_split_row_blocks(original, tmp_path):
     a = kvfold.load_model(d)
     b = kvfold.load_model(d, weights="quantized")
     gu = b.model.layers[1].mlp.experts.gate_up_proj
-    assert gu.fmt == "fp8" and gu.block == (1, 128) and gu.scale.shape == (8, 160, 2)
+    # each half is a piece of its own, with the scale blocks the file stores for it
+    assert gu.fmt == "fp8" and gu.pieces == 2 and gu.block == (128, 128)
+    assert [s.shape for _, s in gu.matrix_pieces(0)] == [(1, 2), (1, 2)]
     assert b.model.layers[1].mlp.experts.down_proj.block == (128, 128)
     assert torch.equal(gu.dequant(), a.model.layers[1].mlp.experts.gate_up_proj)
     assert torch.equal(logits(b), logits(a))
+    # joined into one stack (a placement's copy), the blocks that would straddle w1 and w3 become a scale a row
+    joined = gu.take(torch.tensor([6, 2]))
+    assert joined.pieces == 0 and joined.block == (1, 128) and joined.scale.shape == (2, 160, 2)
+    assert torch.equal(joined.dequant(), a.model.layers[1].mlp.experts.gate_up_proj[[6, 2]])
     # module layout, stacked: gate_up_proj [E, 160, 256] FP8 with [E, 2, 2] scales: kept with 128x128 blocks
     hf = save_checkpoint(a, tmp_path / "hf")
     ht = load_file(str(hf / "model.safetensors"))

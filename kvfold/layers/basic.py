@@ -12,7 +12,7 @@ from ..numerics import rms_norm
 from ..numerics.backend import Backend
 from ..numerics.rows import row_mm
 from ..numerics.quant import act_quant_fp8, dequant_fp4_into, dequant_fp8_into
-from ..numerics.weights_mm import describe, native_mm, row_groups
+from ..numerics.weights_mm import describe, describe_pieces, native_mm, row_groups
 from ..numerics.quant_formats import BF16, FP4, FP8
 
 
@@ -36,10 +36,16 @@ class QuantizedWeight(nn.Module):
 
     `shape` is the logical (dequantized) shape and `dtype` the dtype `dequant` returns: the dtype of the
     float parameter it replaces, so both residencies run the same matmuls on bit-identical values.
+
+    With `pieces` = p > 0, a stack [E, R, C] is held as the checkpoint stores it when each expert,
+    and its w1 and w3 halves, are tensors of their own: matrix e is p row pieces of R / p rows,
+    buffers `q_{e}_{i}` and `scale_{e}_{i}` (each with scale blocks of its own), and `q` / `scale`
+    are empty. Loaded with `keep`, every piece stays a view of the mapped checkpoint file, read in
+    place (models/mapped_files.py); the kernels take a pointer a piece (weights_mm.describe_pieces).
     """
 
     def __init__(self, fmt: str, shape, dtype: torch.dtype, block: tuple[int, int],
-                 scale_dtype: torch.dtype = torch.uint8, device=None):
+                 scale_dtype: torch.dtype = torch.uint8, device=None, pieces: int = 0):
         super().__init__()
         if fmt not in (FP8, FP4, BF16):
             raise ValueError(f"format must be {FP8!r}, {FP4!r} or {BF16!r}, got {fmt!r}")
@@ -51,8 +57,22 @@ class QuantizedWeight(nn.Module):
         q_shape, q_dtype = {FP8: (shape, torch.float8_e4m3fn), FP4: ((*lead, r, c // 2), torch.uint8),
                             BF16: (shape, torch.bfloat16)}[fmt]
         scale_shape = (0,) if fmt == BF16 else (*lead, math.ceil(r / br), math.ceil(c / bc))
+        if pieces and (len(lead) != 1 or r % pieces):
+            raise ValueError(f"pieces hold a stack [E, R, C] of {pieces} equal row pieces; got {tuple(shape)}")
+        self.pieces = pieces
+        if pieces:
+            q_shape, scale_shape = (0,), (0,)
+            for e in range(lead[0]):
+                for i in range(pieces):
+                    self.register_buffer(f"q_{e}_{i}", None)
+                    self.register_buffer(f"scale_{e}_{i}", None)
         self.register_buffer("q", torch.empty(q_shape, dtype=q_dtype, device=device))
         self.register_buffer("scale", torch.empty(scale_shape, dtype=scale_dtype, device=device))
+
+    def matrix_pieces(self, e: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Matrix e's row pieces (codes, scale), in order (pieces mode)."""
+        b = self._buffers
+        return [(b[f"q_{e}_{i}"], b[f"scale_{e}_{i}"]) for i in range(self.pieces)]
 
     @property
     def device(self) -> torch.device:
@@ -64,16 +84,26 @@ class QuantizedWeight(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return sum(t.nbytes for t in self._buffers.values() if t is not None)
 
     def dequant(self, dtype: torch.dtype | None = None, index: int | None = None) -> torch.Tensor:
         """The float weight (or, with `index`, its slice `[index]`, e.g. one expert) in `dtype`
         (default `self.dtype`), in a new tensor: the same values a load-time dequantization writes."""
+        if self.pieces:
+            if index is None:
+                return torch.stack([self.dequant(dtype, e) for e in range(self.shape[0])])
+            return torch.cat([self._decode_piece(q, s, dtype or self.dtype) for q, s in self.matrix_pieces(index)],
+                             dim=-2)
         if self.fmt == BF16:
             q = self.q if index is None else self.q[index]
             return torch.empty(q.shape, dtype=dtype or self.dtype, device=q.device).copy_(q)
         q, s = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
         return self._decode(q, s, self.block, dtype or self.dtype)
+
+    def _decode_piece(self, q: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == BF16:
+            return torch.empty(q.shape, dtype=dtype, device=q.device).copy_(q)
+        return self._decode(q, s, self.block, dtype)
 
     def _decode(self, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         shape = q.shape if self.fmt == FP8 else (*q.shape[:-1], 2 * q.shape[-1])
@@ -99,8 +129,14 @@ class QuantizedWeight(nn.Module):
         key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups)
         hit = self.__dict__.get("_native")
         if hit is None or hit[0] != key:
-            found = describe(self.q) if self.fmt == BF16 else describe(self.q, self.scale, self.block,
-                                                                       packed_fp4=self.fmt == FP4)
+            if self.pieces:
+                found = None if groups is not None else describe_pieces(
+                    [self.matrix_pieces(e) for e in range(self.shape[0])], None if self.fmt == BF16 else self.block,
+                    packed_fp4=self.fmt == FP4)
+            elif self.fmt == BF16:
+                found = describe(self.q)
+            else:
+                found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4)
             if found is not None and groups is not None:
                 found = row_groups(found, groups) if self.q.dim() == 2 else None
             hit = self.__dict__["_native"] = (key, found)
@@ -108,11 +144,31 @@ class QuantizedWeight(nn.Module):
 
     def take(self, index: torch.Tensor) -> "QuantizedWeight":
         """Slices `index` of the first dimension (experts of a stack) as a weight of their own,
-        in the same format: q and scale copied, bit for bit."""
+        in the same format: q and scale copied, bit for bit (pieces joined into one stack)."""
         shape = (index.numel(), *self.shape[1:])
+        if self.pieces:
+            return self._joined(index.tolist(), shape)
         out = QuantizedWeight(self.fmt, shape, self.dtype, self.block, self.scale.dtype, device="meta")
         out.q = self.q.index_select(0, index)
         out.scale = self.scale if self.fmt == BF16 else self.scale.index_select(0, index)
+        return out
+
+    def _joined(self, experts: list[int], shape: tuple) -> "QuantizedWeight":
+        """Pieces of `experts` copied into one stack. Scale blocks that straddle two pieces (piece rows
+        not a multiple of the block's) become a scale a row, as the loader holds such stacks."""
+        br, bc = self.block
+        per_row = self.fmt != BF16 and br > 1 and (self.shape[-2] // self.pieces) % br != 0
+        block = (1, bc) if per_row else self.block
+        dtype = self.scale.dtype
+        out = QuantizedWeight(self.fmt, shape, self.dtype, block, dtype, device="meta")
+        out.q = torch.stack([torch.cat([q for q, _ in self.matrix_pieces(e)], dim=-2) for e in experts])
+        if self.fmt != BF16:
+            def rows(q, s):
+                return s.repeat_interleave(br, dim=-2)[:q.shape[-2]] if per_row else s
+            out.scale = torch.stack([torch.cat([rows(q, s) for q, s in self.matrix_pieces(e)], dim=-2)
+                                     for e in experts])
+        else:
+            out.scale = torch.empty(0, dtype=dtype, device=self.q.device)
         return out
 
     def derived(self, name: str, build):
@@ -134,20 +190,30 @@ class QuantizedWeight(nn.Module):
 
     @torch.no_grad()
     def load_(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-              index: int | None = None, rows: slice | None = None) -> None:
+              index: int | None = None, rows: slice | None = None, keep: bool = False) -> None:
         """Copy a stored tensor and its scale in as they are: all of the weight, or `[index]` (one expert)
         and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
-        block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc)."""
+        block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc).
+        `keep`: q and scale stay valid (views of a mapped checkpoint file), so where they are the
+        whole weight or one of its pieces, on this weight's device and in its formats, they are held
+        as they are, not copied."""
         self.bytes_changed()
+        q = q if self.fmt != FP4 else q.view(torch.uint8)
+        if scale is not None and self.fmt != BF16 and self.scale.dtype == torch.uint8:
+            scale = scale.view(torch.uint8)  # e8m0 exponent bytes stay bytes
+        if self.pieces:
+            self._load_piece(q, scale, block, index, rows, keep)
+            return
+        if keep and index is None and rows is None and self._holds_as_is(q, scale, block):
+            self.q, self.scale = q, (self.scale if self.fmt == BF16 else scale)
+            return
         dq = self.q if index is None else self.q[index]
         start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
         if self.fmt == BF16:
             dq[..., start:stop, :].copy_(q)
             return
         ds = self.scale if index is None else self.scale[index]
-        dq[..., start:stop, :].copy_(q if self.fmt == FP8 else q.view(torch.uint8))
-        if self.scale.dtype == torch.uint8:
-            scale = scale.view(torch.uint8)  # e8m0 exponent bytes stay bytes
+        dq[..., start:stop, :].copy_(q)
         br = self.block[0]
         if br == block[0]:
             ds[..., start // br:math.ceil(stop / br), :].copy_(scale)
@@ -156,21 +222,54 @@ class QuantizedWeight(nn.Module):
         else:
             raise ValueError(f"cannot place {block} scale blocks into {self.block} blocks")
 
+    def _holds_as_is(self, q: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> bool:
+        """Whether q and scale are this weight's own layout: its device, codes' dtype and shape,
+        contiguous, and (FP8 / FP4) the scale's dtype, shape and block."""
+        held = self.q if not self.pieces else None
+        if q.device != self.q.device or q.dtype != self.q.dtype or not q.is_contiguous():
+            return False
+        if held is not None and q.shape != held.shape:
+            return False
+        if self.fmt == BF16:
+            return True
+        return (scale is not None and scale.device == q.device and scale.dtype == self.scale.dtype
+                and scale.is_contiguous() and tuple(block) == self.block
+                and (held is None or scale.shape == self.scale.shape))
+
+    def _load_piece(self, q: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], index: int | None,
+                    rows: slice | None, keep: bool) -> None:
+        """Expert `index`'s `rows` (one piece) in pieces mode: held as it is with `keep`, else copied."""
+        per = self.shape[-2] // self.pieces
+        start, stop, _ = (rows or slice(None)).indices(self.shape[-2])
+        if index is None or start % per or stop - start != per or q.shape[-2] != per:
+            raise ValueError(f"a weight held in {self.pieces} pieces loads one expert's rows of {per}, "
+                             f"got expert {index}, rows [{start}, {stop})")
+        if self.fmt != BF16 and tuple(block) != self.block:
+            raise ValueError(f"pieces keep the stored {self.block} scale blocks, got {block}")
+        if self.fmt != BF16 and scale.dtype != self.scale.dtype:
+            scale = scale.to(self.scale.dtype)
+        if not (keep and self._holds_as_is(q, scale, block)):
+            q = q.to(self.q.device, copy=True).contiguous()
+            scale = None if self.fmt == BF16 else scale.to(self.q.device, copy=True).contiguous()
+        i = start // per
+        self._buffers[f"q_{index}_{i}"] = q
+        self._buffers[f"scale_{index}_{i}"] = None if self.fmt == BF16 else scale
+
     def extra_repr(self) -> str:
         return (f"{self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block}, "
-                f"scale={self.scale.dtype}")
+                f"scale={self.scale.dtype}" + (f", pieces={self.pieces}" if self.pieces else ""))
 
 
 E8M0_STORED = {"F8_E8M0", "U8"}  # checkpoint scale dtypes held as exponent bytes; float scales as float32
 
 
 def hold_quantized(model: nn.Module, name: str, fmt: str, block: tuple[int, int],
-                   scale_dtypes: list[str]) -> bool:
+                   scale_dtypes: list[str], pieces: int = 0) -> bool:
     """Replace the float weight `name` of `model` by an empty `QuantizedWeight` of its shape and
     dtype, stored in `block`s, with scales of the checkpoint's `scale_dtypes` (all exponent bytes:
-    uint8, else float32). False, and nothing changed, where `name` is not a weight its module
-    lists as `quantizable`, or is FP4 with an odd row length (FP4 packs two columns a byte): the
-    loader then reports the tensor as not the model's or mis-shaped."""
+    uint8, else float32), in `pieces` row pieces a matrix (0: one stack). False, and nothing changed,
+    where `name` is not a weight its module lists as `quantizable`, or is FP4 with an odd row length
+    (FP4 packs two columns a byte): the loader then reports the tensor as not the model's or mis-shaped."""
     mod_name, _, attr = name.rpartition(".")
     try:
         module = model.get_submodule(mod_name)
@@ -182,7 +281,9 @@ def hold_quantized(model: nn.Module, name: str, fmt: str, block: tuple[int, int]
     if fmt == FP4 and current.shape[-1] % 2:
         return False
     scale_dtype = torch.uint8 if all(sd in E8M0_STORED for sd in scale_dtypes) else torch.float32
-    holder = QuantizedWeight(fmt, tuple(current.shape), current.dtype, block, scale_dtype, current.device)
+    if pieces and (current.dim() != 3 or current.shape[-2] % pieces):
+        return False
+    holder = QuantizedWeight(fmt, tuple(current.shape), current.dtype, block, scale_dtype, current.device, pieces)
     delattr(module, attr)
     setattr(module, attr, holder)
     return True

@@ -34,11 +34,13 @@ class AbiField(ctypes.Structure):
 # ---- native_weights.h ------------------------------------------------------------------------------
 class WeightsDesc(ctypes.Structure):
     """kv_weights: a stored weight as the matmuls read it (numerics/weights_mm.py fills it). It holds
-    raw pointers, so it also keeps the tensors they point into alive (`tensors`)."""
+    raw pointers, so it also keeps the tensors they point into alive (`tensors`). The piece_* fields
+    each hold the address of an array of addresses (int64 tensors in `tensors`)."""
     c_name = "kv_weights"
     _fields_ = [("fmt", _I), ("scale_f32", _I), ("data", _P), ("scale", _P), ("br", _I), ("bc", _I), ("k", _I),
                 ("data_stride", _I), ("scale_stride", _I), ("row_phase", _I), ("nan_codes", _I),
-                ("subnormal_blocks", _P), ("subnormal_stride", _I)]
+                ("subnormal_blocks", _P), ("subnormal_stride", _I), ("piece_data", _P), ("piece_scale", _P),
+                ("piece_subnormal", _P), ("pieces", _I), ("piece_rows", _I)]
 
 
 class MmJob(ctypes.Structure):

@@ -75,6 +75,15 @@ typedef struct {
     const uint8_t *subnormal_blocks; /* FP8: matrix 0's [n, ceil(k / bc)] flags, 1 where that row's column block
                                       * holds a subnormal code (tile_subnormal); NULL when none does */
     int64_t subnormal_stride;        /* flags from one matrix to the next */
+    /* A stack whose matrices lie apart (each expert's tensors where the checkpoint file has them,
+     * mapped and read in place): matrix e is `pieces` row pieces of piece_rows rows each, piece p's
+     * codes at piece_data[e * pieces + p], its scales at piece_scale[...] (row 0 of the piece starts
+     * a scale block) and its subnormal flags at piece_subnormal[...] (NULL: none). piece_data NULL:
+     * the matrices are `data_stride` apart, as above. */
+    const void *const *piece_data;
+    const void *const *piece_scale;
+    const uint8_t *const *piece_subnormal;
+    int64_t pieces, piece_rows;
 } kv_weights;
 
 static inline int64_t weights_row_bytes(const kv_weights *w) {
@@ -877,15 +886,14 @@ static int64_t weights_rows_cols(const float *x, int64_t ldx, const kv_weights *
  * over it. */
 #define KV_REGISTER_ROWS 8
 
-/* out[m, j] = dot(x row m, weight row j) over columns [n0, n1) of matrix `index`. A fp32 matrix is
+/* out[m, j] = dot(x row m, weight row j) over columns [n0, n1) of the matrix at data, scale and
+ * subnormal (its flags, NULL: none). A fp32 matrix is
  * read as it is; up to KV_REGISTER_ROWS rows of another format decode in registers (AVX2), other
  * cases decode the columns a panel at a time into `panel` (room for `panel_rows` rows of k
  * floats). */
-static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out, int64_t ldo,
-                         int64_t m, int64_t n0, int64_t n1, float *panel, int64_t panel_rows) {
-    const uint8_t *data = (const uint8_t *)w->data + index * w->data_stride;
-    const void *scale = w->scale ? (const void *)((const uint8_t *)w->scale
-                                                  + index * w->scale_stride * (w->scale_f32 ? 4 : 1)) : NULL;
+static void weights_cols_at(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data, const void *scale,
+                            const uint8_t *subnormal, float *out, int64_t ldo, int64_t m, int64_t n0, int64_t n1,
+                            float *panel, int64_t panel_rows) {
     const int64_t k = w->k;
     if (w->fmt == KV_F32) {
         matmul_cols(x, ldx, (const float *)data, out, ldo, m, n0, n1, k);
@@ -893,7 +901,6 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
     }
 #if KV_DECODE_IN_REGISTERS
     if (m <= KV_REGISTER_ROWS && (w->fmt != KV_FP4 || e2m1_rows_exact(w))) {
-        const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
         float *fold = panel && fp8_folds(w) ? panel : NULL; /* room to fold x into FP8 block scales */
         const int64_t done = weights_rows_cols(x, ldx, w, data, scale, out, ldo, m, n0, n1, fold, subnormal);
         if (done == m) return;
@@ -926,6 +933,28 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
         int64_t c1 = c0 + panel_rows < n1 ? c0 + panel_rows : n1;
         for (int64_t c = c0; c < c1; c++) decode_row(w, data, scale, c, panel + (c - c0) * k);
         matmul_cols_tiled(x, ldx, panel, out + c0, ldo, m, 0, c1 - c0, k, 1);
+    }
+}
+
+/* weights_cols_at over matrix `index`: its rows where the stride puts them, or piece by piece
+ * (each piece's columns as a matrix of its own, written at its place in out) */
+static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out, int64_t ldo,
+                         int64_t m, int64_t n0, int64_t n1, float *panel, int64_t panel_rows) {
+    if (!w->piece_data) {
+        const uint8_t *data = (const uint8_t *)w->data + index * w->data_stride;
+        const void *scale = w->scale ? (const void *)((const uint8_t *)w->scale
+                                                      + index * w->scale_stride * (w->scale_f32 ? 4 : 1)) : NULL;
+        const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
+        weights_cols_at(x, ldx, w, data, scale, subnormal, out, ldo, m, n0, n1, panel, panel_rows);
+        return;
+    }
+    const int64_t pr = w->piece_rows;
+    for (int64_t p = n0 / pr; p < w->pieces && p * pr < n1; p++) {
+        const int64_t at = index * w->pieces + p, lo = p * pr;
+        const int64_t a = n0 > lo ? n0 : lo, b = n1 < lo + pr ? n1 : lo + pr;
+        weights_cols_at(x, ldx, w, (const uint8_t *)w->piece_data[at], w->piece_scale ? w->piece_scale[at] : NULL,
+                        w->piece_subnormal ? w->piece_subnormal[at] : NULL, out + lo, ldo, m, a - lo, b - lo,
+                        panel, panel_rows);
     }
 }
 
@@ -1066,7 +1095,7 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
 int kv_matmul_weights(const mm_job *job, int64_t threads) {
     const kv_weights *w = job->w;
     if (w->fmt < KV_F32 || w->fmt > KV_FP4 || (scaled(w->fmt) && (w->bc % LANES || w->br < 1))
-        || (w->fmt == KV_FP4 && w->k % 2))
+        || (w->fmt == KV_FP4 && w->k % 2) || (w->piece_data && (w->pieces < 1 || w->piece_rows < 1)))
         return -2;
     return weights_many(job, 1, threads);
 }

@@ -84,6 +84,38 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     return desc, rows, k
 
 
+def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]], block: tuple[int, int] | None = None,
+                    packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS
+                    ) -> tuple[WeightsDesc, int, int] | None:
+    """`describe` of a stack whose matrices lie apart: `pieces[e]` is matrix e's row pieces in order,
+    each (codes [r, k] or FP4 bytes [r, k/2], its scales), every piece of the same shape and format,
+    each starting a scale block (the release stores each expert, and its w1 and w3, as tensors of
+    their own). The kernels read each piece where it is (native_weights.h, weights_cols); None
+    where `describe` would refuse a piece."""
+    flat = [p for matrix in pieces for p in matrix]
+    found = [describe(q, s, block, packed_fp4, subnormal_flags) for q, s in flat]
+    if not flat or any(f is None for f in found) or len({(f[1], f[2]) for f in found}) != 1:
+        return None
+    if len({len(matrix) for matrix in pieces}) != 1:
+        return None
+    first, rows, k = found[0]
+    desc = WeightsDesc.from_buffer_copy(first)
+    desc.data_stride = desc.scale_stride = desc.subnormal_stride = 0
+    desc.nan_codes = int(any(f[0].nan_codes for f in found))
+    tables = [torch.tensor([f[0].data for f in found], dtype=torch.int64)]
+    desc.piece_data = tables[0].data_ptr()
+    if first.scale:
+        tables.append(torch.tensor([f[0].scale for f in found], dtype=torch.int64))
+        desc.piece_scale = tables[-1].data_ptr()
+    if any(f[0].subnormal_blocks for f in found):
+        tables.append(torch.tensor([f[0].subnormal_blocks or 0 for f in found], dtype=torch.int64))
+        desc.piece_subnormal = tables[-1].data_ptr()
+    desc.subnormal_blocks = None
+    desc.pieces, desc.piece_rows = len(pieces[0]), rows
+    desc.tensors = (*tables, *(f[0].tensors for f in found))
+    return desc, rows * len(pieces[0]), k
+
+
 def scan_fp8_codes(q: torch.Tensor, bc: int, chunk: int = 1 << 24) -> tuple[bool, torch.Tensor | None]:
     """One pass over FP8 codes [..., n, k], about `chunk` codes at a time (small temporaries):
     whether any code is a NaN (0x7F / 0xFF), which needs a decoder step the others do not, and

@@ -12,9 +12,11 @@ matrices of an fp32 model (the release's embedding, lm_head and compressors): he
 fp32 values are exact, at half the bytes. Every other tensor loads as before. A checkpoint without
 quantized or bf16 weights then loads exactly as with "dequant".
 
-Tensors are read one at a time from memory-mapped safetensors files straight into the model's
-parameters (a quantized one is decoded in place into its parameter), so a checkpoint is never held
-in memory twice. Every missing, unexpected or mis-shaped tensor is collected and reported in one error.
+Tensors are read one at a time as views of the memory-mapped safetensors files (mapped_files.py):
+a float parameter is written from its view (a quantized one decoded in place into it), and a
+`QuantizedWeight` keeps the views themselves, each routed expert's tensors as pieces of its stack
+(`expert_pieces`), so a checkpoint is never held in memory twice and weights held as stored are
+never copied. Every missing, unexpected or mis-shaped tensor is collected and reported in one error.
 """
 from __future__ import annotations
 
@@ -23,14 +25,13 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 
 from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
 from .sharding import tp_slice
 from ...parallel import local_expert, skips_shared_expert
+from ..mapped_files import Entry, MappedFile, populate, read_header
 from ...errors import CheckpointError
 from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
@@ -59,33 +60,20 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-class _Entry(NamedTuple):
-    file: Path
-    dtype: str           # safetensors dtype name
-    shape: tuple          # as the header lists it (F4: in fp4 elements)
-    nbytes: int
-
-
-def _safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
-
-
 class CheckpointReader:
     """A checkpoint's tensors indexed from the safetensors headers alone (no data is mapped), then read
-    shard by shard: a shard is memory-mapped only while its own tensors are read, so the pages of a
-    100 GB checkpoint never all count against the process at once."""
+    shard by shard, each tensor a view of its memory-mapped file (mapped_files.py): a shard stays
+    mapped while the model holds views of it (weights held as stored), else only while its own
+    tensors are read, so the pages of a 100 GB checkpoint loaded as floats never all count against
+    the process at once. `mappings` lists every mapping made (see `mapped_files.populate`)."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         self.files = checkpoint_files(self.directory)
-        self.entries: dict[str, _Entry] = {}
+        self.entries: dict[str, Entry] = {}
         for f in self.files:
-            for key, info in _safetensors_header(f).items():
-                if key != "__metadata__":
-                    begin, end = info["data_offsets"]
-                    self.entries[key] = _Entry(f, info["dtype"], tuple(info["shape"]), end - begin)
+            self.entries.update(read_header(f))
+        self.mappings: set[tuple[int, int]] = set()
         self.scales = scale_keys(self.entries)  # weight key -> its block-scale key
         scale_set = set(self.scales.values())
         self.weight_keys = [k for k in self.entries if k not in scale_set]
@@ -105,18 +93,19 @@ class CheckpointReader:
         for f in self.files:
             if f not in by_file:
                 continue
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in by_file[f]:
-                    yield key, (lambda k=key: sf.get_tensor(k)), (lambda k=key, h=sf: self._scale(k, h))
+            mapped = {f: MappedFile(f, self.mappings)}
+            for key in by_file[f]:
+                yield key, (lambda k=key: self._read(k, mapped)), (lambda k=key: self._scale(k, mapped))
 
-    def _scale(self, key: str, handle) -> torch.Tensor | None:
+    def _read(self, key: str, mapped: dict[Path, MappedFile]) -> torch.Tensor:
+        entry = self.entries[key]
+        if entry.file not in mapped:  # a scale in another shard
+            mapped[entry.file] = MappedFile(entry.file, self.mappings)
+        return mapped[entry.file].tensor(entry)
+
+    def _scale(self, key: str, mapped: dict[Path, MappedFile]) -> torch.Tensor | None:
         s = self.scales.get(key)
-        if s is None:
-            return None
-        if self.entries[s].file == self.entries[key].file:
-            return handle.get_tensor(s)
-        with safe_open(str(self.entries[s].file), framework="pt", device="cpu") as other:
-            return other.get_tensor(s)
+        return None if s is None else self._read(s, mapped)
 
 
 def _resolve(key: str) -> Target | None:
@@ -165,10 +154,14 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
         if len(fmts) != 1 or None in fmts:
             continue  # unquantized, or a mix of formats: loaded as floats
         fmt = fmts.pop()
+        pieces = expert_pieces([t.part if t.expert is not None else None for _, t, _ in found])
         if fmt == BF16:
-            hold_quantized(model, name, fmt, (1, 1), [])
+            hold_quantized(model, name, fmt, (1, 1), [], pieces)
             continue
         block = _stored_block(fmt, settings)
+        if pieces:  # each expert's tensors held where the file has them, each piece with its own scale blocks
+            hold_quantized(model, name, fmt, block, [sd for _, _, sd in found], pieces)
+            continue
         if fmt == FP8 and block[0] > 1:
             # per-expert halves of gate_up_proj share the stored row blocks only if I is a multiple of br
             for _, target, _ in found:
@@ -176,6 +169,16 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
                 if rows is not None and (rows.start % block[0] or (rows.stop - rows.start) % block[0]):
                     block = (1, block[1])
         hold_quantized(model, name, fmt, block, [sd for _, _, sd in found])
+
+
+def expert_pieces(parts: list[str | None]) -> int:
+    """The row pieces a matrix of a stacked weight is held in when its checkpoint tensors, one per
+    expert and `parts` name (None: a tensor of the whole stack), are each read in place: 2 for
+    gate and up halves (w1 / w3, gate_proj / up_proj), 1 for whole experts, 0 (one stack) where
+    any tensor is not one expert's."""
+    if not parts or None in parts:
+        return 0
+    return 2 if set(parts) & {"w1", "w3", "gate_proj", "up_proj"} else 1
 
 
 def read_config_dict(directory: str | Path) -> dict:
@@ -325,7 +328,9 @@ class _WeightLoader:
                read, read_scale, cut=None, whole=None) -> None:
         if isinstance(slot, QuantizedWeight):  # the stored bytes and scale, as they are
             block = None if slot.fmt == BF16 else _stored_block(fmt, self.settings)
-            slot.load_(read(), read_scale() if has_scale else None, block, target.expert, rows)
+            q, scale = read(), read_scale() if has_scale else None
+            slot.load_(q, scale, block, target.expert, rows, keep=True)
+            populate([q, scale], self.reader.mappings)  # the pages it holds (no-op for copies)
             return
         dest = slot.data
         if target.expert is not None:
@@ -452,11 +457,8 @@ def checkpoint_dtype_breakdown(directory: str | Path) -> dict[str, tuple[int, in
     `F8_E8M0`, `I8`, `F4`, ...); FP4 experts packed in int8 count as `I8`. Sorted by bytes, largest first."""
     out: dict[str, list[int]] = {}
     for f in checkpoint_files(Path(directory)):
-        for key, info in _safetensors_header(f).items():
-            if key == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            entry = out.setdefault(info["dtype"], [0, 0])
+        for e in read_header(f).values():
+            entry = out.setdefault(e.dtype, [0, 0])
             entry[0] += 1
-            entry[1] += end - begin
+            entry[1] += e.nbytes
     return {k: (c, b) for k, (c, b) in sorted(out.items(), key=lambda kv: -kv[1][1])}

@@ -13,7 +13,9 @@ them into the model dtype at load, `weights="quantized"` keeps them as `Quantize
 the decoder DeepSeek-V4's loader uses (`dequant_into`, `QuantizedWeight.load_`), so logits are
 bit-identical. Every FP8 tensor and scale is checked from the file headers before the model is built.
 
-Tensors are read one at a time from memory-mapped safetensors files (DeepSeek-V4's `CheckpointReader`).
+Tensors are read one at a time as views of the memory-mapped safetensors files (DeepSeek-V4's
+`CheckpointReader`); weights held as stored keep the views, each routed expert's tensors as pieces
+of its stack, read in place (docs/checkpoints.md).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import torch
 from ...errors import CheckpointError, ConfigError
 from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
-from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader, held_format
+from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader, expert_pieces, held_format
+from ..mapped_files import populate
 from ...numerics.quant_formats import BF16, FP8, QuantSettings, dequant_into, expected_scale_shape
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
@@ -171,15 +174,17 @@ def _keep_resident(model: Glm5Model, reader: CheckpointReader, block: tuple[int,
         if len(fmts) != 1 or None in fmts:
             continue  # float, or a mix of formats: loaded as floats
         fmt = fmts.pop()
+        pieces = expert_pieces([s.part if s.expert is not None else None for _, s, _ in parts])
         if fmt == BF16:
-            hold_quantized(model, name, BF16, (1, 1), [])
+            hold_quantized(model, name, BF16, (1, 1), [], pieces)
             continue
         if fmt != FP8 or block is None:
             continue  # check_quantized_tensors refused every other scaled tensor
         stored = block
-        if any(s.part in ("gate_proj", "up_proj") for _, s, _ in parts) and cfg.moe_intermediate_size % block[0]:
+        if not pieces and any(s.part in ("gate_proj", "up_proj") for _, s, _ in parts) \
+                and cfg.moe_intermediate_size % block[0]:
             stored = (1, block[1])
-        hold_quantized(model, name, FP8, stored, [sd for _, _, sd in parts])
+        hold_quantized(model, name, FP8, stored, [sd for _, _, sd in parts], pieces)
 
 
 def _sliced(read, read_scale, whole: tuple, cut: tuple[int, int, int], settings, dtype, device):
@@ -264,7 +269,9 @@ class _Loader:
         if stored != want:
             raise CheckpointError(f"{key}: checkpoint shape {stored}, model expects {want}")
         if isinstance(target, QuantizedWeight):  # the stored bytes and scale, as they are
-            target.load_(read(), read_scale(), self.block, slot.expert, rows)
+            q, scale = read(), read_scale()
+            target.load_(q, scale, self.block, slot.expert, rows, keep=True)
+            populate([q, scale], self.reader.mappings)  # the pages it holds (no-op for copies)
         else:
             dest = target.data if slot.expert is None else target.data[slot.expert]
             dest = dest if rows is None else dest[rows]
