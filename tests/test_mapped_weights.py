@@ -102,6 +102,8 @@ def test_weights_held_as_stored_are_views_of_the_checkpoint_file(checkpoint):
         storage = t.untyped_storage()
         assert storage.nbytes() == path.stat().st_size, name  # the whole file, mapped
         assert t.data_ptr() - storage.data_ptr() in offsets, name  # where the header puts a tensor
+    # each is described for the kernels at load (its FP8 code scan included), not at the first forward
+    assert all(w.__dict__.get("_native", (None, None))[1] is not None for w in model.quantized_weights().values())
     # the mapping is read-only
     mapped = [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
     assert mapped and all(fields[1].startswith("r-") for fields in mapped)

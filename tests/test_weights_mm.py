@@ -400,15 +400,17 @@ def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
         assert torch.equal(got, invariant_mm(LIB, x.float(), lin.weight.float()).bfloat16())
 
 
-def test_the_nan_code_scan_sees_every_chunk():
+@pytest.mark.parametrize("flags", [False, True])
+def test_the_nan_code_scan_sees_every_row_and_column(flags):
     from kvfold.numerics.weights_mm import scan_fp8_codes
-    codes = torch.zeros(100, 10, dtype=torch.uint8)
-    assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, chunk=64)[0]
-    for code in (0x7F, 0xFF):
-        codes[99, 9] = code  # in the last, partial chunk
-        assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, chunk=64)[0]
-    codes[99, 9] = 0x7E  # 448, the largest finite code
-    assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, chunk=64)[0]
+    codes = torch.zeros(1000, 300, dtype=torch.uint8)  # rows split over the threads
+    assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, flags)[0]
+    for r, c in ((999, 299), (0, 0), (500, 150), (731, 7)):
+        for code in (0x7F, 0xFF):
+            codes[r, c] = code
+            assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, flags)[0]
+        codes[r, c] = 0x7E  # 448, the largest finite code
+        assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, flags)[0]
 
 
 def _plant_subnormal_codes(q: torch.Tensor, spots) -> torch.Tensor:
@@ -434,7 +436,7 @@ def test_subnormal_fp8_codes_flag_exactly_the_row_blocks_that_hold_them():
     assert torch.equal(flags.bool(), want)
     assert desc.subnormal_blocks == flags.data_ptr() and desc.subnormal_stride == 40 * 3
     from kvfold.numerics.weights_mm import scan_fp8_codes
-    assert torch.equal(scan_fp8_codes(q, 128, chunk=7 * 300)[1], flags)  # 7 rows a chunk, the last partial
+    assert torch.equal(scan_fp8_codes(q, 128)[1], flags)
     clean = q.view(torch.uint8).clone()
     clean[sub] = 0
     assert describe(clean.view(torch.float8_e4m3fn), torch.full((3, 1, 3), 127, dtype=torch.uint8),
@@ -483,10 +485,10 @@ def test_the_code_scan_flags_exactly_the_blocks_holding_a_subnormal_and_finds_na
     want = torch.zeros(70, -(-k // bc), dtype=torch.uint8)
     for r, c in ((0, 0), (3, k - 1), (11, bc - 1)):
         want[r, c // bc] = 1
-    nan, flags = scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc, chunk=k * 16)
+    nan, flags = scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc)
     assert not nan and torch.equal(flags, want)
     codes[40, 7] = 0xFF
-    assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc, chunk=k * 16)[0]
+    assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc)[0]
     clean = codes.clone()
     clean[(clean & 0x78) == 0] = 0x38
     clean[40, 7] = 0x7F

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import CapacityError, ConfigError, InvalidInputError, KvfoldError, PlacementError
-from ..layers.basic import QuantizedWeight, _param
+from ..layers.basic import QuantizedWeight, _param, native_weights
 from ..layers.rows import RowBatch
 from ..numerics.backend import Backend, KernelSet, build_backend, invariance_by_default, invariance_unsupported
 from .chunks import run_batch_in_rounds, run_in_chunks
@@ -391,6 +391,16 @@ class CausalLM(nn.Module):
     def fixed_state_bytes(self, max_rewind: int = 0, kv_dtype: str | None = None) -> int:
         """Bytes of a state that do not grow with capacity."""
         return self.state_layout(max_rewind, kv_dtype)[0]
+
+    def describe_held_weights(self) -> None:
+        """Give each CPU weight held as stored its native descriptor now (the FP8 code scan is part
+        of it) where this model's matmuls read weights as stored: the load pays for it, not the
+        first forward."""
+        if self.backend().weight_mm.native is None:
+            return
+        for w in self.quantized_weights().values():
+            if w.device.type == "cpu":
+                native_weights(w)
 
     # ---- accounting --------------------------------------------------------------------------
     def quantized_weights(self) -> dict[str, QuantizedWeight]:

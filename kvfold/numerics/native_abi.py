@@ -200,6 +200,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kv_l2norm": (None, [_P, _P, _I, _I, _D]),
     "kv_matmul": (None, [_to(MatmulArgs)]),
     "kv_matmul_weights": (_C_INT, [_to(MmJob), _I]),
+    "kv_scan_fp8": (_I, [_P, _I, _I, _I, _P, _I]),
     "kv_attend_one": (None, [_P, _I, _I, _to(AttendKeys), _P, _P, _P]),
     "kv_index_topk_one": (None, [_to(IndexQuery), _P, _P, _I, _I, _P, _P]),
     "kv_pool_windows": (_C_INT, [_P, _P, _I, _I, _I, _C_INT, _P]),

@@ -1090,6 +1090,39 @@ static int weights_matmul(const float *x, int64_t ldx, const kv_weights *w, int6
     return weights_many(&job, 1, threads);
 }
 
+/* One pass over FP8 e4m3 codes [rows, k] (row stride k), the threads taking rows: whether any code
+ * is a NaN (magnitude 0x7F), which the fast decoders do not decode, and where flags is not NULL,
+ * flags[r * ceil(k / bc) + b] = 1 where row r's block b of bc columns holds a subnormal code
+ * (magnitude 1..7; tile_subnormal), else 0. Returns nan | (any subnormal << 1). Plain byte loops
+ * the compiler vectorises: a load-time scan of a model's FP8 weights runs at memory speed. */
+int64_t kv_scan_fp8(const uint8_t *codes, int64_t rows, int64_t k, int64_t bc, uint8_t *flags, int64_t threads) {
+    const int64_t blocks = (k + bc - 1) / bc;
+    int nan = 0, sub = 0;
+    #pragma omp parallel for num_threads(threads) reduction(|:nan, sub) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = codes + r * k;
+        if (!flags) {
+            uint8_t any = 0;
+            for (int64_t j = 0; j < k; j++) any |= (uint8_t)((row[j] & 0x7F) == 0x7F);
+            nan |= any;
+            continue;
+        }
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t j1 = (b + 1) * bc < k ? (b + 1) * bc : k;
+            uint8_t n = 0, s = 0;
+            for (int64_t j = b * bc; j < j1; j++) {
+                const uint8_t m = row[j] & 0x7F;
+                n |= (uint8_t)(m == 0x7F);
+                s |= (uint8_t)((uint8_t)(m - 1) < 7);
+            }
+            flags[r * blocks + b] = s;
+            nan |= n;
+            sub |= s;
+        }
+    }
+    return nan | (sub << 1);
+}
+
 /* The job's matmul (weights_matmul's), after checking its descriptor. Returns 0; -2: a descriptor
  * the kernels cannot read (nothing written); -1: a panel buffer cannot be allocated. */
 int kv_matmul_weights(const mm_job *job, int64_t threads) {

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import math
 
-import numpy as np
 import torch
 
 from .backend import KernelError
@@ -67,8 +66,13 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
         return None
     rows, k = data.shape[-2], data.shape[-1] * (2 if fmt == FP4 else 1)
     br, bc = block if block is not None else (1, _LANES)
-    nan_codes, flags = scan_fp8_codes(data, bc) if fmt == FP8 else (False, None)
-    flags = flags if subnormal_flags else None
+    if scale is not None and (bc % _LANES or not scale.is_cpu or not scale.is_contiguous()
+                              or scale.dtype not in (torch.uint8, torch.float32)):
+        return None
+    scanned = scan_fp8_codes(data, bc, subnormal_flags) if fmt == FP8 else (False, None)
+    if scanned is None:
+        return None
+    nan_codes, flags = scanned
     desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
                        int(nan_codes))
     desc.tensors = (data, scale)
@@ -76,9 +80,6 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
         desc.subnormal_blocks, desc.subnormal_stride = flags.data_ptr(), rows * flags.shape[-1]
         desc.tensors = (data, scale, flags)
     if scale is not None:
-        if bc % _LANES or not scale.is_cpu or not scale.is_contiguous() or scale.dtype not in (torch.uint8,
-                                                                                              torch.float32):
-            return None
         desc.scale, desc.scale_f32 = scale.data_ptr(), int(scale.dtype == torch.float32)
         desc.scale_stride = scale.numel() // max(math.prod(data.shape[:-2]), 1)
     return desc, rows, k
@@ -116,30 +117,23 @@ def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]]
     return desc, rows * len(pieces[0]), k
 
 
-def scan_fp8_codes(q: torch.Tensor, bc: int, chunk: int = 1 << 24) -> tuple[bool, torch.Tensor | None]:
-    """One pass over FP8 codes [..., n, k], about `chunk` codes at a time (small temporaries):
-    whether any code is a NaN (0x7F / 0xFF), which needs a decoder step the others do not, and
-    uint8 flags [..., n, ceil(k / bc)], 1 where that row's block of bc columns holds a subnormal
-    code (exponent bits 0, mantissa not), which a folded decode row must not feed to the fused
-    multiply-add as a float32 subnormal (native_weights.h, tile_subnormal); None when no code is
-    subnormal (the tiles then check nothing). In numpy, whose byte operations run at memory speed
-    where torch's take 10-20x longer: GLM-5.3-Flash holds 7 GB of FP8 experts per MoE layer.
-    With m = code & 0x7F (the magnitude), a NaN is m = 0x7F and a subnormal is 1 <= m <= 7, that
-    is m - 1 < 7 in wrapping byte arithmetic."""
+def scan_fp8_codes(q: torch.Tensor, bc: int, flags: bool = True) -> tuple[bool, torch.Tensor | None] | None:
+    """One pass over FP8 codes [..., n, k] (native.c's kv_scan_fp8, at memory speed: GLM-5.3-Flash
+    holds 7 GB of FP8 experts per MoE layer, scanned once a weight): whether any code is a NaN
+    (0x7F / 0xFF), which needs a decoder step the others do not, and with `flags` uint8 flags
+    [..., n, ceil(k / bc)], 1 where that row's block of bc columns holds a subnormal code (exponent
+    bits 0, mantissa not), which a folded decode row must not feed to the fused multiply-add as a
+    float32 subnormal (native_weights.h, tile_subnormal); None when no code is subnormal (the tiles
+    then check nothing) or without `flags`. None when there are no native kernels to read them."""
+    from . import native
+    lib = native.library()
+    if lib is None:
+        return None
     k = q.shape[-1]
-    rows = q.view(torch.uint8).reshape(-1, k).numpy()
-    blocks, step = -(-k // bc), max(1, chunk // max(k, 1))
-    flags = np.zeros((rows.shape[0], blocks), dtype=np.uint8)
-    nan = False
-    for r0 in range(0, rows.shape[0], step):
-        m = np.bitwise_and(rows[r0:r0 + step], 0x7F)
-        nan = nan or int(m.max()) == 0x7F
-        np.subtract(m, 1, out=m)  # 0 wraps to 255
-        if k % bc:
-            m = np.pad(m, ((0, 0), (0, blocks * bc - k)), constant_values=255)
-        flags[r0:r0 + step] = m.reshape(m.shape[0], blocks, bc).min(-1) < 7
-    out = torch.from_numpy(flags)
-    return nan, out.view(*q.shape[:-1], blocks) if bool(flags.any()) else None
+    rows = q.numel() // max(k, 1)
+    out = torch.empty(*q.shape[:-1], -(-k // bc), dtype=torch.uint8) if flags else None
+    found = lib.kv_scan_fp8(q.data_ptr(), rows, k, bc, None if out is None else out.data_ptr(), _threads(rows * k))
+    return bool(found & 1), out if found & 2 else None
 
 
 def row_groups(found: tuple[WeightsDesc, int, int], groups: int) -> list | None:

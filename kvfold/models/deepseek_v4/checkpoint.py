@@ -227,6 +227,8 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
             if loader.load(key, read, read_scale):
                 bar.advance(reader.nbytes(key))
     loader.finish(directory)
+    if weights == "quantized":
+        model.describe_held_weights()
 
 
 def _prepare_slots(model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings, weights: str) -> None:

@@ -224,6 +224,7 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
                 loader.put(key, _slot_of(name), read, read_scale)
             bar.advance(reader.nbytes(key))  # skipped tensors too: the bar counts the files' bytes
     loader.finish()
+    model.describe_held_weights()  # where it holds weights as stored
     if n_vision:
         print(f"kvfold: note: ignoring {n_vision} vision tensors (glm5_next is loaded as a text model)",
               file=sys.stderr)
