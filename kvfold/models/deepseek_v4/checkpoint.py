@@ -85,10 +85,11 @@ class CheckpointReader:
         return self.entries[key].nbytes + (self.entries[s].nbytes if s else 0)
 
     def tensors(self):
-        """Yield (key, read, read_scale) for every non-scale tensor, grouped by shard; `read()` returns the
-        tensor, `read_scale()` its block scale (or None). Valid until the next item."""
+        """Yield (key, read, read_scale) for every non-scale tensor, grouped by shard, in the order of
+        their bytes in the file (from a cold page cache, the reads then run ahead of the loader);
+        `read()` returns the tensor, `read_scale()` its block scale (or None). Valid until the next item."""
         by_file: dict[Path, list[str]] = {}
-        for k in sorted(self.weight_keys):
+        for k in sorted(self.weight_keys, key=lambda k: (self.entries[k].offset, k)):
             by_file.setdefault(self.entries[k].file, []).append(k)
         for f in self.files:
             if f not in by_file:
