@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import kvfold
 from kvfold.errors import CheckpointError
 from kvfold.layers.basic import QuantizedWeight
-from kvfold.models.mapped_files import MappedFile, populate, read_header
+from kvfold.models.mapped_files import MappedFile, ResidentPages, read_header
 from kvfold.numerics import native
 from kvfold.numerics.quant import dequant_fp4_blocks, dequant_fp8_blocks, quantize_fp4_blocks, quantize_fp8_blocks
 from kvfold.numerics.rows import invariant_mm
@@ -119,7 +119,20 @@ def test_logits_of_the_mapped_model_equal_the_dequantized_model(checkpoint):
     assert torch.equal(joined.dequant(), d.model.layers[2].mlp.experts.gate_up_proj[[3, 0, 7]])
 
 
-def test_populate_maps_in_the_pages_of_mapped_tensors_only(tmp_path):
+def _may_lock(nbytes: int) -> bool:
+    """Whether this process may lock `nbytes` more (CAP_IPC_LOCK, which root has, or room under RLIMIT_MEMLOCK)."""
+    import os
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    return os.geteuid() == 0 or soft == resource.RLIM_INFINITY or _vm_locked_kib() * 1024 + nbytes <= soft
+
+
+def _vm_locked_kib() -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmLck:")).split()[1])
+
+
+@pytest.mark.parametrize("lock", [True, False])
+def test_resident_pages_hold_only_the_pages_of_mapped_tensors(tmp_path, lock):
     path = tmp_path / "t.safetensors"
     save_file({"a": torch.arange(10000, dtype=torch.int32), "b": torch.ones(3)}, str(path))
     mappings: set = set()
@@ -128,8 +141,34 @@ def test_populate_maps_in_the_pages_of_mapped_tensors_only(tmp_path):
     assert torch.equal(a, torch.arange(10000, dtype=torch.int32)) and len(mappings) == 1
     page = 4096
     first, last = a.data_ptr() // page, (a.data_ptr() + a.nbytes - 1) // page
-    assert populate([a, torch.ones(5000), None], mappings) == (last - first + 1) * page
-    assert populate([torch.ones(5000)], mappings) == 0
+    pages = ResidentPages(mappings, lock=lock)
+    before = _vm_locked_kib()
+    pages.hold([a, torch.ones(5000), None])
+    pages.hold([torch.ones(5000), a[100:200]])  # inside a's pages: merged
+    assert _vm_locked_kib() == before  # nothing before settle
+    pages.settle()
+    pages.settle()  # nothing pending: nothing more
+    held = (last - first + 1) * page
+    if lock:  # locked where this process may lock (root, or room under RLIMIT_MEMLOCK), else noted
+        assert pages.locked + pages.unlocked == held and _vm_locked_kib() - before == pages.locked // 1024
+        assert (pages.note() is None) == (pages.unlocked == 0)
+    else:  # where locking is refused, the pages are only mapped in, and the load says so
+        assert (pages.locked, pages.unlocked) == (0, held) and _vm_locked_kib() == before
+        assert "not locked in memory" in pages.note() and "ulimit -l" in pages.note()
+
+
+def test_a_loaded_model_keeps_its_weights_locked_in_memory(checkpoint, capsys):
+    before = _vm_locked_kib()
+    model = kvfold.load_model(checkpoint, weights="quantized")
+    held = sum(t.numel() * t.element_size() for _, t in _held_tensors(model))
+    if _may_lock(held):
+        assert (_vm_locked_kib() - before) * 1024 >= held
+    else:
+        assert "not locked in memory" in capsys.readouterr().err
+    del model
+    import gc
+    gc.collect()
+    assert _vm_locked_kib() <= before + 64  # unmapped with the model's last view
 
 
 def _write_raw(path, header: dict, data: bytes) -> None:
@@ -147,3 +186,11 @@ def test_a_header_that_does_not_describe_its_file_is_refused(tmp_path, header, w
     _write_raw(path, header, bytes(16))
     with pytest.raises(CheckpointError, match=why):
         read_header(path)
+
+
+def test_a_file_that_cannot_be_mapped_is_refused_with_what_to_do():
+    from pathlib import Path
+    from kvfold.models.mapped_files import Entry
+    null = Path("/dev/null")  # an empty file: mmap refuses it
+    with pytest.raises(CheckpointError, match="cannot memory-map"):
+        MappedFile(null, set()).tensor(Entry(null, "U8", (1,), 0, 1))

@@ -190,28 +190,27 @@ class QuantizedWeight(nn.Module):
 
     @torch.no_grad()
     def load_(self, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-              index: int | None = None, rows: slice | None = None, keep: bool = False) -> None:
+              index: int | None = None, rows: slice | None = None, keep: bool = False) -> bool:
         """Copy a stored tensor and its scale in as they are: all of the weight, or `[index]` (one expert)
         and, within it, `rows` (e.g. the w1 or w3 half of gate_up_proj). `block` is the stored scale's
         block; row blocks of br > 1 are expanded to per-row scales when `self.block` is (1, bc).
         `keep`: q and scale stay valid (views of a mapped checkpoint file), so where they are the
         whole weight or one of its pieces, on this weight's device and in its formats, they are held
-        as they are, not copied."""
+        as they are, not copied. Returns whether they were (False: copied)."""
         self.bytes_changed()
         q = q if self.fmt != FP4 else q.view(torch.uint8)
         if scale is not None and self.fmt != BF16 and self.scale.dtype == torch.uint8:
             scale = scale.view(torch.uint8)  # e8m0 exponent bytes stay bytes
         if self.pieces:
-            self._load_piece(q, scale, block, index, rows, keep)
-            return
+            return self._load_piece(q, scale, block, index, rows, keep)
         if keep and index is None and rows is None and self._holds_as_is(q, scale, block):
             self.q, self.scale = q, (self.scale if self.fmt == BF16 else scale)
-            return
+            return True
         dq = self.q if index is None else self.q[index]
         start, stop, _ = (rows or slice(None)).indices(dq.shape[-2])
         if self.fmt == BF16:
             dq[..., start:stop, :].copy_(q)
-            return
+            return False
         ds = self.scale if index is None else self.scale[index]
         dq[..., start:stop, :].copy_(q)
         br = self.block[0]
@@ -221,6 +220,7 @@ class QuantizedWeight(nn.Module):
             ds[..., start:stop, :].copy_(scale.repeat_interleave(block[0], dim=-2)[..., :stop - start, :])
         else:
             raise ValueError(f"cannot place {block} scale blocks into {self.block} blocks")
+        return False
 
     def _holds_as_is(self, q: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]) -> bool:
         """Whether q and scale are this weight's own layout: its device, codes' dtype and shape,
@@ -237,8 +237,8 @@ class QuantizedWeight(nn.Module):
                 and (held is None or scale.shape == self.scale.shape))
 
     def _load_piece(self, q: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int], index: int | None,
-                    rows: slice | None, keep: bool) -> None:
-        """Expert `index`'s `rows` (one piece) in pieces mode: held as it is with `keep`, else copied."""
+                    rows: slice | None, keep: bool) -> bool:
+        """Expert `index`'s `rows` (one piece) in pieces mode: held as it is with `keep` (True), else copied."""
         per = self.shape[-2] // self.pieces
         start, stop, _ = (rows or slice(None)).indices(self.shape[-2])
         if index is None or start % per or stop - start != per or q.shape[-2] != per:
@@ -248,12 +248,14 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"pieces keep the stored {self.block} scale blocks, got {block}")
         if self.fmt != BF16 and scale.dtype != self.scale.dtype:
             scale = scale.to(self.scale.dtype)
-        if not (keep and self._holds_as_is(q, scale, block)):
+        kept = keep and self._holds_as_is(q, scale, block)
+        if not kept:
             q = q.to(self.q.device, copy=True).contiguous()
             scale = None if self.fmt == BF16 else scale.to(self.q.device, copy=True).contiguous()
         i = start // per
         self._buffers[f"q_{index}_{i}"] = q
         self._buffers[f"scale_{index}_{i}"] = None if self.fmt == BF16 else scale
+        return kept
 
     def extra_repr(self) -> str:
         return (f"{self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, block={self.block}, "

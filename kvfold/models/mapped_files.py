@@ -9,10 +9,10 @@ pages, with no anonymous memory to fault in and fill. On a 2-core Zen 4 VM, fill
 anonymous memory ran at 3.4 GB/s while reading the cached files ran at 11 GB/s
 (bench/RESULTS.md), so a copying loader could not come near the time to read the files.
 
-`populate` then maps in every page a model holds (MADV_POPULATE_READ), so that a loaded model is
-resident: the first forward does not read the files from disk. A file a model reads in place must
-not be rewritten while the model is loaded (as with any mmap-based engine): its pages are the
-weights.
+`ResidentPages` then locks the pages a model holds in memory (mlock), so that a loaded model is
+resident and stays so: the first forward does not read the files from disk, and other files read
+later do not push the weights out of the page cache. A file a model reads in place must not be
+rewritten while the model is loaded (as with any mmap-based engine): its pages are the weights.
 """
 from __future__ import annotations
 
@@ -106,8 +106,12 @@ class MappedFile:
         if entry.dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{self.path}: dtype {entry.dtype} is not one kvfold reads")
         if self._bytes is None:
-            with open(self.path, "rb") as f:
-                mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                with open(self.path, "rb") as f:
+                    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{self.path}: cannot memory-map the file ({e}); kvfold reads checkpoints "
+                                      "from a file system that supports mmap (copy it to a local disk)") from None
             with warnings.catch_warnings():  # torch warns that it cannot mark a tensor read-only
                 warnings.simplefilter("ignore", UserWarning)
                 self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -132,29 +136,71 @@ def storage_key(t: torch.Tensor) -> tuple[int, int]:
 def _libc():
     lib = ctypes.CDLL(None, use_errno=True)
     lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return lib
 
 
-def populate(tensors, mappings: set[tuple[int, int]]) -> int:
-    """Map in the pages of every tensor in `tensors` that views one of the `mappings` (MappedFile
-    keys), reading them from disk where they are not cached, so that the first matmul finds them
-    resident; returns the bytes populated. Where the kernel has no MADV_POPULATE_READ, one byte of
-    each page is read instead."""
-    ranges = sorted({(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
-                     if t is not None and t.numel() and t.is_cpu and storage_key(t) in mappings})
+class ResidentPages:
+    """Keeps the pages of the tensors a model holds in place (views of `mappings`, MappedFile keys)
+    in memory. `hold` records them as the loader keeps them; `settle` then locks each file's
+    recorded ranges (mlock: read from disk where not cached, in file order, and never dropped while
+    the model maps them), so a model read in place stays as resident as one copied into memory of
+    its own would, and other files read later do not push it out. Where the process may not lock
+    (RLIMIT_MEMLOCK without CAP_IPC_LOCK, or not enough memory), the pages are only mapped in
+    (MADV_POPULATE_READ) and `note` says so: the kernel may then drop pages not read lately and
+    read them again from the files. Ranges are locked merged, a file at a time: each mlock call
+    splits the mapping, and a call a tensor made loads slower."""
+
+    def __init__(self, mappings: set[tuple[int, int]], lock: bool = True):
+        self.mappings, self.lock = mappings, lock
+        self.pending: dict[tuple[int, int], list[tuple[int, int]]] = {}  # mapping -> (address, bytes) held
+        self.locked = self.unlocked = 0  # bytes
+        self.refusal = ""
+
+    def hold(self, tensors) -> None:
+        """Record the mapped tensors among `tensors` (None and other tensors are passed over)."""
+        for t in tensors:
+            if t is not None and t.numel() and t.is_cpu:
+                key = storage_key(t)
+                if key in self.mappings:
+                    self.pending.setdefault(key, []).append((t.data_ptr(), t.numel() * t.element_size()))
+
+    def settle(self) -> None:
+        """Lock (or map in) what `hold` recorded since the last call."""
+        lib = _libc()
+        for key in sorted(self.pending):
+            for lo, hi in _merged(self.pending[key]):
+                if self.lock and lib.mlock(lo, hi - lo) == 0:
+                    self.locked += hi - lo
+                    continue
+                if self.lock:  # refused once: the rest only mapped in, without asking again
+                    self.lock, self.refusal = False, os.strerror(ctypes.get_errno())
+                if lib.madvise(lo, hi - lo, _MADV_POPULATE_READ) != 0:
+                    _touch(lo, hi - lo, mmap.PAGESIZE)
+                self.unlocked += hi - lo
+        self.pending.clear()
+
+    def note(self) -> str | None:
+        """What a load reports where some pages could not be locked; None where all were."""
+        if not self.unlocked:
+            return None
+        why = f" ({self.refusal})" if self.refusal else ""
+        return (f"{self.unlocked / 2**30:.2f} GiB of weights read in place are not locked in memory{why}: under "
+                f"memory pressure the kernel may drop their pages and read them again from the files; allow "
+                f"locking (`ulimit -l unlimited`, or CAP_IPC_LOCK) to keep them resident")
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """(address, bytes) ranges as page-aligned [lo, hi) ranges, those that touch merged."""
     page = mmap.PAGESIZE
     merged: list[list[int]] = []
-    for start, n in ranges:
+    for start, n in sorted(set(ranges)):
         lo, hi = start // page * page, -(-(start + n) // page) * page
         if merged and lo <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], hi)
         else:
             merged.append([lo, hi])
-    lib = _libc()
-    for lo, hi in merged:
-        if lib.madvise(lo, hi - lo, _MADV_POPULATE_READ) != 0:
-            _touch(lo, hi - lo, page)
-    return sum(hi - lo for lo, hi in merged)
+    return merged
 
 
 def _touch(addr: int, n: int, page: int) -> None:

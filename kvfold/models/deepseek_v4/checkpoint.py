@@ -31,7 +31,7 @@ import torch
 from .names import Target, is_mtp_key, mtp_target, to_kvfold_name
 from .sharding import tp_slice
 from ...parallel import local_expert, skips_shared_expert
-from ..mapped_files import Entry, MappedFile, populate, read_header
+from ..mapped_files import Entry, MappedFile, ResidentPages, read_header
 from ...errors import CheckpointError
 from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
@@ -65,7 +65,7 @@ class CheckpointReader:
     shard by shard, each tensor a view of its memory-mapped file (mapped_files.py): a shard stays
     mapped while the model holds views of it (weights held as stored), else only while its own
     tensors are read, so the pages of a 100 GB checkpoint loaded as floats never all count against
-    the process at once. `mappings` lists every mapping made (see `mapped_files.populate`)."""
+    the process at once. `mappings` lists every mapping made; `pages` keeps what a model holds of them in memory."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -74,6 +74,7 @@ class CheckpointReader:
         for f in self.files:
             self.entries.update(read_header(f))
         self.mappings: set[tuple[int, int]] = set()
+        self.pages = ResidentPages(self.mappings)  # what a model keeps of the mappings, locked in memory
         self.scales = scale_keys(self.entries)  # weight key -> its block-scale key
         scale_set = set(self.scales.values())
         self.weight_keys = [k for k in self.entries if k not in scale_set]
@@ -97,6 +98,7 @@ class CheckpointReader:
             mapped = {f: MappedFile(f, self.mappings)}
             for key in by_file[f]:
                 yield key, (lambda k=key: self._read(k, mapped)), (lambda k=key: self._scale(k, mapped))
+            self.pages.settle()  # the file's held tensors, locked in memory in file order
 
     def _read(self, key: str, mapped: dict[Path, MappedFile]) -> torch.Tensor:
         entry = self.entries[key]
@@ -172,6 +174,13 @@ def _keep_quantized_(model: torch.nn.Module, reader: CheckpointReader, settings:
         hold_quantized(model, name, fmt, block, [sd for _, _, sd in found])
 
 
+def note_unlocked(reader: CheckpointReader) -> None:
+    """One stderr note where weights read in place could not be locked in memory (mapped_files.py)."""
+    note = reader.pages.note()
+    if note:
+        print(f"kvfold: note: {note}", file=sys.stderr)
+
+
 def expert_pieces(parts: list[str | None]) -> int:
     """The row pieces a matrix of a stacked weight is held in when its checkpoint tensors, one per
     expert and `parts` name (None: a tensor of the whole stack), are each read in place: 2 for
@@ -230,6 +239,7 @@ def load_weights(model: torch.nn.Module, directory: Path, progress: bool | None 
     loader.finish(directory)
     if weights == "quantized":
         model.describe_held_weights()
+    note_unlocked(reader)
 
 
 def _prepare_slots(model: torch.nn.Module, reader: CheckpointReader, settings: QuantSettings, weights: str) -> None:
@@ -332,8 +342,8 @@ class _WeightLoader:
         if isinstance(slot, QuantizedWeight):  # the stored bytes and scale, as they are
             block = None if slot.fmt == BF16 else _stored_block(fmt, self.settings)
             q, scale = read(), read_scale() if has_scale else None
-            slot.load_(q, scale, block, target.expert, rows, keep=True)
-            populate([q, scale], self.reader.mappings)  # the pages it holds (no-op for copies)
+            if slot.load_(q, scale, block, target.expert, rows, keep=True):
+                self.reader.pages.hold([q, scale])  # held in place: its pages are kept resident
             return
         dest = slot.data
         if target.expert is not None:

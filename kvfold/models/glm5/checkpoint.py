@@ -28,8 +28,8 @@ import torch
 from ...errors import CheckpointError, ConfigError
 from ...progress import ByteProgress
 from ...layers.basic import QuantizedWeight, hold_quantized, weight_slots
-from ..deepseek_v4.checkpoint import WEIGHT_RESIDENCIES, CheckpointReader, expert_pieces, held_format
-from ..mapped_files import populate
+from ..deepseek_v4.checkpoint import (WEIGHT_RESIDENCIES, CheckpointReader, expert_pieces, held_format,
+                                      note_unlocked)
 from ...numerics.quant_formats import BF16, FP8, QuantSettings, dequant_into, expected_scale_shape
 from .config import fp8_weight_block, load_glm5_config, read_config_json
 from .model import Glm5Model
@@ -225,6 +225,7 @@ def _load_weights(model: Glm5Model, reader: CheckpointReader, block: tuple[int, 
             bar.advance(reader.nbytes(key))  # skipped tensors too: the bar counts the files' bytes
     loader.finish()
     model.describe_held_weights()  # where it holds weights as stored
+    note_unlocked(reader)
     if n_vision:
         print(f"kvfold: note: ignoring {n_vision} vision tensors (glm5_next is loaded as a text model)",
               file=sys.stderr)
@@ -271,8 +272,8 @@ class _Loader:
             raise CheckpointError(f"{key}: checkpoint shape {stored}, model expects {want}")
         if isinstance(target, QuantizedWeight):  # the stored bytes and scale, as they are
             q, scale = read(), read_scale()
-            target.load_(q, scale, self.block, slot.expert, rows, keep=True)
-            populate([q, scale], self.reader.mappings)  # the pages it holds (no-op for copies)
+            if target.load_(q, scale, self.block, slot.expert, rows, keep=True):
+                self.reader.pages.hold([q, scale])  # held in place: its pages are kept resident
         else:
             dest = target.data if slot.expert is None else target.data[slot.expert]
             dest = dest if rows is None else dest[rows]
