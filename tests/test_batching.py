@@ -319,7 +319,8 @@ def test_the_fused_model_row_runs_its_attention_halves_at_the_thread_count_it_wa
             model.forward(random_ids(5, model.config.vocab_size, seed=13), st)
             model.forward([3], st)  # the plan, built at two threads
         with threads(1):
-            assert {half.threads for a in attns for half in fused_halves(a)} == {1}
+            lib = model.backend().weight_mm.native
+            assert {half.threads for a in attns for half in fused_halves(a, lib)} == {1}
         monkeypatch.setattr(native_block, "sequence_layer", spy)
         with threads(2):
             model.forward([4], st)

@@ -12,6 +12,7 @@ from helpers import TORCH_OPS, ops_for
 from kvfold.layers.basic import NATIVE_ROWS, QuantizedWeight
 from kvfold.models.glm5.absorb import absorbed_q, absorbed_v, uk_transposed
 from kvfold.numerics.rows import invariant_mm
+from kvfold.numerics import native
 
 INVARIANT = ops_for(invariant=True)
 FAST = ops_for(invariant=False)  # native.c reads the codes up to NATIVE_ROWS rows only
@@ -91,7 +92,7 @@ def test_w_uk_transposed_is_the_codes_re_laid_out(nh, dn, dv, lat, block, uk):
     assert held.q.nbytes == nh * dn * lat
     want = w.dequant().view(nh, dn + dv, lat)[:, :dn].transpose(1, 2)
     assert torch.equal(held.dequant().view(torch.int32), want.contiguous().view(torch.int32))
-    assert (held.native() is not None) == (uk == "read")
+    assert (held.native(lib=native.library()) is not None) == (uk == "read")
 
 
 def test_the_layout_is_cached_on_the_weight_and_dropped_when_it_is_loaded_again():
@@ -123,7 +124,7 @@ def test_bf16_held_kv_b_of_an_fp32_model_reads_as_stored_with_the_fp32_bits():
     w = QuantizedWeight("bf16", (nh * (dn + dv), lat), torch.float32, (1, 1))
     w.q.copy_(torch.randn(w.q.shape, generator=g).bfloat16())
     held = uk_transposed(w, nh, dn)
-    assert held.q.dtype == torch.bfloat16 and held.native() is not None
+    assert held.q.dtype == torch.bfloat16 and held.native(lib=native.library()) is not None
     full = w.dequant()
     q, pooled = torch.randn(3, nh, dn, generator=g), torch.randn(3, nh, lat, generator=g)
     for ops in (INVARIANT, FAST):

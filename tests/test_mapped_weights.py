@@ -60,7 +60,7 @@ def _pieces(fmt: str, experts: int, parts: int, rows: int, k: int, block, seed: 
 ])
 def test_a_stack_read_piece_by_piece_has_the_bits_of_the_dense_stack(fmt, block, rows, k, flags):
     pieces, dense = _pieces(fmt, 3, 2, rows, k, block, seed=rows + k)
-    found = describe_pieces(pieces, block, packed_fp4=fmt == "fp4", subnormal_flags=flags)
+    found = describe_pieces(pieces, block, packed_fp4=fmt == "fp4", subnormal_flags=flags, lib=LIB)
     assert found is not None and found[1:] == (2 * rows, k)
     before = torch.get_num_threads()
     try:
@@ -78,7 +78,7 @@ def test_a_stack_read_piece_by_piece_has_the_bits_of_the_dense_stack(fmt, block,
 def test_pieces_of_unequal_shapes_are_refused():
     pieces, _ = _pieces("fp4", 2, 2, 20, 96, (1, 32), seed=1)
     pieces[1][1] = pieces[1][1][0][:10], pieces[1][1][1][:10]
-    assert describe_pieces(pieces, (1, 32), packed_fp4=True) is None
+    assert describe_pieces(pieces, (1, 32), packed_fp4=True, lib=LIB) is None
 
 
 @pytest.fixture(scope="module")
@@ -142,33 +142,47 @@ def test_resident_pages_hold_only_the_pages_of_mapped_tensors(tmp_path, lock):
     page = 4096
     first, last = a.data_ptr() // page, (a.data_ptr() + a.nbytes - 1) // page
     pages = ResidentPages(mappings, lock=lock)
-    before = _vm_locked_kib()
+    before = _locked_kib(path)
     pages.hold([a, torch.ones(5000), None])
     pages.hold([torch.ones(5000), a[100:200]])  # inside a's pages: merged
-    assert _vm_locked_kib() == before  # nothing before settle
+    assert _locked_kib(path) == before == 0  # nothing before settle
     pages.settle()
     pages.settle()  # nothing pending: nothing more
     held = (last - first + 1) * page
     if lock:  # locked where this process may lock (root, or room under RLIMIT_MEMLOCK), else noted
-        assert pages.locked + pages.unlocked == held and _vm_locked_kib() - before == pages.locked // 1024
+        assert pages.locked + pages.unlocked == held and _locked_kib(path) == pages.locked // 1024
         assert (pages.note() is None) == (pages.unlocked == 0)
     else:  # where locking is refused, the pages are only mapped in, and the load says so
-        assert (pages.locked, pages.unlocked) == (0, held) and _vm_locked_kib() == before
+        assert (pages.locked, pages.unlocked) == (0, held) and _locked_kib(path) == 0
         assert "not locked in memory" in pages.note() and "ulimit -l" in pages.note()
 
 
+def _locked_kib(path) -> int:
+    """KiB locked in this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if not first.endswith(":"):  # a mapping's header: address range, perms, ..., path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and first == "Locked:":
+            total += int(line.split()[1])
+    return total
+
+
 def test_a_loaded_model_keeps_its_weights_locked_in_memory(checkpoint, capsys):
-    before = _vm_locked_kib()
+    import gc
+    gc.collect()  # earlier tests' models of this file unmapped
+    path = checkpoint / "model.safetensors"
+    assert _locked_kib(path) == 0
     model = kvfold.load_model(checkpoint, weights="quantized")
     held = sum(t.numel() * t.element_size() for _, t in _held_tensors(model))
     if _may_lock(held):
-        assert (_vm_locked_kib() - before) * 1024 >= held
+        assert _locked_kib(path) * 1024 >= held
     else:
         assert "not locked in memory" in capsys.readouterr().err
     del model
-    import gc
     gc.collect()
-    assert _vm_locked_kib() <= before + 64  # unmapped with the model's last view
+    assert _locked_kib(path) == 0  # unmapped with the model's last view
 
 
 def _write_raw(path, header: dict, data: bytes) -> None:

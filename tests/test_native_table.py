@@ -143,8 +143,22 @@ def _case_matmul_weights(g):
     from kvfold.numerics.weights_mm import describe, native_mm
     x, w = torch.randn(3, 94, generator=g), torch.randn(11, 94, generator=g)
     packed, s = quantize_fp4_blocks(w)
-    return (native_mm(native.library(), x, *describe(packed, s, (1, 32), packed_fp4=True)),
+    return (native_mm(native.library(), x, *describe(packed, s, (1, 32), packed_fp4=True, lib=native.library())),
             x @ dequant_fp4_blocks(packed, s).t())
+
+
+def _case_scan_fp8(g):
+    """The FP8 code scan (a weight_mm descriptor's): subnormal-block flags and the NaN check,
+    against their definition over the codes' values."""
+    from kvfold.numerics.weights_mm import scan_fp8_codes
+    codes = torch.randint(0, 256, (37, 300), generator=g, dtype=torch.uint8)
+    q = codes.view(torch.float8_e4m3fn)
+    nan, flags = scan_fp8_codes(native.library(), q, 128)
+    v = q.float()
+    sub = (v != 0) & (v.abs() < 2 ** -6) & ~v.isnan()
+    want = torch.nn.functional.pad(sub, (0, 3 * 128 - 300)).view(37, 3, 128).any(-1)
+    return (torch.cat([flags.flatten().float(), torch.tensor([float(nan)])]),
+            torch.cat([want.flatten().float(), torch.tensor([float(v.isnan().any())])]))
 
 
 def _case_attend_one(g):
@@ -310,7 +324,7 @@ NATIVE_CASES = {
     "kv_hc_head": _case_hc_head, "kv_hc_expand": _case_hc_expand, "kv_pool_windows": _case_pool_windows,
     "kv_moe_rows": _case_moe_rows, "kv_route": _case_route, "kv_swiglu": _case_swiglu, "kv_matmul": _case_matmul,
     "kv_unary": _case_unary, "kv_l2norm": _case_l2norm,
-    "kv_matmul_weights": _case_matmul_weights,
+    "kv_matmul_weights": _case_matmul_weights, "kv_scan_fp8": _case_scan_fp8,
     "kv_attend_one": _case_attend_one, "kv_index_topk_one": _case_index_topk_one,
     "kv_attn_project": _case_attn_project, "kv_attn_output": _case_attn_output,
     "kv_attn_sequence_one": _case_attn_sequence_one, "kv_block_decode_rows": _case_block_decode_rows,

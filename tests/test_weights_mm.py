@@ -16,9 +16,14 @@ from kvfold.numerics import native
 from kvfold.numerics.quant import (dequant_fp4_blocks, dequant_fp8_blocks, quantize_fp4_blocks,
                                    quantize_fp8_blocks)
 from kvfold.numerics.rows import invariant_mm
-from kvfold.numerics.weights_mm import describe, native_mm, row_groups
+from kvfold.numerics.weights_mm import describe as describe_in, native_mm, row_groups
 
 LIB = native.library()  # native.c: the kernels these tests check (None would fail every test, loudly)
+
+
+def describe(*args, **kwargs):
+    """weights_mm.describe with the library that scans FP8 codes."""
+    return describe_in(*args, lib=LIB, **kwargs)
 pytestmark = pytest.mark.exactness  # bits against the dense reference: `make test` runs them under AVX2 too
 
 SHAPES = [(37, 300), (130, 1000), (5, 8), (3, 62), (9, 6), (64, 256)]  # tails, partial blocks, k < 8
@@ -336,6 +341,7 @@ def test_weights_the_kernels_cannot_read_are_refused_before_any_call():
     assert describe(q.t(), s, (128, 128)) is None  # not contiguous
     assert describe(weights(4, 8, 0).half()) is None  # no fp16 kernel
     assert describe(q, None, (128, 128)) is None  # FP8 without its scales
+    assert describe_in(q, s, (128, 128)) is None  # FP8 with no library to scan its codes (no weight_mm kernel)
 
 
 _PROBE = ("import hashlib, torch\n"
@@ -345,7 +351,8 @@ _PROBE = ("import hashlib, torch\n"
           "g = torch.Generator().manual_seed(0)\n"
           "w = torch.randn(37, 270, generator=g)\n"
           "p, s4 = quantize_fp4_blocks(w)\n"
-          "found = [describe(*quantize_fp8_blocks(w), (128, 128)), describe(p, s4, (1, 32), packed_fp4=True),\n"
+          "found = [describe(*quantize_fp8_blocks(w), (128, 128), lib=native.library()),\n"
+          "         describe(p, s4, (1, 32), packed_fp4=True),\n"
           "         describe(w.bfloat16())]\n"
           "x = torch.randn(5, 270, generator=g)\n"
           "h = hashlib.sha256()\n"
@@ -404,13 +411,13 @@ def test_a_bf16_linear_of_decode_rows_rounds_the_fixed_order_fp32_dot_once():
 def test_the_nan_code_scan_sees_every_row_and_column(flags):
     from kvfold.numerics.weights_mm import scan_fp8_codes
     codes = torch.zeros(1000, 300, dtype=torch.uint8)  # rows split over the threads
-    assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, flags)[0]
+    assert not scan_fp8_codes(LIB, codes.view(torch.float8_e4m3fn), 8, flags)[0]
     for r, c in ((999, 299), (0, 0), (500, 150), (731, 7)):
         for code in (0x7F, 0xFF):
             codes[r, c] = code
-            assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, flags)[0]
+            assert scan_fp8_codes(LIB, codes.view(torch.float8_e4m3fn), 8, flags)[0]
         codes[r, c] = 0x7E  # 448, the largest finite code
-        assert not scan_fp8_codes(codes.view(torch.float8_e4m3fn), 8, flags)[0]
+        assert not scan_fp8_codes(LIB, codes.view(torch.float8_e4m3fn), 8, flags)[0]
 
 
 def _plant_subnormal_codes(q: torch.Tensor, spots) -> torch.Tensor:
@@ -436,7 +443,7 @@ def test_subnormal_fp8_codes_flag_exactly_the_row_blocks_that_hold_them():
     assert torch.equal(flags.bool(), want)
     assert desc.subnormal_blocks == flags.data_ptr() and desc.subnormal_stride == 40 * 3
     from kvfold.numerics.weights_mm import scan_fp8_codes
-    assert torch.equal(scan_fp8_codes(q, 128)[1], flags)
+    assert torch.equal(scan_fp8_codes(LIB, q, 128)[1], flags)
     clean = q.view(torch.uint8).clone()
     clean[sub] = 0
     assert describe(clean.view(torch.float8_e4m3fn), torch.full((3, 1, 3), 127, dtype=torch.uint8),
@@ -485,12 +492,12 @@ def test_the_code_scan_flags_exactly_the_blocks_holding_a_subnormal_and_finds_na
     want = torch.zeros(70, -(-k // bc), dtype=torch.uint8)
     for r, c in ((0, 0), (3, k - 1), (11, bc - 1)):
         want[r, c // bc] = 1
-    nan, flags = scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc)
+    nan, flags = scan_fp8_codes(LIB, codes.view(torch.float8_e4m3fn), bc)
     assert not nan and torch.equal(flags, want)
     codes[40, 7] = 0xFF
-    assert scan_fp8_codes(codes.view(torch.float8_e4m3fn), bc)[0]
+    assert scan_fp8_codes(LIB, codes.view(torch.float8_e4m3fn), bc)[0]
     clean = codes.clone()
     clean[(clean & 0x78) == 0] = 0x38
     clean[40, 7] = 0x7F
-    nan, flags = scan_fp8_codes(clean.view(torch.float8_e4m3fn), bc)
+    nan, flags = scan_fp8_codes(LIB, clean.view(torch.float8_e4m3fn), bc)
     assert nan and flags is None

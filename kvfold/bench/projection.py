@@ -151,7 +151,7 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
             # |w| >= 2^-6 * 1.3: no subnormal codes, which a real block holds rarely (about 1% of a
             # GLM-5.3 kv_b_proj's row blocks) and which take a slower decode (weights_mm.scan_fp8_codes)
             "fp8": describe(_normal_codes(torch.randn(65536, k, generator=g)).to(torch.float8_e4m3fn),
-                            torch.full((512, k // 128), 127, dtype=torch.uint8), (128, 128)),
+                            torch.full((512, k // 128), 127, dtype=torch.uint8), (128, 128), lib=lib),
             "fp4": describe(torch.randint(0, 256, (131072, k // 2), generator=g, dtype=torch.uint8).view(torch.int8),
                             torch.full((131072, k // 32), 120, dtype=torch.uint8), (1, 32), packed_fp4=True),
             "f32": describe(torch.randn(32768, k, generator=g))}

@@ -122,21 +122,22 @@ class QuantizedWeight(nn.Module):
         return self._decode(q, torch.index_select(self.scale, 0, torch.div(ids, br, rounding_mode="floor")),
                             (1, bc), self.dtype)
 
-    def native(self, groups: int | None = None):
+    def native(self, groups: int | None = None, lib=None):
         """(descriptor, n, k) for native.c's format-reading matmul (with `groups`: one per group of
         rows, see weights_mm.row_groups), or None where it cannot read this weight (see
-        weights_mm.describe); cached until q or scale is replaced, moved or loaded again."""
+        weights_mm.describe); cached until q or scale is replaced, moved or loaded again. `lib`:
+        the backend's weight_mm library, which scans FP8 codes when the descriptor is made."""
         key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups)
         hit = self.__dict__.get("_native")
         if hit is None or hit[0] != key:
             if self.pieces:
                 found = None if groups is not None else describe_pieces(
                     [self.matrix_pieces(e) for e in range(self.shape[0])], None if self.fmt == BF16 else self.block,
-                    packed_fp4=self.fmt == FP4)
+                    packed_fp4=self.fmt == FP4, lib=lib)
             elif self.fmt == BF16:
                 found = describe(self.q)
             else:
-                found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4)
+                found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4, lib=lib)
             if found is not None and groups is not None:
                 found = row_groups(found, groups) if self.q.dim() == 2 else None
             hit = self.__dict__["_native"] = (key, found)
@@ -328,7 +329,7 @@ def weight_mm(ops: Backend, x: torch.Tensor, w: torch.Tensor | QuantizedWeight, 
     dequantized weight bit for bit (weights_mm.py); bf16 ones accumulate in fp32 and round once.
     Otherwise an FP8 / FP4 weight (slice) is dequantized for this one matmul, and torch runs it."""
     if reads_as_stored(ops, x.numel() // max(x.shape[-1], 1)):
-        found = native_weights(w)
+        found = native_weights(w, lib=ops.weight_mm.native)
         if found is not None:
             y = native_mm(ops.weight_mm.native, x if x.dtype == torch.float32 else x.float(), *found, index=index or 0)
             return y if w.dtype == torch.float32 else y.to(w.dtype)
@@ -336,12 +337,13 @@ def weight_mm(ops: Backend, x: torch.Tensor, w: torch.Tensor | QuantizedWeight, 
     return row_mm(ops, x if x.dtype == wf.dtype else x.to(wf.dtype), wf)
 
 
-def native_weights(w: torch.Tensor | QuantizedWeight, params: tuple = (torch.bfloat16,)):
+def native_weights(w: torch.Tensor | QuantizedWeight, params: tuple = (torch.bfloat16,), lib=None):
     """native.c's view (descriptor, n, k) of a weight it reads as stored, cached on the weight: an
     FP8 / FP4 weight of an fp32 or bf16 model, or a CPU parameter of one of the `params` dtypes
-    (for `weight_mm` bf16 only: fp32 parameters go through row_mm); None for the others."""
+    (for `weight_mm` bf16 only: fp32 parameters go through row_mm); None for the others. `lib`:
+    the backend's weight_mm library (QuantizedWeight.native)."""
     if isinstance(w, QuantizedWeight):
-        return w.native() if w.dtype in (torch.float32, torch.bfloat16) else None
+        return w.native(lib=lib) if w.dtype in (torch.float32, torch.bfloat16) else None
     if w.dtype not in params or not w.is_cpu:
         return None
     hit = getattr(w, "_kvfold_native", None)
@@ -351,10 +353,10 @@ def native_weights(w: torch.Tensor | QuantizedWeight, params: tuple = (torch.bfl
     return hit[1]
 
 
-def fp32_native_weights(w: torch.Tensor | QuantizedWeight | None):
+def fp32_native_weights(w: torch.Tensor | QuantizedWeight | None, lib=None):
     """`native_weights` of a weight the fp32 kernels read (an fp32 parameter, or an FP8 / FP4
     weight of an fp32 model), else None."""
-    return native_weights(w, params=(torch.float32,)) if w is not None and w.dtype == torch.float32 else None
+    return native_weights(w, (torch.float32,), lib) if w is not None and w.dtype == torch.float32 else None
 
 
 class Linear(nn.Module):

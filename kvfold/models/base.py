@@ -396,11 +396,12 @@ class CausalLM(nn.Module):
         """Give each CPU weight held as stored its native descriptor now (the FP8 code scan is part
         of it) where this model's matmuls read weights as stored: the load pays for it, not the
         first forward."""
-        if self.backend().weight_mm.native is None:
+        lib = self.backend().weight_mm.native
+        if lib is None:
             return
         for w in self.quantized_weights().values():
             if w.device.type == "cpu":
-                native_weights(w)
+                native_weights(w, lib=lib)
 
     # ---- accounting --------------------------------------------------------------------------
     def quantized_weights(self) -> dict[str, QuantizedWeight]:

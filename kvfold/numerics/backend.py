@@ -54,7 +54,7 @@ OPS: tuple[Op, ...] = (
     Op("hc", "numerics.hc: float64 weights, Sinkhorn", ("kv_hc_collapse", "kv_hc_head", "kv_hc_expand"),
        rows=("hc_collapse", "hc_expand")),
     Op("row_mm", "F.linear (torch's GEMM)", ("kv_matmul",), rows=("mm",), dtypes=(F32, BF16), when="fixed_order"),
-    Op("weight_mm", "dequantize, then row_mm", ("kv_matmul_weights",), dtypes=(F32, BF16)),
+    Op("weight_mm", "dequantize, then row_mm", ("kv_matmul_weights", "kv_scan_fp8"), dtypes=(F32, BF16)),
     Op("unary", "torch.sigmoid / silu / softplus / cos / sin, l2norm", ("kv_unary", "kv_l2norm"),
        rows=("unary", "norm"), dtypes=(F32, BF16), when="fixed_order"),
     Op("swiglu", "F.silu(gate) * up, clamped", ("kv_swiglu",), rows=("swiglu",), when="invariant"),

@@ -53,12 +53,15 @@ SUBNORMAL_FLAGS = subnormal_assists(_cpu_vendor())
 
 
 def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-             packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS) -> tuple[WeightsDesc, int, int] | None:
+             packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS, lib=None
+             ) -> tuple[WeightsDesc, int, int] | None:
     """(descriptor, rows n, columns k) of `data` [..., n, k] (FP4: [..., n, k/2] bytes with
     `packed_fp4`), its leading dims a stack of matrices; None where the kernels cannot read it
     (another device, a non-contiguous tensor, scale blocks not a multiple of 8 columns, an
     unknown dtype). FP8 blocks holding subnormal codes are flagged where `subnormal_flags`
-    (default: this CPU's `subnormal_assists`)."""
+    (default: this CPU's `subnormal_assists`). `lib`: the native library of the backend's
+    weight_mm, which scans FP8 codes (`scan_fp8_codes`); None (no such kernel here): an FP8
+    weight gets no descriptor."""
     if not data.is_cpu or not data.is_contiguous() or data.dim() < 2:
         return None
     fmt = FP4 if packed_fp4 else _FORMAT_OF.get(data.dtype)
@@ -69,7 +72,7 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     if scale is not None and (bc % _LANES or not scale.is_cpu or not scale.is_contiguous()
                               or scale.dtype not in (torch.uint8, torch.float32)):
         return None
-    scanned = scan_fp8_codes(data, bc, subnormal_flags) if fmt == FP8 else (False, None)
+    scanned = scan_fp8_codes(lib, data, bc, subnormal_flags) if fmt == FP8 else (False, None)
     if scanned is None:
         return None
     nan_codes, flags = scanned
@@ -86,7 +89,7 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
 
 
 def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]], block: tuple[int, int] | None = None,
-                    packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS
+                    packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS, lib=None
                     ) -> tuple[WeightsDesc, int, int] | None:
     """`describe` of a stack whose matrices lie apart: `pieces[e]` is matrix e's row pieces in order,
     each (codes [r, k] or FP4 bytes [r, k/2], its scales), every piece of the same shape and format,
@@ -94,7 +97,7 @@ def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]]
     their own). The kernels read each piece where it is (native_weights.h, weights_cols); None
     where `describe` would refuse a piece."""
     flat = [p for matrix in pieces for p in matrix]
-    found = [describe(q, s, block, packed_fp4, subnormal_flags) for q, s in flat]
+    found = [describe(q, s, block, packed_fp4, subnormal_flags, lib) for q, s in flat]
     if not flat or any(f is None for f in found) or len({(f[1], f[2]) for f in found}) != 1:
         return None
     if len({len(matrix) for matrix in pieces}) != 1:
@@ -117,16 +120,16 @@ def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]]
     return desc, rows * len(pieces[0]), k
 
 
-def scan_fp8_codes(q: torch.Tensor, bc: int, flags: bool = True) -> tuple[bool, torch.Tensor | None] | None:
+def scan_fp8_codes(lib, q: torch.Tensor, bc: int, flags: bool = True) -> tuple[bool, torch.Tensor | None] | None:
     """One pass over FP8 codes [..., n, k] (native.c's kv_scan_fp8, at memory speed: GLM-5.3-Flash
     holds 7 GB of FP8 experts per MoE layer, scanned once a weight): whether any code is a NaN
     (0x7F / 0xFF), which needs a decoder step the others do not, and with `flags` uint8 flags
     [..., n, ceil(k / bc)], 1 where that row's block of bc columns holds a subnormal code (exponent
     bits 0, mantissa not), which a folded decode row must not feed to the fused multiply-add as a
     float32 subnormal (native_weights.h, tile_subnormal); None when no code is subnormal (the tiles
-    then check nothing) or without `flags`. None when there are no native kernels to read them."""
-    from . import native
-    lib = native.library()
+    then check nothing) or without `flags`. `lib`: the native library of weight_mm's row of the
+    dispatch table (numerics/backend.py), whose matmuls the descriptor is for; None where there
+    is none (nothing to describe for)."""
     if lib is None:
         return None
     k = q.shape[-1]

@@ -69,7 +69,7 @@ class GroupedLinear(nn.Module):
         w, (t, g, k) = self.weight, x.shape
         if w.dtype not in (torch.float32, torch.bfloat16) or not reads_as_stored(ops, t):
             return None
-        parts = w.native(groups=self.groups)
+        parts = w.native(groups=self.groups, lib=ops.weight_mm.native)
         if parts is None:
             return None
         per = parts[0][1]

@@ -108,10 +108,10 @@ class MoE(nn.Module):
         return _native_moe_rows(ops, self, x, token_ids)
 
 
-def _native_weights(moe: MoE) -> tuple | None:
+def _native_weights(moe: MoE, lib) -> tuple | None:
     """What the native MoE reads (the router, its table, the expert stacks' and the shared
-    expert's descriptors), or None when it cannot serve this layer (FP8 activations, an unknown
-    scoring, a weight the kernels cannot read)."""
+    expert's descriptors, made with `lib`, the backend's weight_mm library), or None when it cannot
+    serve this layer (FP8 activations, an unknown scoring, a weight the kernels cannot read)."""
     gate, ex, sh = moe.gate, moe.experts, moe.shared_experts
     if ex.act_quant or gate.scoring not in SCORING:
         return None
@@ -122,20 +122,22 @@ def _native_weights(moe: MoE) -> tuple | None:
     lins = () if sh is None else (sh.gate_proj, sh.up_proj, sh.down_proj)
     if any(lin.act_quant for lin in lins):
         return None
-    descs = [fp32_native_weights(w) for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
+    descs = [fp32_native_weights(w, lib) for w in (ex.gate_up_proj, ex.down_proj, *(lin.weight for lin in lins))]
     if any(d is None for d in descs):
         return None
     return (gate.weight, table, *descs, *([None] * (5 - len(descs))))
 
 
-def _cached_native_weights(moe: MoE) -> tuple | None:
+def _cached_native_weights(moe: MoE, lib) -> tuple | None:
     """`_native_weights`, rebuilt only when one of its weights is replaced, moved or loaded again.
     (The FP8-activation flags it also reads are set only by reference numerics, which bf16 models
     alone take, and this kernel reads fp32 models only.)"""
     cache = moe.__dict__.get("_native_cache")
     if cache is None:
-        cache = moe.__dict__["_native_cache"] = NativeCache(moe, native_moe_paths(moe), lambda: _native_weights(moe))
-    return cache.get()
+        cache = moe.__dict__["_native_cache"] = NativeCache(moe, native_moe_paths(moe),
+                                                            lambda: _native_weights(moe, cache.lib))
+    cache.lib = lib
+    return cache.get(key=lib)
 
 
 def native_moe_paths(moe: MoE) -> list[str]:
@@ -155,7 +157,7 @@ def _native_moe_rows(ops: Backend, moe: MoE, x: torch.Tensor, token_ids: torch.T
         raise KernelError(f"kv_moe_rows reads fp32 CPU rows and int64 token ids, got {x.dtype} on {x.device} "
                           f"and {token_ids.dtype}")
     x, token_ids = x.contiguous(), token_ids.contiguous()
-    L = native_moe_layer(moe)
+    L = native_moe_layer(moe, ops.weight_mm.native)
     if L is None:  # FP8 activations, an unknown scoring, a weight the kernel cannot read
         return None
     m = x.shape[0]
@@ -167,13 +169,13 @@ def _native_moe_rows(ops: Backend, moe: MoE, x: torch.Tensor, token_ids: torch.T
     return out
 
 
-def native_moe_layer(moe: MoE) -> MoeLayer | None:
+def native_moe_layer(moe: MoE, lib) -> MoeLayer | None:
     """The layer as native.c reads it (its weights' descriptors kept alive by the cache), or None
     where the kernels cannot serve it; rebuilt only with `_cached_native_weights`. A layer whose
     experts a placement split between two devices (models/split_experts.py) runs op by op."""
     if type(moe.experts) is not Experts:
         return None
-    ws = _cached_native_weights(moe)
+    ws = _cached_native_weights(moe, lib)
     if ws is None:
         return None
     hit = moe.__dict__.get("_native_layer")

@@ -34,9 +34,9 @@ def _weight(module):
     return module._modules.get("weight") if w is None else w
 
 
-def _desc(w) -> WeightsDesc | None:
+def _desc(w, lib) -> WeightsDesc | None:
     """native.c's descriptor of a weight the fp32 kernels read, or None."""
-    found = fp32_native_weights(w)
+    found = fp32_native_weights(w, lib)
     return None if found is None else found[0]
 
 
@@ -51,17 +51,19 @@ def _projection_paths(attn) -> list[str]:
     return paths
 
 
-def _cached(attn, name: str, paths, build):
-    """The layer's NativeCache `name` (made on first use over `paths(attn)`), its value now."""
+def _cached(attn, name: str, paths, build, lib):
+    """The layer's NativeCache `name` (made on first use over `paths(attn)`), its value now;
+    `lib`: the backend's weight_mm library, which the descriptors are made with."""
     cache = attn.__dict__.get(name)
     if cache is None:
-        cache = attn.__dict__[name] = NativeCache(attn, paths(attn), lambda: build(attn))
-    return cache.get()
+        cache = attn.__dict__[name] = NativeCache(attn, paths(attn), lambda: build(attn, cache.lib))
+    cache.lib = lib
+    return cache.get(key=lib)
 
 
-def _compressor_proj(c, descs: list) -> CompressorProj | None:
+def _compressor_proj(c, descs: list, lib) -> CompressorProj | None:
     """One compressor's projections (its descriptors appended to `descs`, which keeps them alive)."""
-    kv, gate = _desc(_weight(c.kv_proj)), _desc(_weight(c.gate_proj))
+    kv, gate = _desc(_weight(c.kv_proj), lib), _desc(_weight(c.gate_proj), lib)
     bias = c.position_bias
     if kv is None or gate is None or not native.fp32_cpu(bias) or c.entry_sim is not None:
         return None
@@ -69,7 +71,7 @@ def _compressor_proj(c, descs: list) -> CompressorProj | None:
     return CompressorProj(ctypes.addressof(kv), ctypes.addressof(gate), bias.data_ptr(), bias.shape[1], c.ratio)
 
 
-def _build_projection(attn) -> tuple[ProjectLayer, list] | None:
+def _build_projection(attn, lib) -> tuple[ProjectLayer, list] | None:
     """The layer's attn_project_layer (and the descriptors it points into), or None."""
     lins = [attn.q_a_proj, attn.q_b_proj, attn.kv_proj]
     c = attn.compressor
@@ -82,7 +84,7 @@ def _build_projection(attn) -> tuple[ProjectLayer, list] | None:
     if attn.act_dtype is not _F32 or attn.simulate_kv or any(lin.act_quant for lin in lins) \
             or any(n.eps != attn.eps for n in norms) or not native.fp32_cpu(*(n.weight for n in norms)):
         return None
-    descs = [_desc(_weight(lin)) for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_proj)]
+    descs = [_desc(_weight(lin), lib) for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_proj)]
     if any(d is None for d in descs):
         return None
     q_a = _weight(attn.q_a_proj)
@@ -90,13 +92,13 @@ def _build_projection(attn) -> tuple[ProjectLayer, list] | None:
                          *(ctypes.addressof(d) for d in descs), attn.q_a_norm.weight.data_ptr(),
                          attn.kv_norm.weight.data_ptr())
     if c is not None:
-        comp = _compressor_proj(c, descs)
+        comp = _compressor_proj(c, descs, lib)
         if comp is None:
             return None
         layer.comp = comp
     if ix is not None:
-        index = _compressor_proj(ix, descs)
-        iq, iw = _desc(_weight(ix.q_b_proj)), _desc(_weight(ix.scorer.weights_proj))
+        index = _compressor_proj(ix, descs, lib)
+        iq, iw = _desc(_weight(ix.q_b_proj), lib), _desc(_weight(ix.scorer.weights_proj), lib)
         if index is None or iq is None or iw is None:
             return None
         descs += [iq, iw]
@@ -122,7 +124,7 @@ def project_rows(ops: Backend, attn, x: torch.Tensor, positions: torch.Tensor, c
     lib = ops.attention_rows.native
     if lib is None or not reads_as_stored(ops, m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
-    layer = _projection_layer(attn)
+    layer = _projection_layer(attn, ops.weight_mm.native)
     if layer is None:
         return None
     if positions.dtype != torch.int64:
@@ -149,16 +151,16 @@ def project_rows(ops: Backend, attn, x: torch.Tensor, positions: torch.Tensor, c
     return rows
 
 
-def _build_output(attn) -> tuple[OutputLayer, list] | None:
+def _build_output(attn, lib) -> tuple[OutputLayer, list] | None:
     wa, wb = _weight(attn.o_a_proj), _weight(attn.o_b_proj)
     if attn.act_dtype is not _F32 or attn.o_b_proj.act_quant or wa.dtype is not _F32:
         return None
     if isinstance(wa, QuantizedWeight):
-        groups = wa.native(groups=attn.o_groups)
+        groups = wa.native(groups=attn.o_groups, lib=lib)
     else:
         found = describe(wa)
         groups = None if found is None else row_groups(found, attn.o_groups)
-    o_b = _desc(wb)
+    o_b = _desc(wb, lib)
     if groups is None or o_b is None:
         return None
     table = (WeightsDesc * len(groups))(*(d for d, _, _ in groups))  # copies: the C side reads an array
@@ -175,7 +177,7 @@ def output_rows(ops: Backend, attn, o: torch.Tensor, cos: torch.Tensor, sin: tor
     lib = ops.attention_rows.native
     if lib is None or not reads_as_stored(ops, m) or cos.shape[0] != m or 2 * cos.shape[-1] != attn.rope_dim:
         return None
-    layer = _output_layer(attn)
+    layer = _output_layer(attn, ops.weight_mm.native)
     if layer is None:
         return None
     _rows_in("kv_attn_output", o, cos, sin)
@@ -193,16 +195,16 @@ def _with_threads(built):
     return built[0]
 
 
-def _projection_layer(attn) -> ProjectLayer | None:
-    return _with_threads(_cached(attn, "_native_project", _projection_paths, _build_projection))
+def _projection_layer(attn, lib) -> ProjectLayer | None:
+    return _with_threads(_cached(attn, "_native_project", _projection_paths, _build_projection, lib))
 
 
 def _output_paths(attn) -> list[str]:
     return ["o_a_proj.weight", "o_b_proj.weight"]
 
 
-def _output_layer(attn) -> OutputLayer | None:
-    return _with_threads(_cached(attn, "_native_output", _output_paths, _build_output))
+def _output_layer(attn, lib) -> OutputLayer | None:
+    return _with_threads(_cached(attn, "_native_output", _output_paths, _build_output, lib))
 
 
 def fused_paths(attn) -> list[str]:
@@ -210,10 +212,11 @@ def fused_paths(attn) -> list[str]:
     return _projection_paths(attn) + _output_paths(attn)
 
 
-def fused_halves(attn) -> tuple[ProjectLayer, OutputLayer] | None:
+def fused_halves(attn, lib) -> tuple[ProjectLayer, OutputLayer] | None:
     """The layer's attn_project_layer and attn_output_layer as `project_rows` and `output_rows` use
-    them, or None where either cannot run."""
-    project, output = _projection_layer(attn), _output_layer(attn)
+    them (descriptors made with `lib`, the backend's weight_mm library), or None where either
+    cannot run."""
+    project, output = _projection_layer(attn, lib), _output_layer(attn, lib)
     return None if project is None or output is None else (project, output)
 
 

@@ -128,7 +128,8 @@ def _linked(ops: Backend, layer: BlockLayer | None, block, hc: int, hid: int, ro
     keeps them alive), for calls of `rows` decode rows; or None where a step of that many rows
     would not run natively (whether the collapse is native depends on the mode and threads of this
     call)."""
-    halves, moe_layer = fused_halves(block.self_attn), native_moe_layer(block.mlp)
+    lib = ops.weight_mm.native
+    halves, moe_layer = fused_halves(block.self_attn, lib), native_moe_layer(block.mlp, lib)
     if layer is None or halves is None or moe_layer is None or not _rows_serve(
             ops, rows, [hc_._parameters["fn"] for hc_ in (block.attn_hc, block.ffn_hc)]):
         return None
@@ -179,11 +180,12 @@ def _head_weights(ops: Backend, model):
     native.c: batch-invariant mode), else None."""
     embed, head = model.model.embed_tokens, model.lm_head
     we = embed._parameters.get("weight")
-    e = fp32_native_weights(we if we is not None else embed._modules.get("weight"))
+    lib = ops.weight_mm.native
+    e = fp32_native_weights(we if we is not None else embed._modules.get("weight"), lib)
     w = head._parameters.get("weight")
     if head.act_quant or (w is not None and ops.row_mm.native is None):
         return None  # an fp32 parameter where row_mm runs torch's GEMM
-    h = fp32_native_weights(w if w is not None else head._modules.get("weight"))
+    h = fp32_native_weights(w if w is not None else head._modules.get("weight"), lib)
     return None if e is None or h is None else (e, h)
 
 

@@ -31,7 +31,7 @@ def absorbed_q(mla, q: torch.Tensor, ops: Backend) -> torch.Tensor:
     if isinstance(w, QuantizedWeight):
         if _reads_codes(ops, w, q.shape[0]):
             held = w.derived(("uk_t", nh, dn), lambda w: uk_transposed(w, nh, dn))
-            found = None if held is None else held.native()
+            found = None if held is None else held.native(lib=ops.weight_mm.native)
             if found is not None:
                 return _native_heads(ops, q, [(found[0], h) for h in range(nh)], lat, dn, w.dtype)
         heads = w.rows(_head_rows(nh, per, 0, dn, w.device)).view(nh, dn, lat).transpose(1, 2)
@@ -45,7 +45,8 @@ def absorbed_v(mla, pooled: torch.Tensor, ops: Backend) -> torch.Tensor:
     dv = per - dn
     if isinstance(w, QuantizedWeight):
         if _reads_codes(ops, w, pooled.shape[0]):
-            parts = w.derived(("uv_rows", nh, dn, dv), lambda w: row_blocks(w.native(), range(dn, nh * per, per), dv))
+            parts = w.derived(("uv_rows", nh, dn, dv),
+                              lambda w: row_blocks(w.native(lib=ops.weight_mm.native), range(dn, nh * per, per), dv))
             return _native_heads(ops, pooled, [(desc, 0) for desc, _, _ in parts], dv, lat, w.dtype)
         return _decoded_heads(ops, pooled, w.rows(_head_rows(nh, per, dn, dv, w.device)).view(nh, dv, lat))
     return _param_heads(ops, pooled, w.view(nh, per, lat)[:, dn:])
@@ -81,7 +82,8 @@ def _kv_b(mla):
 
 def _reads_codes(ops: Backend, w: QuantizedWeight, rows: int) -> bool:
     """`weight_mm`'s rule for reading w as stored."""
-    return w.dtype in (torch.float32, torch.bfloat16) and reads_as_stored(ops, rows) and w.native() is not None
+    return w.dtype in (torch.float32, torch.bfloat16) and reads_as_stored(ops, rows) \
+        and w.native(lib=ops.weight_mm.native) is not None
 
 
 def _head_rows(nh: int, per: int, offset: int, n: int, device) -> torch.Tensor:
