@@ -92,15 +92,13 @@ class QuantizedWeight(nn.Module):
         if self.pieces:
             if index is None:
                 return torch.stack([self.dequant(dtype, e) for e in range(self.shape[0])])
-            return torch.cat([self._decode_piece(q, s, dtype or self.dtype) for q, s in self.matrix_pieces(index)],
-                             dim=-2)
-        if self.fmt == BF16:
-            q = self.q if index is None else self.q[index]
-            return torch.empty(q.shape, dtype=dtype or self.dtype, device=q.device).copy_(q)
-        q, s = (self.q, self.scale) if index is None else (self.q[index], self.scale[index])
-        return self._decode(q, s, self.block, dtype or self.dtype)
+            return torch.cat([self._decoded(q, s, dtype or self.dtype) for q, s in self.matrix_pieces(index)], dim=-2)
+        if index is None:
+            return self._decoded(self.q, self.scale, dtype or self.dtype)
+        return self._decoded(self.q[index], None if self.fmt == BF16 else self.scale[index], dtype or self.dtype)
 
-    def _decode_piece(self, q: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def _decoded(self, q: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Codes q (scales s, in `block`s) as a new tensor of `dtype`."""
         if self.fmt == BF16:
             return torch.empty(q.shape, dtype=dtype, device=q.device).copy_(q)
         return self._decode(q, s, self.block, dtype)

@@ -35,7 +35,8 @@ def _steps(root: nn.Module, path: str) -> list[tuple[dict, str]]:
 class NativeCache:
     """`build()`'s value for the weights at `paths` of `root` (None where native.c cannot read them),
     built again when they change or when `get`'s `key` (what else the value depends on, such as
-    the thread count) differs from the last build's."""
+    the thread count or the library the descriptors are made with) differs from the last build's;
+    `build` may read that key as `self.key`."""
 
     def __init__(self, root: nn.Module, paths: list[str], build: Callable[[], object]):
         self.root, self.paths, self.build = root, paths, build
@@ -70,7 +71,7 @@ class NativeCache:
     def get(self, key=None):
         if self.checks is None or key != self.key or not self._unchanged():
             self._resolve()  # a replaced submodule has dicts of its own
-            self.value = self.build() if self.steps else None
             self.key = key
+            self.value = self.build() if self.steps else None
             self._snapshot()  # after building, which may make a QuantizedWeight's native view
         return self.value

@@ -135,8 +135,7 @@ def _cached_native_weights(moe: MoE, lib) -> tuple | None:
     cache = moe.__dict__.get("_native_cache")
     if cache is None:
         cache = moe.__dict__["_native_cache"] = NativeCache(moe, native_moe_paths(moe),
-                                                            lambda: _native_weights(moe, cache.lib))
-    cache.lib = lib
+                                                            lambda: _native_weights(moe, cache.key))
     return cache.get(key=lib)
 
 

@@ -56,8 +56,7 @@ def _cached(attn, name: str, paths, build, lib):
     `lib`: the backend's weight_mm library, which the descriptors are made with."""
     cache = attn.__dict__.get(name)
     if cache is None:
-        cache = attn.__dict__[name] = NativeCache(attn, paths(attn), lambda: build(attn, cache.lib))
-    cache.lib = lib
+        cache = attn.__dict__[name] = NativeCache(attn, paths(attn), lambda: build(attn, cache.key))
     return cache.get(key=lib)
 
 
