@@ -42,7 +42,12 @@ class QuantizedWeight(nn.Module):
     buffers `q_{e}_{i}` and `scale_{e}_{i}` (each with scale blocks of its own), and `q` / `scale`
     are empty. Loaded with `keep`, every piece stays a view of the mapped checkpoint file, read in
     place (models/mapped_files.py); the kernels take a pointer a piece (weights_mm.describe_pieces).
+
+    `dot`: the dot product native.c's matmuls take on it, "fp32" or "bf16" (weights_mm.describe),
+    the model's choice (`CausalLM.set_dot`), which weights made from this one (`take`) keep.
     """
+
+    dot = "fp32"
 
     def __init__(self, fmt: str, shape, dtype: torch.dtype, block: tuple[int, int],
                  scale_dtype: torch.dtype = torch.uint8, device=None, pieces: int = 0):
@@ -125,17 +130,17 @@ class QuantizedWeight(nn.Module):
         rows, see weights_mm.row_groups), or None where it cannot read this weight (see
         weights_mm.describe); cached until q or scale is replaced, moved or loaded again. `lib`:
         the backend's weight_mm library, which scans FP8 codes when the descriptor is made."""
-        key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups)
+        key = (self.q.data_ptr(), self.scale.data_ptr(), self.q.device, groups, self.dot)
         hit = self.__dict__.get("_native")
         if hit is None or hit[0] != key:
             if self.pieces:
                 found = None if groups is not None else describe_pieces(
                     [self.matrix_pieces(e) for e in range(self.shape[0])], None if self.fmt == BF16 else self.block,
-                    packed_fp4=self.fmt == FP4, lib=lib)
+                    packed_fp4=self.fmt == FP4, lib=lib, dot=self.dot)
             elif self.fmt == BF16:
-                found = describe(self.q)
+                found = describe(self.q, dot=self.dot)
             else:
-                found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4, lib=lib)
+                found = describe(self.q, self.scale, self.block, packed_fp4=self.fmt == FP4, lib=lib, dot=self.dot)
             if found is not None and groups is not None:
                 found = row_groups(found, groups) if self.q.dim() == 2 else None
             hit = self.__dict__["_native"] = (key, found)
@@ -150,6 +155,7 @@ class QuantizedWeight(nn.Module):
         out = QuantizedWeight(self.fmt, shape, self.dtype, self.block, self.scale.dtype, device="meta")
         out.q = self.q.index_select(0, index)
         out.scale = self.scale if self.fmt == BF16 else self.scale.index_select(0, index)
+        out.dot = self.dot
         return out
 
     def _joined(self, experts: list[int], shape: tuple) -> "QuantizedWeight":
@@ -160,6 +166,7 @@ class QuantizedWeight(nn.Module):
         block = (1, bc) if per_row else self.block
         dtype = self.scale.dtype
         out = QuantizedWeight(self.fmt, shape, self.dtype, block, dtype, device="meta")
+        out.dot = self.dot
         out.q = torch.stack([torch.cat([q for q, _ in self.matrix_pieces(e)], dim=-2) for e in experts])
         if self.fmt != BF16:
             def rows(q, s):

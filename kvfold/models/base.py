@@ -73,6 +73,7 @@ class CausalLM(nn.Module):
     capabilities = Capabilities()
     max_chunk = 2048  # longer inputs run as consecutive chunks (exact by construction), bounding memory
     numerics = "hf"
+    dot = "fp32"  # the dot product of the matmuls on weights held as stored (`set_dot`)
 
     def __init__(self, config, dtype: torch.dtype, device: str | torch.device):
         super().__init__()
@@ -267,12 +268,47 @@ class CausalLM(nn.Module):
         devices (None: `device`, where its head is). ConfigError where the mode cannot hold."""
         inv = self.batch_invariant if batch_invariant is None else bool(batch_invariant)
         device = self.device if device is None else torch.device(device)
-        key = (inv, self.numerics, device)
+        key = (inv, self.numerics, self.dot, device)
         ops = self._backends.get(key)
         if ops is None:
             self.invariance_refusal(inv)
-            ops = self._backends[key] = build_backend(device, self.dtype, self.numerics, inv, self.kernels)
+            ops = self._backends[key] = build_backend(device, self.dtype, self.numerics, inv, self.kernels, self.dot)
         return ops
+
+    def set_dot(self, mode: str) -> None:
+        """The dot product of every matmul on a weight held as stored (loaded with
+        weights="quantized"): "fp32" (the default: the activations and the dequantized weights as
+        they are, native_dot.h) or "bf16" (both rounded to bf16 and multiplied in VDPBF16PS's order,
+        native_bf16dot.h, which states the definition: twice the fused multiply-adds a cycle and half
+        the panel bytes, for about 2^-8 relative error an element). The same order for any row
+        count, so prefill, chunked prefill, decode and verify still agree bit for bit, and a row's
+        bits never depend on its batch. Float parameters (the router, mHC) keep the fp32 dot.
+        "bf16" runs in native.c on the CPU only, for fp32 models with numerics "hf"; elsewhere
+        ConfigError, with nothing changed. Also `load_model(..., dot=)`."""
+        if mode not in ("fp32", "bf16"):
+            raise ConfigError(f"dot must be 'fp32' or 'bf16', got {mode!r}")
+        why = self._bf16_dot_unsupported() if mode == "bf16" else None
+        if why is not None:
+            raise ConfigError(f"dot='bf16' {why}")
+        self.dot = mode
+        for w in self.quantized_weights().values():
+            w.dot = mode
+            w.bytes_changed()  # descriptors carry the dot: made again, and the native caches with them
+        self._backends.clear()
+        self.describe_held_weights()
+
+    def _bf16_dot_unsupported(self) -> str | None:
+        if self.device.type != "cpu" or self.devices is not None or self.tp is not None:
+            return "runs native.c on the CPU: this model is on " + str(self.device) + \
+                (" and placed across devices" if self.devices is not None else "") + \
+                (" and tensor-parallel" if self.tp is not None else "")
+        if self.dtype != torch.float32 or self.numerics != "hf":
+            return f"runs fp32 models with numerics 'hf' (this one: {self.dtype}, numerics {self.numerics!r})"
+        if self.backend().weight_mm.native is None:
+            return "needs kvfold's native CPU kernels (a C compiler, and KVFOLD_NATIVE not 0)"
+        if not self.quantized_weights():
+            return "is the dot of weights held as stored: load the checkpoint with weights='quantized'"
+        return None
 
     # ---- batch invariance --------------------------------------------------------------------
     @property

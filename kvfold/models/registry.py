@@ -57,24 +57,34 @@ def checkpoint_dir(name: str | Path) -> Path | None:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-         numerics: str = "hf", weights: str = "dequant", tp: int = 1):
+         numerics: str = "hf", weights: str = "dequant", tp: int = 1, dot: str = "fp32"):
     """`weights`: "dequant" decodes FP8 / FP4 checkpoint weights into `dtype` at load; "quantized" keeps
     them in memory as stored (float8_e4m3fn / packed FP4 bytes + e8m0 scales) and decodes each one for
     the matmul that reads it (routed experts: only the experts a batch uses). Logits are bit-identical
     either way. Float checkpoint tensors (and "tiny") load as floats either way: nothing is quantized.
     `tp` > 1: this process's shard of the checkpoint over the current torch.distributed group of
-    `tp` ranks (kvfold/parallel; what each rank holds: each family's sharding.py)."""
+    `tp` ranks (kvfold/parallel; what each rank holds: each family's sharding.py). `dot`: "fp32", or
+    "bf16" for weights="quantized" on the CPU (`CausalLM.set_dot`)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if numerics not in ("hf", "reference"):
         raise ConfigError(f"numerics must be 'hf' or 'reference', got {numerics!r}")
     if weights not in WEIGHT_RESIDENCIES:
         raise ConfigError(f"weights must be one of {WEIGHT_RESIDENCIES}, got {weights!r}")
+    if dot not in ("fp32", "bf16"):
+        raise ConfigError(f"dot must be 'fp32' or 'bf16', got {dot!r}")
+    if dot == "bf16" and weights != "quantized":
+        raise ConfigError("dot='bf16' is the dot of weights held as stored: load with weights='quantized'")
     directory = checkpoint_dir(path)
     if tp != 1 and directory is None:
         raise ConfigError(f"tp={tp}: tensor parallelism shards checkpoint directories (the built-in 'tiny' "
                           f"included); {path} is not one")
     if directory is None:
-        return load_tiny(device=device, dtype=dtype, numerics=numerics)
-    kw = {"tp": tp} if tp != 1 else {}
-    return family_of(directory).load(directory, device=device, dtype=dtype, numerics=numerics, weights=weights, **kw)
+        model = load_tiny(device=device, dtype=dtype, numerics=numerics)
+    else:
+        kw = {"tp": tp} if tp != 1 else {}
+        model = family_of(directory).load(directory, device=device, dtype=dtype, numerics=numerics, weights=weights,
+                                          **kw)
+    if dot != "fp32":
+        model.set_dot(dot)
+    return model

@@ -116,13 +116,16 @@ class Backend:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, numerics: str, batch_invariant: bool,
                  kernels: KernelSet, lib: ctypes.CDLL | None, triton: ModuleType | None, rows: ModuleType | None,
-                 native_note: str):
+                 native_note: str, dot: str = "fp32"):
         self.device, self.dtype, self.numerics, self.kernels = device, dtype, numerics, kernels
         self.batch_invariant = batch_invariant
         self.native_lib = lib
-        # weight matmuls and the elementwise functions in a fixed order: batch-invariant mode, and
-        # reference numerics (whose decode and chunked prefill must see the same bits)
-        self.fixed_order = batch_invariant or (numerics == "reference" and lib is not None)
+        # the dot product of the matmuls on weights held as stored (CausalLM.set_dot): "bf16" is
+        # native.c's alone, and in a fixed order only, whatever the row count
+        self.dot = dot
+        # weight matmuls and the elementwise functions in a fixed order: batch-invariant mode,
+        # reference numerics (whose decode and chunked prefill must see the same bits), the bf16 dot
+        self.fixed_order = batch_invariant or (numerics == "reference" and lib is not None) or dot == "bf16"
         self.rows_kernels = rows if batch_invariant else None
         self.choices = tuple(self._choose(op, lib, triton, native_note) for op in OPS)
         for c in self.choices:
@@ -141,7 +144,10 @@ class Backend:
         if op.native and lib is not None and self.dtype in op.dtypes:
             why = {"always": "", "invariant": ", batch-invariant mode",
                    "fixed_order": ", the fixed order of batch-invariant mode" if self.batch_invariant
-                   else ", the fixed order of reference numerics"}[op.when]
+                   else ", the fixed order of reference numerics" if self.numerics == "reference"
+                   else ", the fixed order of the bf16 dot"}[op.when]
+            if op.name == "weight_mm" and self.dot == "bf16":
+                why += ", the bf16 dot (VDPBF16PS's order)"
             return Choice(op.name, "native", f"{_dtype_name(self.dtype)} model on the CPU{why}", native=lib)
         if op.native and lib is not None:
             return Choice(op.name, "torch", f"native.c reads {', '.join(map(_dtype_name, op.dtypes))} models")
@@ -168,10 +174,11 @@ class Backend:
 
     def key(self) -> tuple:
         """What a captured graph depends on: every choice's kind."""
-        return (self.batch_invariant, self.fixed_order) + tuple(c.kind for c in self.choices)
+        return (self.batch_invariant, self.fixed_order, self.dot) + tuple(c.kind for c in self.choices)
 
     def __repr__(self) -> str:
-        return f"Backend({self.device}, {self.dtype}, {self.numerics}, batch_invariant={self.batch_invariant})"
+        return (f"Backend({self.device}, {self.dtype}, {self.numerics}, batch_invariant={self.batch_invariant}, "
+                f"dot={self.dot})")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -194,7 +201,7 @@ def _kernels_on(device: torch.device, kernels: KernelSet):
 
 
 def build_backend(device: torch.device | str, dtype: torch.dtype, numerics: str, batch_invariant: bool,
-                  kernels: KernelSet) -> Backend:
+                  kernels: KernelSet, dot: str = "fp32") -> Backend:
     """The Backend of a model of this device, dtype and numerics in one batch-invariant mode.
     Raises ConfigError where the mode cannot run (`invariance_unsupported`)."""
     dev = torch.device(device)
@@ -203,7 +210,7 @@ def build_backend(device: torch.device | str, dtype: torch.dtype, numerics: str,
         why = invariance_unsupported(dev, dtype, kernels)
         if why is not None:
             raise ConfigError(why)
-    return Backend(dev, dtype, numerics, batch_invariant, kernels, lib, triton, rows, note)
+    return Backend(dev, dtype, numerics, batch_invariant, kernels, lib, triton, rows, note, dot)
 
 
 def invariance_unsupported(device: torch.device | str, dtype: torch.dtype, kernels: KernelSet) -> str | None:

@@ -30,6 +30,7 @@ static const kv_abi_field abi_layout[] = {
     ABI_FIELD(kv_weights, nan_codes), ABI_FIELD(kv_weights, subnormal_blocks),
     ABI_FIELD(kv_weights, subnormal_stride), ABI_FIELD(kv_weights, piece_data), ABI_FIELD(kv_weights, piece_scale),
     ABI_FIELD(kv_weights, piece_subnormal), ABI_FIELD(kv_weights, pieces), ABI_FIELD(kv_weights, piece_rows),
+    ABI_FIELD(kv_weights, dot),
 
     ABI_STRUCT(mm_job), ABI_FIELD(mm_job, x), ABI_FIELD(mm_job, ldx), ABI_FIELD(mm_job, w), ABI_FIELD(mm_job, index),
     ABI_FIELD(mm_job, out), ABI_FIELD(mm_job, ldo), ABI_FIELD(mm_job, m), ABI_FIELD(mm_job, n),

@@ -40,7 +40,7 @@ class WeightsDesc(ctypes.Structure):
     _fields_ = [("fmt", _I), ("scale_f32", _I), ("data", _P), ("scale", _P), ("br", _I), ("bc", _I), ("k", _I),
                 ("data_stride", _I), ("scale_stride", _I), ("row_phase", _I), ("nan_codes", _I),
                 ("subnormal_blocks", _P), ("subnormal_stride", _I), ("piece_data", _P), ("piece_scale", _P),
-                ("piece_subnormal", _P), ("pieces", _I), ("piece_rows", _I)]
+                ("piece_subnormal", _P), ("pieces", _I), ("piece_rows", _I), ("dot", _I)]
 
 
 class MmJob(ctypes.Structure):

@@ -84,6 +84,7 @@ typedef struct {
     const void *const *piece_scale;
     const uint8_t *const *piece_subnormal;
     int64_t pieces, piece_rows;
+    int64_t dot;          /* KV_DOT_F32: native_dot.h's dot; KV_DOT_BF16: native_bf16dot.h's (x and w rounded to bf16) */
 } kv_weights;
 
 static inline int64_t weights_row_bytes(const kv_weights *w) {
@@ -886,15 +887,22 @@ static int64_t weights_rows_cols(const float *x, int64_t ldx, const kv_weights *
  * over it. */
 #define KV_REGISTER_ROWS 8
 
+#include "native_bf16dot.h"
+
 /* out[m, j] = dot(x row m, weight row j) over columns [n0, n1) of the matrix at data, scale and
- * subnormal (its flags, NULL: none). A fp32 matrix is
+ * subnormal (its flags, NULL: none); with dot = KV_DOT_BF16 the bf16 dot of xb (x's rows as
+ * bf16_rows_of gives them) and the weights. A fp32 matrix is
  * read as it is; up to KV_REGISTER_ROWS rows of another format decode in registers (AVX2), other
  * cases decode the columns a panel at a time into `panel` (room for `panel_rows` rows of k
  * floats). */
 static void weights_cols_at(const float *x, int64_t ldx, const kv_weights *w, const uint8_t *data, const void *scale,
                             const uint8_t *subnormal, float *out, int64_t ldo, int64_t m, int64_t n0, int64_t n1,
-                            float *panel, int64_t panel_rows) {
+                            float *panel, int64_t panel_rows, const uint16_t *xb) {
     const int64_t k = w->k;
+    if (w->dot == KV_DOT_BF16) {
+        weights_cols_bf16(xb, m, w, data, scale, out, ldo, n0, n1, panel);
+        return;
+    }
     if (w->fmt == KV_F32) {
         matmul_cols(x, ldx, (const float *)data, out, ldo, m, n0, n1, k);
         return;
@@ -939,13 +947,13 @@ static void weights_cols_at(const float *x, int64_t ldx, const kv_weights *w, co
 /* weights_cols_at over matrix `index`: its rows where the stride puts them, or piece by piece
  * (each piece's columns as a matrix of its own, written at its place in out) */
 static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64_t index, float *out, int64_t ldo,
-                         int64_t m, int64_t n0, int64_t n1, float *panel, int64_t panel_rows) {
+                         int64_t m, int64_t n0, int64_t n1, float *panel, int64_t panel_rows, const uint16_t *xb) {
     if (!w->piece_data) {
         const uint8_t *data = (const uint8_t *)w->data + index * w->data_stride;
         const void *scale = w->scale ? (const void *)((const uint8_t *)w->scale
                                                       + index * w->scale_stride * (w->scale_f32 ? 4 : 1)) : NULL;
         const uint8_t *subnormal = w->subnormal_blocks ? w->subnormal_blocks + index * w->subnormal_stride : NULL;
-        weights_cols_at(x, ldx, w, data, scale, subnormal, out, ldo, m, n0, n1, panel, panel_rows);
+        weights_cols_at(x, ldx, w, data, scale, subnormal, out, ldo, m, n0, n1, panel, panel_rows, xb);
         return;
     }
     const int64_t pr = w->piece_rows;
@@ -954,7 +962,7 @@ static void weights_cols(const float *x, int64_t ldx, const kv_weights *w, int64
         const int64_t a = n0 > lo ? n0 : lo, b = n1 < lo + pr ? n1 : lo + pr;
         weights_cols_at(x, ldx, w, (const uint8_t *)w->piece_data[at], w->piece_scale ? w->piece_scale[at] : NULL,
                         w->piece_subnormal ? w->piece_subnormal[at] : NULL, out + lo, ldo, m, a - lo, b - lo,
-                        panel, panel_rows);
+                        panel, panel_rows, xb);
     }
 }
 
@@ -996,6 +1004,10 @@ static int64_t panel_floats_target(void) {
  * (the block stays in cache while every row passes over it) */
 static inline int64_t job_block(const mm_job *j) {
     const int64_t floats = j->m > KV_REGISTER_ROWS ? panel_floats_target() : 16384;
+    if (j->w->dot == KV_DOT_BF16) { /* bf16 panels: twice the columns in the same bytes */
+        const int64_t block = (2 * floats / bf_padded(j->w->k > 0 ? j->w->k : 1)) & ~(int64_t)3;
+        return block < 8 ? 8 : block;
+    }
     int64_t block = (floats / (j->w->k > 0 ? j->w->k : 1)) & ~(int64_t)3;
     block = block < 4 ? 4 : block;
     /* FP8 decode rows fold x into a block row's scales once a call (fp8_folded_rows): a call of 4
@@ -1011,6 +1023,7 @@ static inline int64_t job_block(const mm_job *j) {
  * (e2m1_rows_exact) */
 static inline int job_panel(const mm_job *j) {
     const int64_t fmt = j->w->fmt;
+    if (j->w->dot == KV_DOT_BF16) return !bf_in_place(j->w);
     return fmt != KV_F32 && (j->m > KV_REGISTER_ROWS || !KV_DECODE_IN_REGISTERS || fmt == KV_FP8
                              || (fmt == KV_FP4 && E2M1_TABLES == 1));
 }
@@ -1019,6 +1032,7 @@ static inline int job_panel(const mm_job *j) {
  * (weights_rows_cols) */
 static inline int64_t job_panel_floats(const mm_job *j, int64_t block) {
     const kv_weights *w = j->w;
+    if (w->dot == KV_DOT_BF16) return bf_panel_floats(w, block);
     const int64_t floats = block * w->k;
     if (w->fmt != KV_FP8) return floats;
     const int64_t folds = 4 * w->k + (w->k + w->bc - 1) / w->bc; /* a float for each row's 4 flags */
@@ -1026,9 +1040,9 @@ static inline int64_t job_panel_floats(const mm_job *j, int64_t block) {
 }
 
 /* the job's column block b, of `block` columns */
-static void job_cols(const mm_job *j, int64_t block, int64_t b, float *panel) {
+static void job_cols(const mm_job *j, int64_t block, int64_t b, float *panel, const uint16_t *xb) {
     const int64_t n0 = b * block, n1 = n0 + block < j->n ? n0 + block : j->n;
-    weights_cols(j->x, j->ldx, j->w, j->index, j->out, j->ldo, j->m, n0, n1, panel, block);
+    weights_cols(j->x, j->ldx, j->w, j->index, j->out, j->ldo, j->m, n0, n1, panel, block, xb);
 }
 
 #define MM_MAX_JOBS 80
@@ -1050,13 +1064,18 @@ static int weights_many(const mm_job *jobs, int count, int64_t threads) {
     }
     const int64_t total = first[count];
     int failed = 0;
-    if (threads <= 1 || total <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
-        float *panel = panel_floats ? panel_alloc(panel_floats) : NULL;
-        if (panel_floats && !panel) return -1;
-        for (int j = 0; j < count; j++)
-            for (int64_t b = 0; b < first[j + 1] - first[j]; b++) job_cols(&jobs[j], block[j], b, panel);
+    uint16_t *xb[MM_MAX_JOBS] = {0}; /* bf16-dot jobs: their x rounded once, read by every thread */
+    for (int j = 0; j < count && !failed; j++)
+        if (jobs[j].w->dot == KV_DOT_BF16 && jobs[j].m && jobs[j].n)
+            failed = !(xb[j] = bf16_rows_of(jobs[j].x, jobs[j].ldx, jobs[j].m, jobs[j].w->k));
+    if (failed || threads <= 1 || total <= 1) { /* no OpenMP region: even a serialised one costs about a microsecond */
+        float *panel = panel_floats && !failed ? panel_alloc(panel_floats) : NULL;
+        failed |= panel_floats && !panel;
+        for (int j = 0; j < count && !failed; j++)
+            for (int64_t b = 0; b < first[j + 1] - first[j]; b++) job_cols(&jobs[j], block[j], b, panel, xb[j]);
         free(panel);
-        return 0;
+        for (int j = 0; j < count; j++) free(xb[j]);
+        return failed ? -1 : 0;
     }
     /* a block's work, roughly: its weights times (its rows + what decoding them costs) */
     int64_t cost[MM_MAX_JOBS], sum = 0;
@@ -1076,10 +1095,11 @@ static int weights_many(const mm_job *jobs, int count, int64_t threads) {
             for (int j = 0; j < count; j++)
                 for (int64_t b = 0; b < first[j + 1] - first[j]; b++, before += cost[j])
                     if (before * threads / (sum > 0 ? sum : 1) == t && (!panel_floats || panel))
-                        job_cols(&jobs[j], block[j], b, panel);
+                        job_cols(&jobs[j], block[j], b, panel, xb[j]);
         }
         free(panel);
     }
+    for (int j = 0; j < count; j++) free(xb[j]);
     return failed ? -1 : 0;
 }
 
@@ -1128,7 +1148,8 @@ int64_t kv_scan_fp8(const uint8_t *codes, int64_t rows, int64_t k, int64_t bc, u
 int kv_matmul_weights(const mm_job *job, int64_t threads) {
     const kv_weights *w = job->w;
     if (w->fmt < KV_F32 || w->fmt > KV_FP4 || (scaled(w->fmt) && (w->bc % LANES || w->br < 1))
-        || (w->fmt == KV_FP4 && w->k % 2) || (w->piece_data && (w->pieces < 1 || w->piece_rows < 1)))
+        || (w->fmt == KV_FP4 && w->k % 2) || (w->piece_data && (w->pieces < 1 || w->piece_rows < 1))
+        || (w->dot != KV_DOT_F32 && w->dot != KV_DOT_BF16))
         return -2;
     return weights_many(job, 1, threads);
 }

@@ -22,6 +22,7 @@ from .native_abi import MmJob, WeightsDesc
 from .rows import _threads
 
 F32, BF16, FP8, FP4 = 0, 1, 2, 3
+DOTS = {"fp32": 0, "bf16": 1}  # kv_weights.dot: native_dot.h's fp32 dot, native_bf16dot.h's bf16 dot
 _FORMAT_OF = {torch.float32: F32, torch.bfloat16: BF16, torch.float8_e4m3fn: FP8}
 _LANES = 8
 
@@ -53,7 +54,7 @@ SUBNORMAL_FLAGS = subnormal_assists(_cpu_vendor())
 
 
 def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-             packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS, lib=None
+             packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS, lib=None, dot: str = "fp32"
              ) -> tuple[WeightsDesc, int, int] | None:
     """(descriptor, rows n, columns k) of `data` [..., n, k] (FP4: [..., n, k/2] bytes with
     `packed_fp4`), its leading dims a stack of matrices; None where the kernels cannot read it
@@ -61,7 +62,8 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     unknown dtype). FP8 blocks holding subnormal codes are flagged where `subnormal_flags`
     (default: this CPU's `subnormal_assists`). `lib`: the native library of the backend's
     weight_mm, which scans FP8 codes (`scan_fp8_codes`); None (no such kernel here): an FP8
-    weight gets no descriptor."""
+    weight gets no descriptor. `dot`: the dot product every output takes, "fp32" (x and the
+    dequantized weights as they are) or "bf16" (both rounded to bf16, native_bf16dot.h)."""
     if not data.is_cpu or not data.is_contiguous() or data.dim() < 2:
         return None
     fmt = FP4 if packed_fp4 else _FORMAT_OF.get(data.dtype)
@@ -78,6 +80,7 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
     nan_codes, flags = scanned
     desc = WeightsDesc(fmt, 0, data.data_ptr(), None, br, bc, k, rows * data.element_size() * data.shape[-1], 0, 0,
                        int(nan_codes))
+    desc.dot = DOTS[dot]
     desc.tensors = (data, scale)
     if flags is not None:
         desc.subnormal_blocks, desc.subnormal_stride = flags.data_ptr(), rows * flags.shape[-1]
@@ -89,7 +92,7 @@ def describe(data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple
 
 
 def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]], block: tuple[int, int] | None = None,
-                    packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS, lib=None
+                    packed_fp4: bool = False, subnormal_flags: bool = SUBNORMAL_FLAGS, lib=None, dot: str = "fp32"
                     ) -> tuple[WeightsDesc, int, int] | None:
     """`describe` of a stack whose matrices lie apart: `pieces[e]` is matrix e's row pieces in order,
     each (codes [r, k] or FP4 bytes [r, k/2], its scales), every piece of the same shape and format,
@@ -97,7 +100,7 @@ def describe_pieces(pieces: list[list[tuple[torch.Tensor, torch.Tensor | None]]]
     their own). The kernels read each piece where it is (native_weights.h, weights_cols); None
     where `describe` would refuse a piece."""
     flat = [p for matrix in pieces for p in matrix]
-    found = [describe(q, s, block, packed_fp4, subnormal_flags, lib) for q, s in flat]
+    found = [describe(q, s, block, packed_fp4, subnormal_flags, lib, dot) for q, s in flat]
     if not flat or any(f is None for f in found) or len({(f[1], f[2]) for f in found}) != 1:
         return None
     if len({len(matrix) for matrix in pieces}) != 1:

@@ -65,7 +65,7 @@ def uk_transposed(w: QuantizedWeight, nh: int, dn: int) -> QuantizedWeight | Non
     br, bc = w.block
     held = QuantizedWeight(w.fmt, (nh, lat, dn), w.dtype, (bc, br) if w.fmt == FP8 else w.block, w.scale.dtype,
                            device="meta")
-    held.q, held.scale = codes, w.scale
+    held.q, held.scale, held.dot = codes, w.scale, w.dot
     if w.fmt == FP8:
         first = torch.arange(nh) * per  # each head's first W_UK row
         if not bool(((first % br == 0) | (first % br + dn <= br)).all()):
