@@ -91,11 +91,11 @@ def input_ids(length: int, vocab_size: int, seed: int = 0):
 class KvfoldEngine:
     name = "kvfold"
 
-    def __init__(self, directory: str, dtype: str = "float32", weights: str = "dequant"):
+    def __init__(self, directory: str, dtype: str = "float32", weights: str = "dequant", dot: str = "fp32"):
         import torch
 
         import kvfold
-        self.model = kvfold.load_model(directory, dtype=getattr(torch, dtype), weights=weights)
+        self.model = kvfold.load_model(directory, dtype=getattr(torch, dtype), weights=weights, dot=dot)
         self.vocab_size = self.model.config.vocab_size
         self.state = None
 
@@ -176,8 +176,8 @@ class TransformersEngine:
         return total
 
 
-def _engine(mode: str, directory: str, dtype: str = "float32", weights: str = "dequant"):
-    return KvfoldEngine(directory, dtype, weights) if mode == "kvfold" else TransformersEngine(directory)
+def _engine(mode: str, directory: str, dtype: str = "float32", weights: str = "dequant", dot: str = "fp32"):
+    return KvfoldEngine(directory, dtype, weights, dot) if mode == "kvfold" else TransformersEngine(directory)
 
 
 # ---- modes ---------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def run_cell(args) -> None:
     else:
         from transformers import DeepseekV4ForCausalLM, DynamicCache  # noqa: F401
     t1 = time.perf_counter()
-    eng = _engine(args.mode, args.checkpoint, args.dtype, args.weights)
+    eng = _engine(args.mode, args.checkpoint, args.dtype, args.weights, args.dot)
     load_s = time.perf_counter() - t1
     gc.collect()
     load_peak = max_rss()
@@ -332,6 +332,7 @@ def main(argv=None) -> int:
                    help="synthetic (kvfold only): start decode at --context with random state rows, no prefill")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--weights", choices=("dequant", "quantized"), default="dequant")
+    p.add_argument("--dot", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--bandwidth-mib", type=int, default=512)
     p.add_argument("--bandwidth-repeats", type=int, default=5)
     p.add_argument("--read-mib", type=int, default=0, help="read-bandwidth buffer (0: 8x the L3, >= 1 GiB)")

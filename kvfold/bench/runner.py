@@ -136,6 +136,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "experts, bf16 embedding, lm_head and compressors, as the release stores them) and "
                         "loaded with weights='quantized'; llama.cpp's GGUF has the same FP4 experts and bf16 "
                         "matrices either way (default dequant)")
+    p.add_argument("--dot", choices=("fp32", "bf16"), default="fp32",
+                   help="kvfold's dot product on weights held as stored (with --weights quantized): bf16 rounds "
+                        "activations and weights to bf16 and multiplies them in VDPBF16PS's order, as llama.cpp's "
+                        "bf16 GGUF path does (load_model's dot=; default fp32)")
     p.add_argument("--no-sanity", action="store_true",
                    help="skip the kvfold-vs-transformers logits check (run once when --vs transformers)")
     return p
@@ -232,6 +236,8 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] | None = _log
         require("transformers", "kvfold bench --vs transformers")
     started = _dt.datetime.now(_dt.timezone.utc)
     quantized = args.weights == "quantized"
+    if args.dot != "fp32" and not quantized:
+        raise ConfigError("--dot bf16 is the dot of weights held as stored: add --weights quantized")
     if args.config in C.REAL_CONFIGS:
         if not quantized:
             raise ConfigError(f"--config {args.config} runs with --weights quantized: its checkpoint is in the "
@@ -304,7 +310,7 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
                      "warmup_tokens": args.warmup,
                      "prefill_logits": args.prefill_logits, "kvfold_dtype": args.dtype,
                      "context_fill": getattr(args, "context_fill", "prefill"),
-                     "kvfold_weights": args.weights,
+                     "kvfold_weights": args.weights, "kvfold_dot": args.dot,
                      "prefill_call": _prefill_calls(args.prefill_logits)},
         "checkpoint": str(ckpt),
         "kvfold_checkpoint": str(kv_ckpt),
@@ -409,7 +415,7 @@ def _engine_cell(args: argparse.Namespace, ckpt: Path, eng: str, ctx: int, mem_l
                               threads=args.threads, seed=args.seed, warmup=args.warmup,
                               time_limit=args.time_limit, mem_limit_bytes=mem_limit(),
                               prefill_logits=args.prefill_logits,
-                              extra=["--dtype", args.dtype, "--weights", args.weights,
+                              extra=["--dtype", args.dtype, "--weights", args.weights, "--dot", args.dot,
                                      "--context-fill", args.context_fill] if kvfold else None)
     return _cell_record(eng, ctx, raw), (raw["status"] if raw["status"] in (SKIP_TIME, OOM) else None)
 
