@@ -55,6 +55,15 @@ static inline float bf16_float(uint16_t b) {
 static inline float flush_subnormal(float f) { return fabsf(f) < 1.17549435e-38f ? copysignf(0.0f, f) : f; }
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* the 16 lanes' halving sum, after lane j + j+8: +4, +2, +1 (native_dot.h's lanes_sum adds a tail
+ * last, which would turn a -0 into +0) */
+static inline float bf_sum8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
 /* 8 floats -> their bf16_of, as 8 uint16 */
 static inline __m128i bf16x8_of(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
@@ -99,11 +108,7 @@ static inline float bf_dot_scalar(const uint16_t *a, const uint16_t *b, int64_t 
 #define KV_BF_NATIVE 1 /* VDPBF16PS */
 /* lane j + j+8, then +4, +2, +1 */
 static inline float bf_lanes_sum(__m512 v) {
-    __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return bf_sum8(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 #define BF_TILE(MR, NR)                                                                                \
     static inline void bf_tile_##MR##x##NR(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,  \
@@ -137,13 +142,7 @@ static inline __m256 bf_flush8(__m256 v) {
 }
 static inline __m256 bf_odd8(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u))); }
 static inline __m256 bf_even8(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-static inline float bf_lanes_sum2(__m256 lo, __m256 hi) {
-    const __m256 v = _mm256_add_ps(lo, hi);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
+static inline float bf_lanes_sum2(__m256 lo, __m256 hi) { return bf_sum8(_mm256_add_ps(lo, hi)); }
 #define BF_TILE(MR, NR)                                                                                \
     static inline void bf_tile_##MR##x##NR(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,  \
                                            int64_t kp, float *out, int64_t ldo) {                      \
