@@ -76,7 +76,7 @@ def _weight(fmt: str, n: int, k: int, seed: int):
 
 @pytest.mark.exactness
 @pytest.mark.parametrize("fmt", ["bf16", "fp8-e8m0", "fp8-float-scales", "fp4"])
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
 def test_every_kernel_path_computes_the_definition(fmt, rows):
     # k 256 and 160: whole steps, and a padded last step (fp8 keeps whole 128 blocks); n 260 and 21
     # cross tiles, thread blocks and panels

@@ -236,28 +236,39 @@ static inline int bf_in_place(const kv_weights *w) { return KV_BF_NATIVE && w->f
 
 /* e4m3fn codes m = 1 .. 7 (subnormal: m * 2^-9) as bf16, m = 0 as +0 */
 static const uint16_t BF_E4M3_SUBNORMAL[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
-/* the e2m1 values (code 8, "-0", as +0, as quant.py's table has it) as bf16 */
-static const uint16_t BF_E2M1[32] = {0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                                     0, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+/* the e2m1 values (code 8, "-0", as +0, as quant.py's table has it) as bf16, twice: bf_fp4x32's
+ * index for a low nibble carries the high nibble's low bit */
+#define BF_E2M1_16 0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0
+static const uint16_t BF_E2M1[32] = {BF_E2M1_16, BF_E2M1_16};
 
-/* 32 e4m3fn codes (none a NaN) times 2^E as bf16: s.eeee.mmm -> s.(eeee + 120 + E).mmm0000, the
- * subnormal codes from their table, the exponent likewise raised by E */
-static inline __m512i bf_fp8x32(const uint8_t *codes, __m512i subnormal_table, int E) {
-    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)codes));
-    const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
-    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16((short)((120 + E) << 7)));
-    const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
-    v = _mm512_mask_mov_epi16(v, sub, _mm512_permutexvar_epi16(mag, subnormal_table));
-    return _mm512_or_si512(v, sign);
+/* BF_E2M1 times 2^(e - 127) for each e8m0 byte e whose exponent the shortcut takes (else as it
+ * is): a block's table is then one load, and bf_fp4x32's permute reads it from memory, where
+ * scaling the table in registers cost a fifth of a decode row's time (bench/RESULTS.md) */
+static uint16_t BF_E2M1_SCALED[256][32] __attribute__((aligned(64)));
+__attribute__((constructor)) static void bf_e2m1_scaled_init(void) {
+    for (int e = 0; e < 256; e++)
+        for (int i = 0; i < 32; i++)
+            BF_E2M1_SCALED[e][i] = BF_E2M1[i] && BF_FP4_E_OK(e - 127) ? (uint16_t)(BF_E2M1[i] + ((e - 127) << 7)) : BF_E2M1[i];
 }
 
-/* 32 e2m1 codes (16 bytes, low nibble first) through a block's table */
-static inline __m512i bf_fp4x32(const uint8_t *bytes, __m512i table) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)bytes);
-    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    const __m256i nibbles = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
+/* 32 e4m3fn codes (none a NaN) times 2^E as bf16: s.eeee.mmm -> s.(eeee + 120 + E).mmm0000, the
+ * subnormal codes (eeee = 0) from their table, the exponent likewise raised by E */
+static inline __m512i bf_fp8x32(const uint8_t *codes, __m512i subnormal_table, int E) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)codes));
+    __m512i v = _mm512_and_si512(_mm512_slli_epi16(c, 4), _mm512_set1_epi16(0x7F0));
+    v = _mm512_add_epi16(v, _mm512_set1_epi16((short)((120 + E) << 7)));
+    const __mmask32 sub = _mm512_testn_epi16_mask(c, _mm512_set1_epi16(0x78));
+    v = _mm512_mask_permutexvar_epi16(v, sub, c, subnormal_table); /* the index's low 5 bits: the mantissa */
+    return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(c, 8), _mm512_set1_epi16((short)0x8000), 0xF8); /* v | (sign & 0x8000) */
+}
+
+/* 32 e2m1 codes (16 bytes, low nibble first) through a block's table: byte j widened to a 32-bit
+ * lane, or'ed with itself shifted by 12, holds the low nibble in its low word's 5 index bits (the
+ * fifth is the high nibble's low bit: the table is there twice) and the high nibble in its high
+ * word's, so one permute gives values 2j and 2j + 1 */
+static inline __m512i bf_fp4x32(const uint8_t *bytes, const uint16_t *table) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_load_si512(table));
 }
 
 /* a table's nonzero entries with their exponent raised by E */
@@ -283,10 +294,9 @@ static int bf_decode_row_e8m0(const kv_weights *w, const uint8_t *data, const vo
                 _mm512_storeu_si512(dst + i, bf_fp8x32(row + i, table, E));
             }
         } else if (w->fmt == KV_FP4 && BF_FP4_E_OK(E)) {
-            const __m512i table = bf_table_scaled(BF_E2M1, 0xFEFE, E);
             for (int64_t i = b; i < b1; i += BF_STEP) {
                 _mm_prefetch((const char *)(row + i / 2) + BF_PREFETCH, _MM_HINT_T0);
-                _mm512_storeu_si512(dst + i, bf_fp4x32(row + i / 2, table));
+                _mm512_storeu_si512(dst + i, bf_fp4x32(row + i / 2, BF_E2M1_SCALED[scales[blk]]));
             }
         } else {
             for (int64_t i = b; i < b1; i++) dst[i] = bf16_of(weight_value(w, data, scale, j, i));
@@ -294,9 +304,107 @@ static int bf_decode_row_e8m0(const kv_weights *w, const uint8_t *data, const vo
     }
     return 1;
 }
+
+/* Up to this many rows (decode, verify, small batches) take their FP8 and FP4 weights decoded in
+ * registers straight into VDPBF16PS, BF_REG_COLS columns at a time: a decoded panel costs a store
+ * and a load from L2 a value, which left a decode row at two thirds of the fp32 dot's rate
+ * (bench/RESULTS.md). Each output is still one accumulator over the steps in order, then
+ * bf_lanes_sum: the tiles' bits. */
+#define BF_REG_ROWS 4
+#define BF_REG_COLS 4
+
+/* whether a matrix's weights decode in registers: e8m0 scales, whole steps, no NaN codes */
+static inline int bf_in_registers(const kv_weights *w, int64_t m) {
+    return m <= BF_REG_ROWS && (w->fmt == KV_FP8 || w->fmt == KV_FP4) && !w->scale_f32 && w->k % BF_STEP == 0
+           && w->bc % BF_STEP == 0 && !(w->fmt == KV_FP8 && w->nan_codes);
+}
+
+/* whether every block scale of the tile's rows (their scales at sc) is in the shortcuts' range:
+ * checked once a tile, out of the loop that decodes */
+static inline int bf_scales_ok(const kv_weights *w, const uint8_t *const *sc) {
+    const int fp8 = w->fmt == KV_FP8;
+    const int64_t blocks = w->k / w->bc;
+    int ok = 1;
+    for (int c = 0; c < BF_REG_COLS; c++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int E = (int)sc[c][b] - 127;
+            ok &= fp8 ? BF_FP8_E_OK(E) : BF_FP4_E_OK(E);
+        }
+    return ok;
+}
+
+/* out[r, c] for MR rows of xb (kp values apart) and the BF_REG_COLS columns from c0; 0 (out
+ * unspecified) where a block's scale is outside the shortcuts' range */
+#define BF_REG_TILE(MR)                                                                                  \
+    static int bf_reg_tile_##MR(const uint16_t *xb, int64_t kp, const kv_weights *w, const uint8_t *data, \
+                                const uint8_t *scales, int64_t c0, float *out, int64_t ldo) {            \
+        const int fp8 = w->fmt == KV_FP8;                                                                \
+        const int64_t rb = weights_row_bytes(w);                                                         \
+        const uint8_t *row[BF_REG_COLS], *sc[BF_REG_COLS];                                               \
+        __m512 acc[MR][BF_REG_COLS];                                                                     \
+        for (int c = 0; c < BF_REG_COLS; c++) {                                                          \
+            row[c] = data + (c0 + c) * rb;                                                               \
+            sc[c] = scales + scale_row(w, c0 + c);                                                       \
+            for (int r = 0; r < MR; r++) acc[r][c] = _mm512_setzero_ps();                                \
+        }                                                                                                \
+        if (!bf_scales_ok(w, sc)) return 0;                                                              \
+        for (int64_t b = 0, blk = 0; b < w->k; b += w->bc, blk++) {                                      \
+            __m512i table[BF_REG_COLS];                                                                  \
+            int E[BF_REG_COLS];                                                                          \
+            for (int c = 0; c < BF_REG_COLS && fp8; c++) {                                               \
+                E[c] = (int)sc[c][blk] - 127;                                                            \
+                table[c] = bf_table_scaled(BF_E4M3_SUBNORMAL, 0xFE, E[c]);                               \
+            }                                                                                            \
+            const int64_t b1 = b + w->bc < w->k ? b + w->bc : w->k;                                      \
+            for (int64_t i = b; i < b1; i += BF_STEP) {                                                  \
+                __m512bh bv[BF_REG_COLS];                                                                \
+                for (int c = 0; c < BF_REG_COLS; c++) {                                                  \
+                    const uint8_t *codes = fp8 ? row[c] + i : row[c] + i / 2;                            \
+                    if (!((uintptr_t)codes & 63)) /* a line's first step asks for the next tile's line */ \
+                        _mm_prefetch((const char *)codes + BF_REG_COLS * rb, _MM_HINT_T0);               \
+                    bv[c] = (__m512bh)(fp8 ? bf_fp8x32(codes, table[c], E[c])                            \
+                                           : bf_fp4x32(codes, BF_E2M1_SCALED[sc[c][blk]]));              \
+                }                                                                                        \
+                for (int r = 0; r < MR; r++) {                                                           \
+                    const __m512bh av = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);                  \
+                    for (int c = 0; c < BF_REG_COLS; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av, bv[c]); \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < MR; r++)                                                                     \
+            for (int c = 0; c < BF_REG_COLS; c++) out[r * ldo + c] = bf_lanes_sum(acc[r][c]);            \
+        return 1;                                                                                        \
+    }
+BF_REG_TILE(1)
+BF_REG_TILE(2)
+BF_REG_TILE(4)
+
+/* the BF_REG_COLS columns from c0 for all m rows, 4, 2 or 1 at a time; 0 as bf_reg_tile_* */
+static int bf_reg_cols(const uint16_t *xb, int64_t m, int64_t kp, const kv_weights *w, const uint8_t *data,
+                       const void *scale, int64_t c0, float *out, int64_t ldo) {
+    const uint8_t *sc = (const uint8_t *)scale;
+    for (int64_t r = 0; r < m;) {
+        const int64_t take = m - r >= 4 ? 4 : m - r >= 2 ? 2 : 1;
+        const uint16_t *a = xb + r * kp;
+        float *o = out + r * ldo + c0;
+        if (!(take == 4 ? bf_reg_tile_4(a, kp, w, data, sc, c0, o, ldo)
+              : take == 2 ? bf_reg_tile_2(a, kp, w, data, sc, c0, o, ldo)
+                          : bf_reg_tile_1(a, kp, w, data, sc, c0, o, ldo)))
+            return 0;
+        r += take;
+    }
+    return 1;
+}
 #else
 static int bf_decode_row_e8m0(const kv_weights *w, const uint8_t *data, const void *scale, int64_t j, uint16_t *dst) {
     (void)w, (void)data, (void)scale, (void)j, (void)dst;
+    return 0;
+}
+#define BF_REG_COLS 4
+static inline int bf_in_registers(const kv_weights *w, int64_t m) { (void)w, (void)m; return 0; }
+static int bf_reg_cols(const uint16_t *xb, int64_t m, int64_t kp, const kv_weights *w, const uint8_t *data,
+                       const void *scale, int64_t c0, float *out, int64_t ldo) {
+    (void)xb, (void)m, (void)kp, (void)w, (void)data, (void)scale, (void)c0, (void)out, (void)ldo;
     return 0;
 }
 #endif
@@ -323,9 +431,10 @@ static inline int64_t bf_panel_floats(const kv_weights *w, int64_t block) {
     return bf_in_place(w) ? 0 : (block * bf_padded(w->k) + 1) / 2 + w->k + 16;
 }
 
-/* out[r, j] for the columns [n0, n1) of the matrix at data and scale, xb: the rows' bf16 values */
-static void weights_cols_bf16(const uint16_t *xb, int64_t m, const kv_weights *w, const uint8_t *data,
-                              const void *scale, float *out, int64_t ldo, int64_t n0, int64_t n1, float *panel) {
+/* out[r, j] for the columns [n0, n1), decoded a panel at a time (the rows read in place where
+ * they can be) */
+static void bf_panel_cols(const uint16_t *xb, int64_t m, const kv_weights *w, const uint8_t *data, const void *scale,
+                          float *out, int64_t ldo, int64_t n0, int64_t n1, float *panel) {
     const int64_t k = w->k, kp = bf_padded(k);
     if (bf_in_place(w)) {
         bf_matmul(xb, kp, (const uint16_t *)data + n0 * k, k, out + n0, ldo, m, n1 - n0, kp);
@@ -335,6 +444,21 @@ static void weights_cols_bf16(const uint16_t *xb, int64_t m, const kv_weights *w
     uint16_t *pb = (uint16_t *)(panel + k + 16); /* (n1 - n0) rows of kp */
     for (int64_t c = n0; c < n1; c++) bf_decode_row(w, data, scale, c, row, pb + (c - n0) * kp);
     bf_matmul(xb, kp, pb, kp, out + n0, ldo, m, n1 - n0, kp);
+}
+
+/* out[r, j] for the columns [n0, n1) of the matrix at data and scale, xb: the rows' bf16 values;
+ * a few rows decode in registers, a tile a block of whose scales the shortcuts do not take, the
+ * last columns short of a tile, and more rows through a panel */
+static void weights_cols_bf16(const uint16_t *xb, int64_t m, const kv_weights *w, const uint8_t *data,
+                              const void *scale, float *out, int64_t ldo, int64_t n0, int64_t n1, float *panel) {
+    if (bf_in_registers(w, m)) {
+        const int64_t kp = bf_padded(w->k);
+        for (; n0 + BF_REG_COLS <= n1; n0 += BF_REG_COLS)
+            if (!bf_reg_cols(xb, m, kp, w, data, scale, n0, out, ldo))
+                bf_panel_cols(xb, m, w, data, scale, out, ldo, n0, n0 + BF_REG_COLS, panel);
+        if (n0 == n1) return;
+    }
+    bf_panel_cols(xb, m, w, data, scale, out, ldo, n0, n1, panel);
 }
 
 #endif
