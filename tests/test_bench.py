@@ -45,6 +45,10 @@ def test_end_to_end_both_engines(e2e):
             assert c[k] > 0, (k, c)
         assert c["prefill_peak_rss_bytes"] >= c["rss_before_prefill_bytes"] > 0
         assert c["decode_tokens"] == 4 and len(c["tokens"]) == 5
+        # prefill timed as the peers' cells time theirs: the median of 3 runs after the warm-up
+        samples = sorted(c["prefill_samples_s"])
+        assert len(samples) == res["settings"]["prefill_runs"] == 3 and c["prefill_s"] == samples[1]
+        assert f"{samples[0]:.2f}-{samples[2]:.2f}" in report.format_noise_table(res)
         # the spread of the steps: 10th and 90th percentile around the median
         assert c["decode_step_p10_s"] <= c["decode_step_median_s"] <= c["decode_step_p90_s"]
     spread = f"{1 / cells[0]['decode_step_p90_s']:.1f}-{1 / cells[0]['decode_step_p10_s']:.1f}"
@@ -537,3 +541,11 @@ def test_kvfold_runs_without_the_bench_extra(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.split("TRIED ")[-1]) == []  # nothing even tried to import them
     assert json.loads((tmp_path / "out.json").read_text())["cells"][0]["status"] == "ok"
+
+
+def test_prefill_spread_reads_every_engines_samples():
+    # kvfold's runs (s), llama-bench's samples (ns) and flyweight's repetitions (tok/s) alike
+    assert report._prefill_range_s({"prefill_samples_s": [2.0, 1.5, 3.25]}) == "1.50-3.25"
+    assert report._prefill_range_s({"prefill_samples_ns": [2e9, 4e9]}) == "2.00-4.00"
+    assert report._prefill_range_s({"prefill_samples_tok_s": [256.0, 128.0], "prompt_tokens": 512}) == "2.00-4.00"
+    assert report._prefill_range_s({"prefill_samples_s": [2.0]}) == "-"

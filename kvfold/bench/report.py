@@ -101,9 +101,19 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _prefill_range_s(c: dict[str, Any]) -> str:
+    """The fastest and slowest of a cell's timed prefills, in seconds ('-' for one or none): kvfold's
+    runs, llama-bench's samples, flyweight's repetitions (tokens a second each)."""
+    runs = c.get("prefill_samples_s") or [x / 1e9 for x in c.get("prefill_samples_ns") or []]
+    if not runs and c.get("prefill_samples_tok_s") and c.get("prompt_tokens"):
+        runs = [c["prompt_tokens"] / r for r in c["prefill_samples_tok_s"] if r]
+    return f"{min(runs):.2f}-{max(runs):.2f}" if len(runs) > 1 else "-"
+
+
 def format_noise_table(result: dict[str, Any]) -> str:
-    """Per cell: how contended the CPUs were, and decode speed from the median / fastest step."""
-    head = ["context", "engine", "status", "cpu pressure", "load s", "prefill s", "decode median tok/s",
+    """Per cell: how contended the CPUs were, the spread of the timed prefills, and decode speed from
+    the median / fastest step."""
+    head = ["context", "engine", "status", "cpu pressure", "load s", "prefill s", "prefill runs s", "decode median tok/s",
             "decode best-step tok/s", "decode p90-p10 tok/s", "cell wall s"]
     rows = []
     for c in result["cells"]:
@@ -112,7 +122,8 @@ def format_noise_table(result: dict[str, Any]) -> str:
         spread = f"{1 / slow:.1f}-{1 / fast:.1f}" if slow and fast else "-"
         rows.append([str(c["context"]), c["engine"], _short_status(c["status"]) if c["status"] != "ok" else "ok",
                      _f(c.get("cpu_pressure_some") * 100, "{:.0f}%") if c.get("cpu_pressure_some") is not None else "-",
-                     _f(c.get("load_s")), _f(c.get("prefill_s"), "{:.2f}"), _f(1 / med if med else None),
+                     _f(c.get("load_s")), _f(c.get("prefill_s"), "{:.2f}"), _prefill_range_s(c),
+                     _f(1 / med if med else None),
                      _f(1 / best if best else None), spread, _f(c.get("wall_s"))])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     out = [" | ".join(h.rjust(w) for h, w in zip(head, widths)), "-+-".join("-" * w for w in widths)]

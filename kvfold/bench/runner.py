@@ -112,6 +112,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weights and input seed (default 0)")
     p.add_argument("--warmup", type=_nonneg_int, default=64,
                    help="tokens of an untimed warm-up prefill (+2 decode steps) in each cell (default 64; 0 = none)")
+    p.add_argument("--prefill-runs", type=_pos_int, default=3,
+                   help="timed prefills in each kvfold and transformers cell, each on a fresh state after the "
+                        "warm-up; the median counts, as in the peers' cells (llama-bench -r 3, flyweight's 3 "
+                        "repetitions) (default 3)")
     p.add_argument("--context-fill", choices=("prefill", "synthetic"), default="prefill",
                    help="synthetic: kvfold's decode starts at each context from a state filled with random rows "
                         "instead of a prefill (decode's work depends on the position, not the values: long "
@@ -307,7 +311,7 @@ def _new_result(args: argparse.Namespace, ckpt: Path, engines: list[str],
         "settings": {"config": args.config, "contexts": contexts, "engines": engines,
                      "decode_tokens": args.decode_tokens, "time_limit_s": args.time_limit,
                      "mem_limit_gib": args.mem_limit_gib, "threads": args.threads, "seed": args.seed,
-                     "warmup_tokens": args.warmup,
+                     "warmup_tokens": args.warmup, "prefill_runs": getattr(args, "prefill_runs", 1),
                      "prefill_logits": args.prefill_logits, "kvfold_dtype": args.dtype,
                      "context_fill": getattr(args, "context_fill", "prefill"),
                      "kvfold_weights": args.weights, "kvfold_dot": args.dot,
@@ -415,8 +419,9 @@ def _engine_cell(args: argparse.Namespace, ckpt: Path, eng: str, ctx: int, mem_l
                               threads=args.threads, seed=args.seed, warmup=args.warmup,
                               time_limit=args.time_limit, mem_limit_bytes=mem_limit(),
                               prefill_logits=args.prefill_logits,
-                              extra=["--dtype", args.dtype, "--weights", args.weights, "--dot", args.dot,
-                                     "--context-fill", args.context_fill] if kvfold else None)
+                              extra=["--prefill-runs", str(args.prefill_runs)]
+                              + (["--dtype", args.dtype, "--weights", args.weights, "--dot", args.dot,
+                                  "--context-fill", args.context_fill] if kvfold else []))
     return _cell_record(eng, ctx, raw), (raw["status"] if raw["status"] in (SKIP_TIME, OOM) else None)
 
 

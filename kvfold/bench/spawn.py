@@ -161,6 +161,7 @@ def _cell_record(engine: str, context: int, raw: dict[str, Any]) -> dict[str, An
         rec["context_fill"] = pre.get("context_fill", "prefill")
         rec["prefill_s"] = pre["prefill_s"]
         rec["prefill_tok_s"] = pre["prefill_tok_s"]
+        rec["prefill_samples_s"] = pre.get("prefill_samples_s")
         rec["rss_before_prefill_bytes"] = pre["rss_before_prefill"]
         rec["prefill_peak_rss_bytes"] = pre["prefill_peak_rss"]
         rec["prefill_peak_over_loaded_bytes"] = (pre["prefill_peak_rss"] - pre["rss_before_prefill"]
