@@ -258,14 +258,13 @@ static void top_k_ids(const float *v, const unsigned char *allowed, int64_t e, i
     }
 }
 
-/* one row's routing (hash_row: its tid2eid row, or NULL); scratch holds 2 e floats + e bytes.
- * Returns 0, or -1 on a bad expert id. */
-static int route_row(const route_params *R, const float *x, const int64_t *hash_row, float *scratch, int64_t *ids,
+/* one row's routing from its router logits (e floats, turned into its scores in place; hash_row:
+ * its tid2eid row, or NULL); scratch holds e floats + e bytes. Returns 0, or -1 on a bad expert id. */
+static int route_row(const route_params *R, float *scores, const int64_t *hash_row, float *scratch, int64_t *ids,
                      float *wts) {
     const int64_t e = R->e, k = R->k, n_group = R->n_group, topk_group = R->topk_group;
     const float *bias = R->bias;
-    float *scores = scratch, *biased = scratch + e;
-    gemv(R->router_w, x, scores, e, R->h);
+    float *biased = scratch;
     score_experts(scores, e, R->scoring);
     if (hash_row) {
         for (int64_t j = 0; j < k; j++) ids[j] = hash_row[j];
@@ -282,7 +281,7 @@ static int route_row(const route_params *R, const float *x, const int64_t *hash_
                 if (best2 > 1) gscore[g] += biased[g * per + top[1]];
             }
             top_k_ids(gscore, NULL, n_group, topk_group, gids);
-            allowed = (unsigned char *)(scratch + 2 * e);
+            allowed = (unsigned char *)(scratch + e);
             memset(allowed, 0, (size_t)e);
             for (int64_t g = 0; g < topk_group; g++) memset(allowed + gids[g] * per, 1, (size_t)per);
         }
@@ -305,18 +304,24 @@ static int route_row(const route_params *R, const float *x, const int64_t *hash_
     return 0;
 }
 
-/* routing of `rows` rows: ids [rows, k] ascending per row, weights [rows, k]. Returns 0, or -1 on a
- * bad argument or expert id (what was written is then meaningless). */
-int kv_route(const route_params *R, const float *x, int64_t rows, const int64_t *tokens, int64_t *ids, float *wts) {
+/* routing of `rows` rows: ids [rows, k] ascending per row, weights [rows, k]. The router logits
+ * of all rows are one matmul over `threads` (each still native_dot.h's `dot` of its row: a prefill
+ * chunk's rows took one matrix-vector product each, one thread, reading the router from L3 a row);
+ * then row by row. Returns 0, or -1 on a bad argument, expert id or allocation (what was written
+ * is then meaningless). */
+int kv_route(const route_params *R, const float *x, int64_t rows, const int64_t *tokens, int64_t *ids, float *wts,
+             int64_t threads) {
     if (route_refuses(R)) return -1;
-    const int64_t k = R->k;
-    float *scratch = malloc(sizeof(float) * (size_t)(3 * R->e));
-    if (!scratch) return -1;
+    const int64_t k = R->k, e = R->e;
+    float *logits = malloc(sizeof(float) * (size_t)((rows + 2) * e));
+    if (!logits) return -1;
+    const kv_weights router = {KV_F32, 0, R->router_w, NULL, 1, LANES, R->h, 0, 0, 0, 0};
+    weights_matmul(x, R->h, &router, 0, logits, e, rows, e, rows * e * R->h < KV_SERIAL_MACS ? 1 : threads);
     int rc = 0;
     for (int64_t r = 0; r < rows && rc == 0; r++)
-        rc = route_row(R, x + r * R->h, R->tid2eid ? R->tid2eid + tokens[r] * k : NULL, scratch, ids + r * k,
-                       wts + r * k);
-    free(scratch);
+        rc = route_row(R, logits + r * e, R->tid2eid ? R->tid2eid + tokens[r] * k : NULL, logits + rows * e,
+                       ids + r * k, wts + r * k);
+    free(logits);
     return rc;
 }
 
@@ -394,7 +399,7 @@ int kv_moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t *to
     float *xg = malloc(sizeof(float) * (size_t)(pairs * (2 * h + 3 * inter) + m * (3 * si + h) + 1));
     mm_job *jobs = malloc(sizeof(mm_job) * (size_t)(e + 2));
     int rc = !ids || !wts || !xg || !jobs ? -1 : 0;
-    if (rc == 0) rc = kv_route(&L->route, x, m, token, ids, wts);
+    if (rc == 0) rc = kv_route(&L->route, x, m, token, ids, wts, threads);
     if (rc != 0) { free(ids); free(wts); free(xg); free(jobs); return -1; }
     /* pair p (row p / k's j-th expert, j = p mod k) sits at slot[p] of the gathered rows: by
      * expert, then by p; expert i's slots end at first[i] once placed */

@@ -193,7 +193,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kv_hc_collapse": (_C_INT, [_to(HcParams), _P, _I, _I, _I, _P, _P, _P]),
     "kv_hc_head": (_C_INT, [_to(HcParams), _P, _I, _I, _I, _P]),
     "kv_hc_expand": (None, [_P, _P, _P, _P, _I, _I, _I, _P]),
-    "kv_route": (_C_INT, [_to(RouteParams), _P, _I, _P, _P, _P]),
+    "kv_route": (_C_INT, [_to(RouteParams), _P, _I, _P, _P, _P, _I]),
     "kv_moe_rows": (_C_INT, [_to(MoeLayer), _P, _I, _P, _I, _P]),
     "kv_swiglu": (None, [_P, _P, _I, _P, _I, _I, ctypes.c_float]),
     "kv_unary": (None, [_P, _P, _I, _I]),

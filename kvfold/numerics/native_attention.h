@@ -12,8 +12,6 @@
 #ifndef KV_NATIVE_ATTENTION_H
 #define KV_NATIVE_ATTENTION_H
 
-#define KV_SERIAL_MACS (1 << 17) /* numerics/rows.py's _SERIAL_MACS: a smaller matmul runs on one thread */
-
 static inline int64_t mm_threads(int64_t m, int64_t n, int64_t k, int64_t threads) {
     return m * n * k < KV_SERIAL_MACS ? 1 : threads;
 }

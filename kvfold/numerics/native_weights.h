@@ -1046,6 +1046,7 @@ static void job_cols(const mm_job *j, int64_t block, int64_t b, float *panel, co
 }
 
 #define MM_MAX_JOBS 80
+#define KV_SERIAL_MACS (1 << 17) /* numerics/rows.py's _SERIAL_MACS: a smaller matmul runs on one thread */
 
 /* Every job's out, each output native_dot.h's `dot`. The threads split the jobs' column blocks,
  * all jobs' in one sequence (one parallel region, so one fork and one join for several matrices

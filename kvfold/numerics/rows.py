@@ -189,7 +189,7 @@ def route_rows(ops: Backend, x: torch.Tensor, router_w: torch.Tensor, scoring: s
     args = [None if a is None else a.contiguous() for a in (router_w.float(), bias, tid2eid, token_ids)]
     w_ptr, bias_ptr, table_ptr, tok_ptr = (None if a is None else a.data_ptr() for a in args)
     router = RouteParams(h, e, k, n_group, topk_group, SCORING[scoring], int(renorm), scale, w_ptr, bias_ptr, table_ptr)
-    rc = _lib(c).kv_route(router, x2.data_ptr(), t, tok_ptr, ids.data_ptr(), wts.data_ptr())
+    rc = _lib(c).kv_route(router, x2.data_ptr(), t, tok_ptr, ids.data_ptr(), wts.data_ptr(), _threads(t * e * h))
     if rc != 0:
         raise ValueError(f"routing refused: k={k} of {e} experts, {n_group} groups (top {topk_group}), "
                          f"or an expert id out of range in tid2eid")
