@@ -37,7 +37,7 @@ def _x(rows: int, k: int, seed: int) -> torch.Tensor:
 
 def _fp8(n: int, k: int, seed: int, e8m0: bool):
     """FP8 codes with every class (subnormal codes 1..7, zeros of both signs, normal), blocks of
-    128; e8m0 scales with one block row whose exponent leaves the shortcut's range."""
+    128; e8m0 or float scales with one block row out of the shortcut's range."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes (they take the general path anyway)
@@ -49,6 +49,7 @@ def _fp8(n: int, k: int, seed: int, e8m0: bool):
         scale[-1, 0] = 250  # 2^123: out of the shortcut's range, decoded value by value
         return codes.view(torch.float8_e4m3fn), scale, dequant_fp8_blocks(codes.view(torch.float8_e4m3fn), scale, (128, 128))
     scale = torch.rand(blocks, generator=g) * 0.01 + 1e-3
+    scale[-1, 0] = 1e-37  # below 2^-117: its products could be subnormal, decoded value by value
     return codes.view(torch.float8_e4m3fn), scale, dequant_fp8_blocks(codes.view(torch.float8_e4m3fn), scale, (128, 128))
 
 

@@ -277,23 +277,59 @@ static inline __m512i bf_table_scaled(const uint16_t *table, __mmask32 nonzero, 
     return _mm512_mask_add_epi16(t, nonzero, t, _mm512_set1_epi16((short)(E << 7)));
 }
 
-/* row j as bf16 into dst through the shortcuts, block by block (a block whose E is out of range
- * one value at a time); 0 where the matrix does not take them (float scales, NaN codes, blocks or k
- * not whole steps) */
-static int bf_decode_row_e8m0(const kv_weights *w, const uint8_t *data, const void *scale, int64_t j, uint16_t *dst) {
-    if (w->scale_f32 || w->k % BF_STEP || w->bc % BF_STEP || (w->fmt == KV_FP8 && w->nan_codes)) return 0;
+/* FP8 with float32 scales (GLM-5.3's): a block's products code * s in float32, then to bf16 to
+ * nearest even. For a finite s with 2^-117 <= |s| <= 2^118 every nonzero product is a normal
+ * float32 (2^-9 * 2^-117 = 2^-126 .. 448 * 2^118 < 2^127) and rounds to a normal bf16, so
+ * VCVTNE2PS2BF16 (which reads and writes subnormals as zero) gives bf16_of's bits. */
+#define BF_F32_SCALE_OK(S) (fabsf(S) >= 0x1p-117f && fabsf(S) <= 0x1p118f) /* false for NaN */
+
+/* 32 e4m3fn codes (none a NaN) times s as the definition's bf16 (s within BF_F32_SCALE_OK): the
+ * codes' own values (exact in bf16, so in float32), times s in float32, rounded */
+static inline __m512i bf_fp8x32_f32(const uint8_t *codes, __m512i subnormal_table, __m512 s) {
+    const __m512i v = bf_fp8x32(codes, subnormal_table, 0);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s));
+}
+
+/* whether the matrix's rows decode through the shortcuts block by block: FP8 (e8m0 or float
+ * scales) or FP4 (e8m0), no NaN codes, blocks and k whole steps */
+static inline int bf_shortcuts(const kv_weights *w) {
+    return (w->fmt == KV_FP8 || (w->fmt == KV_FP4 && !w->scale_f32)) && w->k % BF_STEP == 0 && w->bc % BF_STEP == 0
+           && !(w->fmt == KV_FP8 && w->nan_codes);
+}
+
+/* whether the block scale at `at` (scale entries) is in its shortcut's range */
+static inline int bf_scale_ok(const kv_weights *w, const void *scale, int64_t at) {
+    if (w->scale_f32) return BF_F32_SCALE_OK(((const float *)scale)[at]);
+    const int E = (int)((const uint8_t *)scale)[at] - 127;
+    return w->fmt == KV_FP8 ? BF_FP8_E_OK(E) : BF_FP4_E_OK(E);
+}
+
+/* row j as bf16 into dst through the shortcuts, block by block (a block whose scale is out of
+ * range one value at a time); 0 where the matrix does not take them (bf_shortcuts) */
+static int bf_decode_row_fast(const kv_weights *w, const uint8_t *data, const void *scale, int64_t j, uint16_t *dst) {
+    if (!bf_shortcuts(w)) return 0;
     const uint8_t *row = data + j * weights_row_bytes(w);
-    const uint8_t *scales = (const uint8_t *)scale + scale_row(w, j);
+    const int64_t srow = scale_row(w, j);
+    const uint8_t *scales = (const uint8_t *)scale + srow;
     for (int64_t b = 0, blk = 0; b < w->k; b += w->bc, blk++) { /* blk counted, not divided: a division a block cost more than its decoding */
-        const int E = (int)scales[blk] - 127;
+        const int E = w->scale_f32 ? 0 : (int)scales[blk] - 127, ok = bf_scale_ok(w, scale, srow + blk);
         const int64_t b1 = b + w->bc < w->k ? b + w->bc : w->k;
-        if (w->fmt == KV_FP8 && BF_FP8_E_OK(E)) {
+        if (w->fmt == KV_FP8 && w->scale_f32 && ok) {
+            const __m512i table = _mm512_loadu_si512(BF_E4M3_SUBNORMAL);
+            const __m512 sv = _mm512_set1_ps(((const float *)scale)[srow + blk]);
+            for (int64_t i = b; i < b1; i += BF_STEP) {
+                _mm_prefetch((const char *)(row + i) + BF_PREFETCH, _MM_HINT_T0);
+                _mm512_storeu_si512(dst + i, bf_fp8x32_f32(row + i, table, sv));
+            }
+        } else if (w->fmt == KV_FP8 && ok) {
             const __m512i table = bf_table_scaled(BF_E4M3_SUBNORMAL, 0xFE, E);
             for (int64_t i = b; i < b1; i += BF_STEP) {
                 _mm_prefetch((const char *)(row + i) + BF_PREFETCH, _MM_HINT_T0);
                 _mm512_storeu_si512(dst + i, bf_fp8x32(row + i, table, E));
             }
-        } else if (w->fmt == KV_FP4 && BF_FP4_E_OK(E)) {
+        } else if (w->fmt == KV_FP4 && ok) {
             for (int64_t i = b; i < b1; i += BF_STEP) {
                 _mm_prefetch((const char *)(row + i / 2) + BF_PREFETCH, _MM_HINT_T0);
                 _mm512_storeu_si512(dst + i, bf_fp4x32(row + i / 2, BF_E2M1_SCALED[scales[blk]]));
@@ -313,23 +349,16 @@ static int bf_decode_row_e8m0(const kv_weights *w, const uint8_t *data, const vo
 #define BF_REG_ROWS 4
 #define BF_REG_COLS 4
 
-/* whether a matrix's weights decode in registers: e8m0 scales, whole steps, no NaN codes */
-static inline int bf_in_registers(const kv_weights *w, int64_t m) {
-    return m <= BF_REG_ROWS && (w->fmt == KV_FP8 || w->fmt == KV_FP4) && !w->scale_f32 && w->k % BF_STEP == 0
-           && w->bc % BF_STEP == 0 && !(w->fmt == KV_FP8 && w->nan_codes);
-}
+/* whether a matrix's weights decode in registers: those the shortcuts take */
+static inline int bf_in_registers(const kv_weights *w, int64_t m) { return m <= BF_REG_ROWS && bf_shortcuts(w); }
 
-/* whether every block scale of the tile's rows (their scales at sc) is in the shortcuts' range:
+/* whether every block scale of the tile's rows (scale_row srow[c]) is in the shortcuts' range:
  * checked once a tile, out of the loop that decodes */
-static inline int bf_scales_ok(const kv_weights *w, const uint8_t *const *sc) {
-    const int fp8 = w->fmt == KV_FP8;
+static inline int bf_scales_ok(const kv_weights *w, const void *scale, const int64_t *srow) {
     const int64_t blocks = w->k / w->bc;
     int ok = 1;
     for (int c = 0; c < BF_REG_COLS; c++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int E = (int)sc[c][b] - 127;
-            ok &= fp8 ? BF_FP8_E_OK(E) : BF_FP4_E_OK(E);
-        }
+        for (int64_t b = 0; b < blocks; b++) ok &= bf_scale_ok(w, scale, srow[c] + b);
     return ok;
 }
 
@@ -337,23 +366,27 @@ static inline int bf_scales_ok(const kv_weights *w, const uint8_t *const *sc) {
  * unspecified) where a block's scale is outside the shortcuts' range */
 #define BF_REG_TILE(MR)                                                                                  \
     static int bf_reg_tile_##MR(const uint16_t *xb, int64_t kp, const kv_weights *w, const uint8_t *data, \
-                                const uint8_t *scales, int64_t c0, float *out, int64_t ldo) {            \
-        const int fp8 = w->fmt == KV_FP8;                                                                \
+                                const void *scale, int64_t c0, float *out, int64_t ldo) {                \
+        const int fp8 = w->fmt == KV_FP8, f32 = w->scale_f32;                                           \
         const int64_t rb = weights_row_bytes(w);                                                         \
-        const uint8_t *row[BF_REG_COLS], *sc[BF_REG_COLS];                                               \
+        const uint8_t *row[BF_REG_COLS];                                                                 \
+        int64_t srow[BF_REG_COLS];                                                                       \
         __m512 acc[MR][BF_REG_COLS];                                                                     \
         for (int c = 0; c < BF_REG_COLS; c++) {                                                          \
             row[c] = data + (c0 + c) * rb;                                                               \
-            sc[c] = scales + scale_row(w, c0 + c);                                                       \
+            srow[c] = scale_row(w, c0 + c);                                                              \
             for (int r = 0; r < MR; r++) acc[r][c] = _mm512_setzero_ps();                                \
         }                                                                                                \
-        if (!bf_scales_ok(w, sc)) return 0;                                                              \
+        if (!bf_scales_ok(w, scale, srow)) return 0;                                                     \
+        const uint8_t *e8 = (const uint8_t *)scale;                                                      \
         for (int64_t b = 0, blk = 0; b < w->k; b += w->bc, blk++) {                                      \
             __m512i table[BF_REG_COLS];                                                                  \
+            __m512 sv[BF_REG_COLS];                                                                      \
             int E[BF_REG_COLS];                                                                          \
             for (int c = 0; c < BF_REG_COLS && fp8; c++) {                                               \
-                E[c] = (int)sc[c][blk] - 127;                                                            \
+                E[c] = f32 ? 0 : (int)e8[srow[c] + blk] - 127;                                           \
                 table[c] = bf_table_scaled(BF_E4M3_SUBNORMAL, 0xFE, E[c]);                               \
+                if (f32) sv[c] = _mm512_set1_ps(((const float *)scale)[srow[c] + blk]);                 \
             }                                                                                            \
             const int64_t b1 = b + w->bc < w->k ? b + w->bc : w->k;                                      \
             for (int64_t i = b; i < b1; i += BF_STEP) {                                                  \
@@ -362,8 +395,9 @@ static inline int bf_scales_ok(const kv_weights *w, const uint8_t *const *sc) {
                     const uint8_t *codes = fp8 ? row[c] + i : row[c] + i / 2;                            \
                     if (!((uintptr_t)codes & 63)) /* a line's first step asks for the next tile's line */ \
                         _mm_prefetch((const char *)codes + BF_REG_COLS * rb, _MM_HINT_T0);               \
-                    bv[c] = (__m512bh)(fp8 ? bf_fp8x32(codes, table[c], E[c])                            \
-                                           : bf_fp4x32(codes, BF_E2M1_SCALED[sc[c][blk]]));              \
+                    bv[c] = (__m512bh)(!fp8 ? bf_fp4x32(codes, BF_E2M1_SCALED[e8[srow[c] + blk]])         \
+                                       : f32 ? bf_fp8x32_f32(codes, table[c], sv[c])                     \
+                                             : bf_fp8x32(codes, table[c], E[c]));                        \
                 }                                                                                        \
                 for (int r = 0; r < MR; r++) {                                                           \
                     const __m512bh av = (__m512bh)_mm512_loadu_si512(xb + r * kp + i);                  \
@@ -382,7 +416,7 @@ BF_REG_TILE(4)
 /* the BF_REG_COLS columns from c0 for all m rows, 4, 2 or 1 at a time; 0 as bf_reg_tile_* */
 static int bf_reg_cols(const uint16_t *xb, int64_t m, int64_t kp, const kv_weights *w, const uint8_t *data,
                        const void *scale, int64_t c0, float *out, int64_t ldo) {
-    const uint8_t *sc = (const uint8_t *)scale;
+    const void *sc = scale;
     for (int64_t r = 0; r < m;) {
         const int64_t take = m - r >= 4 ? 4 : m - r >= 2 ? 2 : 1;
         const uint16_t *a = xb + r * kp;
@@ -396,7 +430,7 @@ static int bf_reg_cols(const uint16_t *xb, int64_t m, int64_t kp, const kv_weigh
     return 1;
 }
 #else
-static int bf_decode_row_e8m0(const kv_weights *w, const uint8_t *data, const void *scale, int64_t j, uint16_t *dst) {
+static int bf_decode_row_fast(const kv_weights *w, const uint8_t *data, const void *scale, int64_t j, uint16_t *dst) {
     (void)w, (void)data, (void)scale, (void)j, (void)dst;
     return 0;
 }
@@ -420,7 +454,7 @@ static void bf_decode_row(const kv_weights *w, const uint8_t *data, const void *
         for (; i < bf_padded(k); i++) dst[i] = 0;
         return;
     }
-    if ((w->fmt == KV_FP8 || w->fmt == KV_FP4) && bf_decode_row_e8m0(w, data, scale, j, dst)) return;
+    if ((w->fmt == KV_FP8 || w->fmt == KV_FP4) && bf_decode_row_fast(w, data, scale, j, dst)) return;
     decode_row(w, data, scale, j, tmp);
     bf16_row_of(tmp, k, dst);
 }
