@@ -308,9 +308,20 @@ class Attention(nn.Module):
             masks.append(torch.arange(n_vis, device=qb.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
                          if nb > 1 else None)
         elif self.kind == CSA and sel is not None and sel.shape[1] > 0:
-            keys_c = pool[sel.clamp(min=0)]  # [nb, k, d]
+            n_vis = (start + b1) // self.ratio  # the entries the block's last query can pick from
+            picked = sel >= 0
+            if nb > 1 and n_vis <= 2 * sel.shape[1]:
+                # every visible entry, those a query did not pick masked: as many products as
+                # gathering its picks where the pool is at most twice them, without the gather
+                # (a [nb, k, d] copy, 40% of a 128-query block's time at k = 512, d = 512)
+                keys_c = pool[:n_vis]
+                rows = torch.arange(nb, device=qb.device)[:, None].expand_as(sel)
+                mask = torch.zeros(nb, n_vis, dtype=torch.bool, device=qb.device)
+                mask[rows[picked], sel[picked]] = True
+            else:
+                keys_c, mask = pool[sel.clamp(min=0)], picked  # [nb, k, d]
             keys.append(keys_c if keys_c.dtype == f32 else keys_c.float())
-            masks.append(sel >= 0)
+            masks.append(mask)
         return sink_attention(qb, keys, masks, sinks)
 
     def _attend_release(self, q: torch.Tensor, local: torch.Tensor, local_start: int, start: int, pool,
