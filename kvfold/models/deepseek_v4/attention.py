@@ -311,9 +311,9 @@ class Attention(nn.Module):
             n_vis = (start + b1) // self.ratio  # the entries the block's last query can pick from
             picked = sel >= 0
             if nb > 1 and n_vis <= 2 * sel.shape[1]:
-                # every visible entry, those a query did not pick masked: as many products as
-                # gathering its picks where the pool is at most twice them, without the gather
-                # (a [nb, k, d] copy, 40% of a 128-query block's time at k = 512, d = 512)
+                # every visible entry, those a query did not pick masked: at most twice the
+                # products of its picks alone, without gathering them (a [nb, k, d] copy: 40% of
+                # a 128-query block's time at k = 512, d = 512, bench/RESULTS.md)
                 keys_c = pool[:n_vis]
                 rows = torch.arange(nb, device=qb.device)[:, None].expand_as(sel)
                 mask = torch.zeros(nb, n_vis, dtype=torch.bool, device=qb.device)
