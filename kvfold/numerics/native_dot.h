@@ -142,9 +142,4 @@ static void matmul_cols(const float *x, int64_t ldx, const float *w, float *out,
     matmul_cols_tiled(x, ldx, w, out, ldo, m, n0, n1, k, 0);
 }
 
-/* y[N] = W[N, K] @ x[K] */
-static void gemv(const float *w, const float *x, float *y, int64_t n, int64_t k) {
-    matmul_cols(x, k, w, y, n, 1, 0, n, k);
-}
-
 #endif
