@@ -20,48 +20,29 @@ static double seconds(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static double fma256(void) {
-    __m256 acc[ACC], a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-9f);
-    for (int i = 0; i < ACC; i++) acc[i] = _mm256_set1_ps((float)i);
-    double t = seconds();
-    for (long n = 0; n < ITERS / ACC; n++)
-#pragma GCC unroll 16 /* the accumulators stay in registers (not looped through memory) */
-        for (int i = 0; i < ACC; i++) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
-    t = seconds() - t;
-    float s = 0;
-    for (int i = 0; i < ACC; i++) s += acc[i][0];
-    printf("  (checksum %g)\n", s);
-    return (double)(ITERS / ACC) * ACC * 8 * 2 / t / 1e9;
-}
+/* GFLOP/s of ITERS instructions `ACC_T acc = OP(acc)` over ACC accumulators, FLOPS each */
+#define PEAK(NAME, ACC_T, SET1, OP, FLOPS)                                                       \
+    static double NAME(void) {                                                                   \
+        ACC_T acc[ACC];                                                                          \
+        for (int i = 0; i < ACC; i++) acc[i] = SET1((float)i);                                   \
+        double t = seconds();                                                                    \
+        for (long n = 0; n < ITERS / ACC; n++)                                                   \
+            _Pragma("GCC unroll 16") /* the accumulators stay in registers, not looped through memory */ \
+            for (int i = 0; i < ACC; i++) acc[i] = OP(acc[i]);                                   \
+        t = seconds() - t;                                                                       \
+        float s = 0;                                                                             \
+        for (int i = 0; i < ACC; i++) s += acc[i][0];                                            \
+        printf("  (checksum %g)\n", s); /* the results are used: the loop is not dropped */      \
+        return (double)(ITERS / ACC) * ACC * (FLOPS) / t / 1e9;                                  \
+    }
 
-static double fma512(void) {
-    __m512 acc[ACC], a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-9f);
-    for (int i = 0; i < ACC; i++) acc[i] = _mm512_set1_ps((float)i);
-    double t = seconds();
-    for (long n = 0; n < ITERS / ACC; n++)
-#pragma GCC unroll 16 /* the accumulators stay in registers (not looped through memory) */
-        for (int i = 0; i < ACC; i++) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
-    t = seconds() - t;
-    float s = 0;
-    for (int i = 0; i < ACC; i++) s += acc[i][0];
-    printf("  (checksum %g)\n", s);
-    return (double)(ITERS / ACC) * ACC * 16 * 2 / t / 1e9;
-}
+#define FMA256(a) _mm256_fmadd_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(1e-9f), a)
+#define FMA512(a) _mm512_fmadd_ps(_mm512_set1_ps(1.0f), _mm512_set1_ps(1e-9f), a)
+#define DPBF16(a) _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi16(0x3F80), (__m512bh)_mm512_set1_epi16(0x3000)) /* 1 x 2^-31 */
 
-static double dpbf16(void) {
-    __m512 acc[ACC];
-    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3F80), b = (__m512bh)_mm512_set1_epi16(0x3000); /* 1, 2^-31 */
-    for (int i = 0; i < ACC; i++) acc[i] = _mm512_set1_ps((float)i);
-    double t = seconds();
-    for (long n = 0; n < ITERS / ACC; n++)
-#pragma GCC unroll 16 /* the accumulators stay in registers (not looped through memory) */
-        for (int i = 0; i < ACC; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    t = seconds() - t;
-    float s = 0;
-    for (int i = 0; i < ACC; i++) s += acc[i][0];
-    printf("  (checksum %g)\n", s);
-    return (double)(ITERS / ACC) * ACC * 32 * 2 / t / 1e9;
-}
+PEAK(fma256, __m256, _mm256_set1_ps, FMA256, 8 * 2)
+PEAK(fma512, __m512, _mm512_set1_ps, FMA512, 16 * 2)
+PEAK(dpbf16, __m512, _mm512_set1_ps, DPBF16, 16 * 2 * 2)
 
 int main(void) {
     printf("fp32 FMA, 256-bit: %.1f GFLOP/s a core\n", fma256());

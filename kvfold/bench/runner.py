@@ -63,18 +63,8 @@ def _config_name(text: str) -> str:
     return text
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium,v4-flash,glm53-flash}",
-                   help="model configuration (random weights): bench = small, every layer kind; "
-                        "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison; v4-flash = "
-                        "DeepSeek-V4-Flash's release widths cut to --layers layers, written in the release's "
-                        "formats (4 layers: 16 GB; needs --weights quantized); glm53-flash = GLM-5.3-Flash's, "
-                        "likewise (4 layers: 11 GB) (default bench)")
-    p.add_argument("--layers", type=_pos_int, default=None,
-                   help="layers of a real-shape config (default 4: v4-flash every attention and MoE kind, "
-                        "glm53-flash 3 KDA + 1 DSA layers, dense and MoE MLPs)")
-    p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
-                   help="comma-separated context lengths (default 512,4096,16384,32768)")
+def _add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """The peers a run compares with, and where their programs are."""
     p.add_argument("--vs", type=_vs, default=[], metavar="{transformers,llama.cpp,flyweight}",
                    help="also run transformers' DeepseekV4ForCausalLM (eager), llama.cpp (llama-bench, on a GGUF "
                         "converted from the same checkpoint) and/or flyweight-llm (flyweight serve --backend cpu, "
@@ -96,6 +86,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--llama-bench-args", default="", metavar="ARGS",
                    help="extra llama-bench arguments for every llama.cpp cell, one string, e.g. "
                         "\"--poll 0\" or \"-r 3\" (then the median repetition is reported)")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--config", type=_config_name, default="bench", metavar="{bench,medium,v4-flash,glm53-flash}",
+                   help="model configuration (random weights): bench = small, every layer kind; "
+                        "medium = ~0.9 GB, weight-dominated, adds the memory-bandwidth comparison; v4-flash = "
+                        "DeepSeek-V4-Flash's release widths cut to --layers layers, written in the release's "
+                        "formats (4 layers: 16 GB; needs --weights quantized); glm53-flash = GLM-5.3-Flash's, "
+                        "likewise (4 layers: 11 GB) (default bench)")
+    p.add_argument("--layers", type=_pos_int, default=None,
+                   help="layers of a real-shape config (default 4: v4-flash every attention and MoE kind, "
+                        "glm53-flash 3 KDA + 1 DSA layers, dense and MoE MLPs)")
+    p.add_argument("--contexts", type=_contexts, default=[512, 4096, 16384, 32768],
+                   help="comma-separated context lengths (default 512,4096,16384,32768)")
+    _add_peer_arguments(p)
     p.add_argument("--decode-tokens", type=_nonneg_int, default=128,
                    help="greedy decode steps after each context; kvfold's decode speed is the median step "
                         "(default 128)")
