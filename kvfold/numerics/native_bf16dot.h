@@ -117,6 +117,7 @@ static inline float bf_lanes_sum(__m512 v) {
         for (int r = 0; r < MR; r++)                                                                   \
             for (int c = 0; c < NR; c++) acc[r][c] = _mm512_setzero_ps();                              \
         for (int64_t i = 0; i < kp; i += BF_STEP) {                                                    \
+            if ((MR) == 1) prefetch_tile(b, 2 * i, NR); /* a decode row reads b in place, from DRAM */ \
             __m512bh bv[NR];                                                                           \
             for (int c = 0; c < NR; c++) bv[c] = (__m512bh)_mm512_loadu_si512(b + c * ldb + i);        \
             for (int r = 0; r < MR; r++) {                                                             \
@@ -151,6 +152,7 @@ static inline float bf_lanes_sum2(__m256 lo, __m256 hi) { return bf_sum8(_mm256_
             for (int c = 0; c < NR; c++) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();           \
         for (int64_t i = 0; i < kp; i += BF_STEP)                                                      \
             for (int h = 0; h < 2; h++) {                                                              \
+                if ((MR) == 1 && h == 0) prefetch_tile(b, 2 * i, NR);                                  \
                 __m256i bv[NR];                                                                        \
                 for (int c = 0; c < NR; c++) bv[c] = _mm256_loadu_si256((const __m256i *)(b + c * ldb + i + 16 * h)); \
                 for (int r = 0; r < MR; r++) {                                                         \
@@ -390,11 +392,10 @@ static inline int bf_scales_ok(const kv_weights *w, const void *scale, const int
             }                                                                                            \
             const int64_t b1 = b + w->bc < w->k ? b + w->bc : w->k;                                      \
             for (int64_t i = b; i < b1; i += BF_STEP) {                                                  \
+                if (!((fp8 ? i : i / 2) & 63)) prefetch_tile(row[0], fp8 ? i : i / 2, BF_REG_COLS);      \
                 __m512bh bv[BF_REG_COLS];                                                                \
                 for (int c = 0; c < BF_REG_COLS; c++) {                                                  \
                     const uint8_t *codes = fp8 ? row[c] + i : row[c] + i / 2;                            \
-                    if (!((uintptr_t)codes & 63)) /* a line's first step asks for the next tile's line */ \
-                        _mm_prefetch((const char *)codes + BF_REG_COLS * rb, _MM_HINT_T0);               \
                     bv[c] = (__m512bh)(!fp8 ? bf_fp4x32(codes, BF_E2M1_SCALED[e8[srow[c] + blk]])         \
                                        : f32 ? bf_fp8x32_f32(codes, table[c], sv[c])                     \
                                              : bf_fp8x32(codes, table[c], E[c]));                        \

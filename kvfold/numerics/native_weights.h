@@ -59,6 +59,29 @@
 #define E2M1_TABLES 1
 #endif
 
+/* How far ahead of a decode tile its prefetches reach, in bytes of the matrix in memory order: a
+ * sixteenth of the L2 cache this CPU reports, within [32, 128] KiB (64 KiB where it reports none),
+ * so what is asked for stays in L2 until the tile gets there. Set once when the library loads. On
+ * a 2-core Zen 4 (1 MiB L2) 32 to 128 KiB decoded equally fast, 16 KiB slower (bench/RESULTS.md). */
+static int64_t kv_prefetch_ahead = 65536;
+__attribute__((constructor)) static void kv_prefetch_ahead_init(void) {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    const int64_t ahead = l2 > 0 ? (int64_t)l2 / 16 : 65536;
+    kv_prefetch_ahead = ahead < 32768 ? 32768 : ahead > 131072 ? 131072 : ahead;
+}
+
+/* A decode tile of n rows (contiguous, starting at `tile`) that has read `off` bytes of each row
+ * asks for the next n lines of the matrix in memory order, kv_prefetch_ahead bytes on, into L2
+ * (locality 2: prefetcht1 on x86); called once per 64 bytes of a row. The tile's rows stream from
+ * DRAM as n streams a row apart, each crossing a 4 KiB page every few tiles: the hardware
+ * prefetcher alone kept one Zen 4 core at 18 GB/s on such tiles where one stream reads 29, and
+ * asking for the tile after next row by row did no better (bench/RESULTS.md). A prefetch loads
+ * nothing into a register and never faults, so no result changes. */
+static inline void prefetch_tile(const void *tile, int64_t off, int n) {
+    const char *at = (const char *)tile + n * off + kv_prefetch_ahead;
+    for (int c = 0; c < n; c++) __builtin_prefetch(at + 64 * c, 0, 2);
+}
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2, KV_FP4 = 3 };
 
 typedef struct {
@@ -200,15 +223,6 @@ static inline float block_factor(int64_t fmt, float scale) {
     return isinf(f) && !isinf(scale) ? 0.0f : f;
 }
 
-/* Start loading one cache line of each of `n` rows of `row_bytes` from `at`. A tile reads its
- * rows' bytes in order, but a decode row's matrix streams from L3 or memory, and the hardware
- * prefetcher learns each new 4 KiB page afresh (a tile of four 1 KiB rows is one page): asking
- * for the lines of the tile after next while this one computes hides that wait (bench/RESULTS.md
- * has the distances tried). A prefetch loads nothing into a register, so no result changes. */
-static inline void prefetch_rows(const uint8_t *at, int64_t row_bytes, int n) {
-    for (int c = 0; c < n; c++) _mm_prefetch((const char *)(at + c * row_bytes), _MM_HINT_T0);
-}
-
 /* FP8 e4m3fn codes i .. i+7 of a row -> float32 bits of value * 2^-120: the sign to bit 31, the 7
  * magnitude bits to 26..20, so a normal code's exponent reads e + 120 - 127 and a subnormal code
  * (e = 0) becomes the float32 subnormal of the same scaled value. Exact for every non-NaN code, but
@@ -298,7 +312,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         __m512 pair[(NR) / 2 + 1];                                                                    \
         TO_PAIRS(NR)                                                                                  \
         for (; i < b1; i += LANES) {                                                                  \
-            if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i, rb, NR);                  \
+            if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NR);                  \
             const __m512 xv = x_pair(xs + i);                                                         \
             for (int p = 0; p < (NR) / 2; p++)                                                        \
                 pair[p] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(data + (j0 + 2 * p) * rb,       \
@@ -312,7 +326,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         TO_PAIRS(NR)                                                                                  \
         for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                                 \
             const __m512 x0 = x_pair(x + i), x1 = x_pair(x + i + LANES);                              \
-            if (i % values_per_line == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i * rb / k, rb, NR); \
+            if (i % values_per_line == 0) prefetch_tile(data + j0 * rb, i * rb / k, NR); \
             for (int p = 0; p < (NR) / 2; p++) {                                                      \
                 const uint8_t *a = data + (j0 + 2 * p) * rb, *b = a + rb;                             \
                 pair[p] = _mm512_fmadd_ps(x0, bf16x8_pair(a, b, i), pair[p]);                         \
@@ -428,7 +442,7 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
             if ((FMT) == KV_FP8 && folded && folded[blk] && !tile_subnormal(rows_flags, blocks, NR, blk)) { \
                 PAIRED_FP8_FOLDED(NR)                                                                 \
                 for (; i < b1; i += LANES) {                                                          \
-                    if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i, rb, NR);          \
+                    if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NR);          \
                     const __m256 xv = _mm256_loadu_ps(xs + i);                                        \
                     for (int c = 0; c < NR; c++)                                                      \
                         acc[c] = _mm256_fmadd_ps(xv, e4m3x8_scaled_down(data + (j0 + c) * rb, i), acc[c]); \
@@ -441,7 +455,7 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
                 for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
                     for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 for (; i < b1; i += LANES) {                                                          \
-                    if ((i & 127) == 0) prefetch_rows(data + (j0 + 2 * NR) * rb + i / 2, rb, NR);     \
+                    if ((i & 127) == 0) prefetch_tile(data + j0 * rb, i / 2, NR);     \
                     const __m256 xv = _mm256_loadu_ps(x + i);                                         \
                     for (int c = 0; c < NR; c++)                                                      \
                         acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(data + (j0 + c) * rb, i, table[c]), acc[c]); \
@@ -459,7 +473,7 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
             for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                             \
                 __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);              \
                 if (i % values_per_line == 0) /* two tiles on, a line of each row: see prefetch_rows */ \
-                    prefetch_rows(data + (j0 + 2 * NR) * rb + i * rb / k, rb, NR);                      \
+                    prefetch_tile(data + j0 * rb, i * rb / k, NR);                      \
                 for (int c = 0; c < NR; c++) {                                                        \
                     __m256 lo, hi;                                                                    \
                     codes16(FMT, nan_codes, data + (j0 + c) * rb, i, &lo, &hi);                       \
@@ -569,7 +583,7 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
             __m256 table[4][2];                                                                       \
             for (int c = 0; c < 4; c++) fp4_table(s[c][b % FP4_SCALE_RUN], table[c]);                \
             const int64_t i0 = 32 * b;                                                                \
-            if ((i0 & 127) == 0) prefetch_rows(data + (j0 + 8) * rb + i0 / 2, rb, 4);                 \
+            if ((i0 & 127) == 0) prefetch_tile(data + j0 * rb, i0 / 2, 4);                 \
             for (int64_t i = i0; i < i0 + 32; i += LANES) {                                           \
                 __m256 xv[R];                                                                         \
                 for (int r = 0; r < (R); r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);               \
@@ -626,7 +640,7 @@ FP4_TILE_E8M0(4)
             if (all_folded && !tile_subnormal(rows_flags, blocks, NC, blk)) {                         \
                 for (; i < b1; i += LANES) {                                                          \
                     __m256 xv[R];                                                                     \
-                    if ((i & 63) == 0) prefetch_rows(data + (j0 + 2 * NC) * rb + i, rb, NC);          \
+                    if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NC);          \
                     for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xs + r * k + i);              \
                     for (int c = 0; c < NC; c++) {                                                    \
                         const __m256 wv = e4m3x8_scaled_down(data + (j0 + c) * rb, i);                \
@@ -644,7 +658,7 @@ FP4_TILE_E8M0(4)
                             acc[r][c] = value_step(x + r * ldx, w, data, scale, j0 + c, i, acc[r][c]); \
                 for (; i < b1; i += LANES) {                                                          \
                     __m256 xv[R];                                                                     \
-                    if ((i & 127) == 0) prefetch_rows(data + (j0 + 2 * NC) * rb + i / 2, rb, NC);     \
+                    if ((i & 127) == 0) prefetch_tile(data + j0 * rb, i / 2, NC);     \
                     for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);             \
                     for (int c = 0; c < NC; c++) {                                                    \
                         const __m256 wv = e2m1x8_lookup(data + (j0 + c) * rb, i, table[c]);           \
@@ -659,7 +673,7 @@ FP4_TILE_E8M0(4)
                 for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                         \
                     __m256 x0[R], x1[R];                                                              \
                     if (i % values_per_line == 0) /* two tiles on, a line of each row: prefetch_rows */ \
-                        prefetch_rows(data + (j0 + 2 * NC) * rb + i * rb / k, rb, NC);                \
+                        prefetch_tile(data + j0 * rb, i * rb / k, NC);                \
                     for (int r = 0; r < R; r++) {                                                     \
                         x0[r] = _mm256_loadu_ps(x + r * ldx + i);                                     \
                         x1[r] = _mm256_loadu_ps(x + r * ldx + i + LANES);                             \
@@ -751,7 +765,7 @@ static int fp8_row_tile_scaled(const float *x, const kv_weights *w, const uint8_
         if (!block_factors(KV_FP8, w, scale, srow, 4, blk, f)) return 0;
         const int64_t b1 = b0 + bc < k ? b0 + bc : k; /* the last block may be partial */
         for (int64_t i = b0; i < b1; i += 2 * LANES) {
-            if (i % 64 == 0) prefetch_rows(row + 8 * rb + i, rb, 4);
+            if (i % 64 == 0) prefetch_tile(row, i, 4);
             const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);
             for (int c = 0; c < 4; c++) {
                 __m256 lo, hi;
@@ -783,7 +797,7 @@ static int fp8_row_tile_folded(const kv_weights *w, const uint8_t *data, int64_t
 #if KV_ROW_PAIRS
     __m512 pair[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t i = 0; i < k; i += LANES) {
-        if ((i & 63) == 0) prefetch_rows(row + 8 * rb + i, rb, 4);
+        if ((i & 63) == 0) prefetch_tile(row, i, 4);
         const __m512 xv = x_pair(xs + i);
         pair[0] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(row, row + rb, i), pair[0]);
         pair[1] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(row + 2 * rb, row + 3 * rb, i), pair[1]);
@@ -792,7 +806,7 @@ static int fp8_row_tile_folded(const kv_weights *w, const uint8_t *data, int64_t
 #else
     for (int c = 0; c < 4; c++) acc[c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += LANES) {
-        if ((i & 63) == 0) prefetch_rows(row + 8 * rb + i, rb, 4);
+        if ((i & 63) == 0) prefetch_tile(row, i, 4);
         const __m256 xv = _mm256_loadu_ps(xs + i);
         for (int c = 0; c < 4; c++) acc[c] = _mm256_fmadd_ps(xv, e4m3x8_scaled_down(row + c * rb, i), acc[c]);
     }
