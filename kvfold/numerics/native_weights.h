@@ -74,7 +74,7 @@ __attribute__((constructor)) static void kv_prefetch_ahead_init(void) {
  * asks for the next n lines of the matrix in memory order, kv_prefetch_ahead bytes on, into L2
  * (locality 2: prefetcht1 on x86); called once per 64 bytes of a row. The tile's rows stream from
  * DRAM as n streams a row apart, each crossing a 4 KiB page every few tiles: the hardware
- * prefetcher alone kept one Zen 4 core at 18 GB/s on such tiles where one stream reads 29, and
+ * prefetcher alone kept one Zen 4 core at 17-18 GB/s on such tiles where one stream reads 27-29, and
  * asking for the tile after next row by row did no better (bench/RESULTS.md). A prefetch loads
  * nothing into a register and never faults, so no result changes. */
 static inline void prefetch_tile(const void *tile, int64_t off, int n) {
@@ -312,7 +312,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         __m512 pair[(NR) / 2 + 1];                                                                    \
         TO_PAIRS(NR)                                                                                  \
         for (; i < b1; i += LANES) {                                                                  \
-            if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NR);                  \
+            if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NR);                                  \
             const __m512 xv = x_pair(xs + i);                                                         \
             for (int p = 0; p < (NR) / 2; p++)                                                        \
                 pair[p] = _mm512_fmadd_ps(xv, e4m3x8_scaled_down_pair(data + (j0 + 2 * p) * rb,       \
@@ -326,7 +326,7 @@ static inline int tile_subnormal(const uint8_t *rows_flags, int64_t blocks, int 
         TO_PAIRS(NR)                                                                                  \
         for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                                 \
             const __m512 x0 = x_pair(x + i), x1 = x_pair(x + i + LANES);                              \
-            if (i % values_per_line == 0) prefetch_tile(data + j0 * rb, i * rb / k, NR); \
+            if (i % values_per_line == 0) prefetch_tile(data + j0 * rb, i * rb / k, NR);              \
             for (int p = 0; p < (NR) / 2; p++) {                                                      \
                 const uint8_t *a = data + (j0 + 2 * p) * rb, *b = a + rb;                             \
                 pair[p] = _mm512_fmadd_ps(x0, bf16x8_pair(a, b, i), pair[p]);                         \
@@ -442,7 +442,7 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
             if ((FMT) == KV_FP8 && folded && folded[blk] && !tile_subnormal(rows_flags, blocks, NR, blk)) { \
                 PAIRED_FP8_FOLDED(NR)                                                                 \
                 for (; i < b1; i += LANES) {                                                          \
-                    if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NR);          \
+                    if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NR);                          \
                     const __m256 xv = _mm256_loadu_ps(xs + i);                                        \
                     for (int c = 0; c < NR; c++)                                                      \
                         acc[c] = _mm256_fmadd_ps(xv, e4m3x8_scaled_down(data + (j0 + c) * rb, i), acc[c]); \
@@ -455,7 +455,7 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
                 for (; !numbers && i < b1; i += LANES) /* a NaN scale: value by value */              \
                     for (int c = 0; c < NR; c++) acc[c] = value_step(x, w, data, scale, j0 + c, i, acc[c]); \
                 for (; i < b1; i += LANES) {                                                          \
-                    if ((i & 127) == 0) prefetch_tile(data + j0 * rb, i / 2, NR);     \
+                    if ((i & 127) == 0) prefetch_tile(data + j0 * rb, i / 2, NR);                     \
                     const __m256 xv = _mm256_loadu_ps(x + i);                                         \
                     for (int c = 0; c < NR; c++)                                                      \
                         acc[c] = _mm256_fmadd_ps(xv, e2m1x8_lookup(data + (j0 + c) * rb, i, table[c]), acc[c]); \
@@ -472,8 +472,8 @@ static inline int block_factors(int64_t fmt, const kv_weights *w, const void *sc
             if ((FMT) == KV_BF16) { PAIRED_BF16(NR) }                                                 \
             for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                             \
                 __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + LANES);              \
-                if (i % values_per_line == 0) /* two tiles on, a line of each row: see prefetch_rows */ \
-                    prefetch_tile(data + j0 * rb, i * rb / k, NR);                      \
+                if (i % values_per_line == 0) /* the matrix's lines ahead: prefetch_tile */           \
+                    prefetch_tile(data + j0 * rb, i * rb / k, NR);                                    \
                 for (int c = 0; c < NR; c++) {                                                        \
                     __m256 lo, hi;                                                                    \
                     codes16(FMT, nan_codes, data + (j0 + c) * rb, i, &lo, &hi);                       \
@@ -583,7 +583,7 @@ WEIGHTS_ROW_TILE(fp4, KV_FP4, 4)
             __m256 table[4][2];                                                                       \
             for (int c = 0; c < 4; c++) fp4_table(s[c][b % FP4_SCALE_RUN], table[c]);                \
             const int64_t i0 = 32 * b;                                                                \
-            if ((i0 & 127) == 0) prefetch_tile(data + j0 * rb, i0 / 2, 4);                 \
+            if ((i0 & 127) == 0) prefetch_tile(data + j0 * rb, i0 / 2, 4);                            \
             for (int64_t i = i0; i < i0 + 32; i += LANES) {                                           \
                 __m256 xv[R];                                                                         \
                 for (int r = 0; r < (R); r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);               \
@@ -640,7 +640,7 @@ FP4_TILE_E8M0(4)
             if (all_folded && !tile_subnormal(rows_flags, blocks, NC, blk)) {                         \
                 for (; i < b1; i += LANES) {                                                          \
                     __m256 xv[R];                                                                     \
-                    if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NC);          \
+                    if ((i & 63) == 0) prefetch_tile(data + j0 * rb, i, NC);                          \
                     for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(xs + r * k + i);              \
                     for (int c = 0; c < NC; c++) {                                                    \
                         const __m256 wv = e4m3x8_scaled_down(data + (j0 + c) * rb, i);                \
@@ -658,7 +658,7 @@ FP4_TILE_E8M0(4)
                             acc[r][c] = value_step(x + r * ldx, w, data, scale, j0 + c, i, acc[r][c]); \
                 for (; i < b1; i += LANES) {                                                          \
                     __m256 xv[R];                                                                     \
-                    if ((i & 127) == 0) prefetch_tile(data + j0 * rb, i / 2, NC);     \
+                    if ((i & 127) == 0) prefetch_tile(data + j0 * rb, i / 2, NC);                     \
                     for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);             \
                     for (int c = 0; c < NC; c++) {                                                    \
                         const __m256 wv = e2m1x8_lookup(data + (j0 + c) * rb, i, table[c]);           \
@@ -672,8 +672,8 @@ FP4_TILE_E8M0(4)
             if (exact)                                                                                \
                 for (; i + 2 * LANES <= b1; i += 2 * LANES) {                                         \
                     __m256 x0[R], x1[R];                                                              \
-                    if (i % values_per_line == 0) /* two tiles on, a line of each row: prefetch_rows */ \
-                        prefetch_tile(data + j0 * rb, i * rb / k, NC);                \
+                    if (i % values_per_line == 0) /* the matrix's lines ahead: prefetch_tile */       \
+                        prefetch_tile(data + j0 * rb, i * rb / k, NC);                                \
                     for (int r = 0; r < R; r++) {                                                     \
                         x0[r] = _mm256_loadu_ps(x + r * ldx + i);                                     \
                         x1[r] = _mm256_loadu_ps(x + r * ldx + i + LANES);                             \
