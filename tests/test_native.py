@@ -253,6 +253,51 @@ def test_decode_attention_native_matches_the_softmax_with_sink():
     assert torch.equal(got, one_run)
 
 
+def _attend_and_select(h, d, pool, phys, sel, window, q, sinks, iq, iw, threads):
+    """kv_attend_one (window runs, then the pool's picked rows) and kv_index_topk_one (over the pool's
+    rows as index keys) called directly, on `threads` threads; phys: the pool's paging or None."""
+    import ctypes
+    from kvfold.numerics.native_abi import AttendKeys
+    lib = native.library()
+    ptr = ctypes.c_void_p
+    keys = AttendKeys((ptr * 3)(*[w.data_ptr() for w in window]), (ctypes.c_int64 * 3)(*[w.shape[0] for w in window]),
+                      pool.data_ptr(), None if phys is None else phys.data_ptr(), sel.data_ptr(), sel.numel())
+    n = sum(w.shape[0] for w in window) + sel.numel()
+    out, scratch = torch.empty(h, d), torch.empty(h * n)
+    lib.kv_attend_one(q.data_ptr(), h, d, keys, sinks.data_ptr(), out.data_ptr(), scratch.data_ptr(), threads)
+    n_entries, hi, di = pool.shape[0], iq.shape[0], iq.shape[1]
+    picked, score = torch.empty(1, 64, dtype=torch.long), torch.empty(n_entries)
+    lib.kv_index_topk_one(IndexQuery(iq.data_ptr(), iw.data_ptr(), hi, di), pool.data_ptr(),
+                          None if phys is None else phys.data_ptr(), n_entries, 64, picked.data_ptr(),
+                          score.data_ptr(), threads)
+    return out, picked
+
+
+def test_decode_attention_and_selection_keep_their_bits_on_any_thread_count_and_paging():
+    """The heads (attention) and the entries (index scores) split over threads, and keys side by
+    side in memory take wider tiles than paged ones: every output is still the one `dot` and the
+    sums in key order, so the bits are the same however the work is split or the rows stored."""
+    g = torch.Generator().manual_seed(11)
+    h, d, n_entries = 8, 64, 301
+    q, sinks = torch.randn(h, d, generator=g) * 0.2, torch.randn(h, generator=g)
+    iq, iw = torch.randn(4, d, generator=g), torch.rand(4, generator=g)
+    local = torch.randn(29, d, generator=g)
+    window = [local[:7], local[7:28], local[28:]]
+    pool = torch.randn(n_entries, d, generator=g)
+    sel = torch.cat([torch.arange(0, 90), torch.tensor([-1, 95, 96, 200, 201, 202, -1, 300])])
+    base = _attend_and_select(h, d, pool, None, sel, window, q, sinks, iq, iw, 1)
+    order = torch.randperm(n_entries, generator=g)  # entry j stored at physical row order[j]
+    paged = torch.empty_like(pool)
+    paged[order] = pool
+    for threads in (1, 2, 3):
+        for store, phys in ((pool, None), (paged, order)):
+            got = _attend_and_select(h, d, store, phys, sel, window, q, sinks, iq, iw, threads)
+            assert torch.equal(got[0].view(torch.int32), base[0].view(torch.int32)), (threads, phys is None)
+            assert torch.equal(got[1], base[1]), (threads, phys is None)
+    want = _reference_attend(q, local, pool[sel[sel >= 0]], sinks)
+    assert (base[0] - want).abs().max().item() <= _attend_bound(q, local, pool[sel[sel >= 0]])
+
+
 def test_indexer_topk_native_keeps_the_tie_rule():
     """Higher score first, ties to the lower entry index, returned in ascending order."""
     from kvfold.numerics import topk_lower_index
@@ -268,7 +313,7 @@ def test_indexer_topk_native_keeps_the_tie_rule():
     for k in (1, 16, 64, 300):
         out = torch.empty(1, k, dtype=torch.long)
         lib.kv_index_topk_one(IndexQuery(q.data_ptr(), w.data_ptr(), h, d), keys.data_ptr(), None, n, k,
-                              out.data_ptr(), scratch.data_ptr())
+                              out.data_ptr(), scratch.data_ptr(), 1)
         scores = (w[None, :] * torch.relu(keys @ q.t())).sum(-1)
         # the same set as the torch rule on these scores (a tie at the k-th place included)
         want = topk_lower_index(scores[None], k)

@@ -451,8 +451,8 @@ int kv_moe_rows(const moe_layer *L, const float *x, int64_t m, const int64_t *to
  * row: no copy into one buffer); compressed keys: the first n_comp rows of pool (sel NULL) or pool
  * rows sel[0..n_comp) (-1 = no entry, skipped), logical row i at physical row phys[i] (a paged
  * pool) or i (phys NULL); one softmax per head over the window logits, the compressed logits and
- * the sink logit (which has no value); K = V. The window logits come in 1 x 4 tiles, each output
- * still the one `dot`. */
+ * the sink logit (which has no value); K = V. Each logit is the one `dot`, each head's sums run
+ * over the keys in that order whatever the loops around them. */
 #define WINDOW_RUNS 3
 typedef struct {
     const float *window[WINDOW_RUNS]; /* run r: window_n[r] rows (NULL when empty) */
@@ -462,72 +462,108 @@ typedef struct {
     int64_t n_comp;
 } attend_keys;
 
-void kv_attend_one(const float *q, int64_t h, int64_t d, const attend_keys *K, const float *sinks, float *out,
-                   float *scratch) {
-    const float *wk[WINDOW_RUNS] = {K->window[0], K->window[1], K->window[2]};
-    const int64_t wn[WINDOW_RUNS] = {K->window_n[0], K->window_n[1], K->window_n[2]};
-    const int64_t nw = wn[0] + wn[1] + wn[2], n_comp = K->n_comp;
-    const float *pool = K->pool;
-    const int64_t *phys = K->phys, *sel = K->sel;
-    float *logit = scratch; /* nw + n_comp */
-    for (int64_t hh = 0; hh < h; hh++) {
-        const float *qh = q + hh * d;
-        float mx = sinks[hh];
-        for (int64_t r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
-            matmul_cols(qh, d, wk[r], logit + at, 1, 1, 0, wn[r], d);
-        for (int64_t j = 0; j < nw; j++)
-            if (logit[j] > mx) mx = logit[j];
-        for (int64_t j = 0; j < n_comp; j++) {
-            int64_t row = sel ? sel[j] : j;
-            if (row < 0) { logit[nw + j] = -INFINITY; continue; }
-            if (phys) row = phys[row];
-            logit[nw + j] = dot(qh, pool + row * d, d);
-            if (logit[nw + j] > mx) mx = logit[nw + j];
-        }
-        float z = expf(sinks[hh] - mx);
-        for (int64_t j = 0; j < nw + n_comp; j++) { logit[j] = expf(logit[j] - mx); z += logit[j]; }
-        float *o = out + hh * d;
-        memset(o, 0, sizeof(float) * (size_t)d);
-        for (int64_t r = 0, at = 0; r < WINDOW_RUNS; at += wn[r], r++)
-            for (int64_t j = 0; j < wn[r]; j++) {
-                float p = logit[at + j] / z;
-                const float *kr = wk[r] + j * d;
-                for (int64_t i = 0; i < d; i++) o[i] += p * kr[i];
-            }
-        for (int64_t j = 0; j < n_comp; j++) {
-            int64_t row = sel ? sel[j] : j;
-            if (row < 0) continue;
-            if (phys) row = phys[row];
-            float p = logit[nw + j] / z;
-            const float *kr = pool + row * d;
+/* key j of K (the window runs' rows, then the compressed ones), NULL for a pick of -1 */
+static inline const float *attend_key(const attend_keys *K, int64_t j, int64_t d) {
+    for (int r = 0; r < WINDOW_RUNS; r++) {
+        if (j < K->window_n[r]) return K->window[r] + j * d;
+        j -= K->window_n[r];
+    }
+    int64_t row = K->sel ? K->sel[j] : j;
+    if (row < 0) return NULL;
+    return K->pool + (K->phys ? K->phys[row] : row) * d;
+}
+
+/* heads h0 .. h1 of kv_attend_one, logit [h1 - h0, n]: each key is read once for all these heads
+ * (4 heads a tile), from L1, where a head at a time read every key again from L3 */
+static void attend_heads(const float *q, int64_t h0, int64_t h1, int64_t d, const attend_keys *K, int64_t n,
+                         const float *sinks, float *out, float *logit) {
+    const int64_t nh = h1 - h0;
+    for (int64_t j = 0; j < n;) {
+        const float *kr = attend_key(K, j, d);
+        const int three = kr && j + 3 <= n && attend_key(K, j + 1, d) == kr + d && attend_key(K, j + 2, d) == kr + 2 * d;
+        const int64_t nk = three ? 3 : 1; /* three keys side by side in memory: 12 chains a tile, not 4 */
+        int64_t hh = 0;
+        for (; three && hh + 4 <= nh; hh += 4) dot_tile_4x3(q + (h0 + hh) * d, d, kr, d, d, logit + hh * n + j, n);
+        for (; kr && hh + 4 <= nh; hh += 4) dot_tile_4x1(q + (h0 + hh) * d, d, kr, 0, d, logit + hh * n + j, n);
+        for (; hh < nh; hh++)
+            for (int64_t c = 0; c < nk; c++) logit[hh * n + j + c] = kr ? dot(q + (h0 + hh) * d, kr + c * d, d) : -INFINITY;
+        j += nk;
+    }
+    for (int64_t hh = 0; hh < nh; hh++) { /* the head's softmax: max, then the exponentials in key order */
+        float *l = logit + hh * n, mx = sinks[h0 + hh];
+        for (int64_t j = 0; j < n; j++)
+            if (l[j] > mx) mx = l[j];
+        float z = expf(sinks[h0 + hh] - mx);
+        for (int64_t j = 0; j < n; j++) { l[j] = expf(l[j] - mx); z += l[j]; }
+        for (int64_t j = 0; j < n; j++) l[j] = l[j] / z;
+        memset(out + (h0 + hh) * d, 0, sizeof(float) * (size_t)d);
+    }
+    for (int64_t j = 0; j < n; j++) { /* each head's output: + p * key, in key order */
+        const float *kr = attend_key(K, j, d);
+        if (!kr) continue;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const float p = logit[hh * n + j];
+            float *o = out + (h0 + hh) * d;
             for (int64_t i = 0; i < d; i++) o[i] += p * kr[i];
         }
     }
 }
 
+/* scratch: h * (window rows + n_comp) floats. The heads split into `threads` runs (which thread
+ * computes a head changes none of its operations). */
+void kv_attend_one(const float *q, int64_t h, int64_t d, const attend_keys *K, const float *sinks, float *out,
+                   float *scratch, int64_t threads) {
+    const int64_t n = K->window_n[0] + K->window_n[1] + K->window_n[2] + K->n_comp;
+    const int64_t th = threads < 1 || h * n * d < KV_SERIAL_MACS ? 1 : threads < h ? threads : h;
+    #pragma omp parallel for num_threads(th) schedule(static, 1) if (th > 1)
+    for (int64_t t = 0; t < th; t++) {
+        const int64_t h0 = h * t / th, h1 = h * (t + 1) / th;
+        attend_heads(q, h0, h1, d, K, n, sinks, out, scratch + h0 * n);
+    }
+}
+
 /* ---- one decode query's indexer top-k -------------------------------------------------------------
  * score_j = sum_h w[h] * relu(q_h . key_j) over the n entries (entry j at physical row phys[j], or
- * j when phys is NULL); the k best (higher first, ties to the
- * lower index), written to out in ascending index order. scratch holds n floats. */
+ * j when phys is NULL); the k best (higher first, ties to the lower index), written to out in
+ * ascending index order. scratch holds n floats. The scores split into `threads` runs of entries;
+ * the selection runs on one. */
 typedef struct {
     const float *q, *w; /* the query's heads [heads, dim] and their weights [heads] */
     int64_t heads, dim;
 } index_query;
 
-void kv_index_topk_one(const index_query *Q, const float *keys, const int64_t *phys, int64_t n, int64_t k,
-                       int64_t *out, float *scratch) {
+/* score_j for entries j0 .. j1: the heads' dots 4 at a time (each still the one `dot`), then the
+ * weighted sum in head order */
+static void index_scores_run(const index_query *Q, const float *keys, const int64_t *phys, int64_t j0, int64_t j1,
+                             float *score) {
     const float *q = Q->q, *w = Q->w;
     const int64_t h = Q->heads, d = Q->dim;
-    float *score = scratch;
-    for (int64_t j = 0; j < n; j++) {
-        const float *kr = keys + (phys ? phys[j] : j) * d;
-        float acc = 0.0f;
-        for (int64_t hh = 0; hh < h; hh++) {
-            float s = dot(q + hh * d, kr, d);
-            acc += w[hh] * (s > 0.0f ? s : 0.0f);
+    float s[3 * h]; /* [h, 3]: head hh's dots with up to three entries */
+    for (int64_t j = j0; j < j1;) {
+        const int64_t row = phys ? phys[j] : j;
+        const int three = j + 3 <= j1 && (!phys || (phys[j + 1] == row + 1 && phys[j + 2] == row + 2));
+        const int64_t nk = three ? 3 : 1; /* three entries side by side in memory: 12 chains a tile, not 4 */
+        const float *kr = keys + row * d;
+        int64_t hh = 0;
+        for (; three && hh + 4 <= h; hh += 4) dot_tile_4x3(q + hh * d, d, kr, d, d, s + hh * 3, 3);
+        for (; !three && hh + 4 <= h; hh += 4) dot_tile_4x1(q + hh * d, d, kr, 0, d, s + hh * 3, 3);
+        for (; hh < h; hh++)
+            for (int64_t c = 0; c < nk; c++) s[hh * 3 + c] = dot(q + hh * d, kr + c * d, d);
+        for (int64_t c = 0; c < nk; c++) {
+            float acc = 0.0f;
+            for (hh = 0; hh < h; hh++) acc += w[hh] * (s[hh * 3 + c] > 0.0f ? s[hh * 3 + c] : 0.0f);
+            score[j + c] = acc;
         }
-        score[j] = acc;
+        j += nk;
     }
+}
+
+void kv_index_topk_one(const index_query *Q, const float *keys, const int64_t *phys, int64_t n, int64_t k,
+                       int64_t *out, float *scratch, int64_t threads) {
+    float *score = scratch;
+    const int64_t th = threads < 1 || n * Q->heads * Q->dim < KV_SERIAL_MACS ? 1 : threads;
+    #pragma omp parallel for num_threads(th) schedule(static, 1) if (th > 1)
+    for (int64_t t = 0; t < th; t++) index_scores_run(Q, keys, phys, n * t / th, n * (t + 1) / th, score);
     /* best[0..cnt) sorted by (score desc, index asc); an entry enters only if strictly better than
      * the current k-th (a later index never wins a tie) */
     int64_t cnt = 0;

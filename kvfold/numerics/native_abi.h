@@ -96,6 +96,7 @@ static const kv_abi_field abi_layout[] = {
     ABI_FIELD(sequence_layer, half), ABI_FIELD(sequence_layer, topk), ABI_FIELD(sequence_layer, kind),
     ABI_FIELD(sequence_layer, q_scale), ABI_FIELD(sequence_layer, sinks), ABI_FIELD(sequence_layer, comp),
     ABI_FIELD(sequence_layer, index), ABI_FIELD(sequence_layer, index_heads), ABI_FIELD(sequence_layer, index_dim),
+    ABI_FIELD(sequence_layer, threads),
 
     ABI_STRUCT(hc_entry), ABI_FIELD(hc_entry, hc), ABI_FIELD(hc_entry, norm), ABI_FIELD(hc_entry, eps),
 

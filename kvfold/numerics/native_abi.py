@@ -139,7 +139,7 @@ class SequenceLayer(ctypes.Structure):
     c_name = "sequence_layer"
     _fields_ = [("window", _P), ("window_rows", _I), ("window_len", _I), ("heads", _I), ("head_dim", _I),
                 ("half", _I), ("topk", _I), ("kind", _I), ("q_scale", _D), ("sinks", _P),
-                ("comp", FoldState), ("index", FoldState), ("index_heads", _I), ("index_dim", _I)]
+                ("comp", FoldState), ("index", FoldState), ("index_heads", _I), ("index_dim", _I), ("threads", _I)]
 
 
 # ---- native_block.h -----------------------------------------------------------------------------------
@@ -201,8 +201,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kv_matmul": (None, [_to(MatmulArgs)]),
     "kv_matmul_weights": (_C_INT, [_to(MmJob), _I]),
     "kv_scan_fp8": (_I, [_P, _I, _I, _I, _P, _I]),
-    "kv_attend_one": (None, [_P, _I, _I, _to(AttendKeys), _P, _P, _P]),
-    "kv_index_topk_one": (None, [_to(IndexQuery), _P, _P, _I, _I, _P, _P]),
+    "kv_attend_one": (None, [_P, _I, _I, _to(AttendKeys), _P, _P, _P, _I]),
+    "kv_index_topk_one": (None, [_to(IndexQuery), _P, _P, _I, _I, _P, _P, _I]),
     "kv_pool_windows": (_C_INT, [_P, _P, _I, _I, _I, _C_INT, _P]),
     "kv_attn_project": (_C_INT, [_to(ProjectLayer), _P, _I, _P, _P, _P, _to(AttnRows)]),
     "kv_attn_output": (_C_INT, [_to(OutputLayer), _P, _I, _P, _P, _P]),

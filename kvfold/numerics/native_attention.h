@@ -171,6 +171,7 @@ typedef struct {
     const float *sinks;
     fold_state comp, index;
     int64_t index_heads, index_dim;
+    int64_t threads;      /* the selection's scores and the attention's heads split over these */
 } sequence_layer;
 
 /* The compressor's step for the row (kv, score) at position p: when p closes window w, pool its
@@ -224,13 +225,14 @@ int kv_attn_sequence_one(const sequence_layer *S, int64_t start, const attn_rows
     int64_t n_entries = C ? (start + 1) / C->ratio : 0;
     int64_t k = S->kind == 1 ? (S->topk < n_entries ? S->topk : n_entries) : n_entries;
     int64_t prev = start - S->window_len + 1 > 0 ? start - S->window_len + 1 : 0, n_ring = start - prev;
-    float *qs = malloc(sizeof(float) * (size_t)(hd + n_ring + 1 + 2 * n_entries + 1));
+    const int64_t keys = n_ring + 1 + k, logits = S->heads * keys; /* kv_attend_one's scratch */
+    float *qs = malloc(sizeof(float) * (size_t)(hd + (logits > n_entries ? logits : n_entries) + 1));
     int64_t *sel = malloc(sizeof(int64_t) * (size_t)(k + 1));
     if (!qs || !sel) { free(qs); free(sel); return -1; }
     float *scratch = qs + hd;
     if (S->kind == 1 && k > 0) {
         const index_query Q = {in->index_q, in->index_w, S->index_heads, S->index_dim};
-        kv_index_topk_one(&Q, S->index.pool, S->index.phys, n_entries, k, sel, scratch);
+        kv_index_topk_one(&Q, S->index.pool, S->index.phys, n_entries, k, sel, scratch, S->threads);
     }
     if (S->kind) n_comp = k;
     float scale = (float)S->q_scale; /* torch scales an fp32 tensor by a Python float in fp32 */
@@ -238,7 +240,7 @@ int kv_attn_sequence_one(const sequence_layer *S, int64_t start, const attn_rows
     int64_t a = prev % S->window_rows, first = n_ring < S->window_rows - a ? n_ring : S->window_rows - a;
     const attend_keys K = {{S->window + a * d, S->window, kv}, {first, n_ring - first, 1}, C ? C->pool : NULL,
                            C ? C->phys : NULL, S->kind == 1 ? sel : NULL, n_comp};
-    kv_attend_one(qs, S->heads, d, &K, S->sinks, out, scratch);
+    kv_attend_one(qs, S->heads, d, &K, S->sinks, out, scratch, S->threads);
     memcpy(S->window + (start % S->window_rows) * d, kv, sizeof(float) * (size_t)d);
     free(qs);
     free(sel);

@@ -407,6 +407,7 @@ def _native_attend_one(ops: Backend, q: torch.Tensor, window: list[torch.Tensor]
     keys.window[:len(window)] = [w.data_ptr() for w in window]  # the runs left empty stay NULL, 0 rows
     keys.window_n[:len(window)] = [w.shape[0] for w in window]
     out = torch.empty(1, h, d, dtype=torch.float32)
-    scratch = torch.empty(sum(w.shape[0] for w in window) + n_comp, dtype=torch.float32)
-    lib.kv_attend_one(q.data_ptr(), h, d, keys, sinks.data_ptr(), out.data_ptr(), scratch.data_ptr())
+    scratch = torch.empty(h * (sum(w.shape[0] for w in window) + n_comp), dtype=torch.float32)
+    lib.kv_attend_one(q.data_ptr(), h, d, keys, sinks.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                      torch.get_num_threads())
     return out

@@ -146,5 +146,6 @@ def _native_topk_one(ops: Backend, q: torch.Tensor, w: torch.Tensor, n_heads: in
     out = torch.empty(1, k, dtype=torch.long)
     scratch = torch.empty(n_entries, dtype=torch.float32)
     lib.kv_index_topk_one(IndexQuery(q.data_ptr(), w.data_ptr(), n_heads, head_dim), data.data_ptr(),
-                          None if phys is None else phys.data_ptr(), n_entries, k, out.data_ptr(), scratch.data_ptr())
+                          None if phys is None else phys.data_ptr(), n_entries, k, out.data_ptr(), scratch.data_ptr(),
+                          torch.get_num_threads())
     return out

@@ -258,7 +258,8 @@ def sequence_layer(ops: Backend, attn, ls, start: int, rope) -> tuple[SequenceLa
     emits = c is not None and (start + 1) % c.ratio == 0
     w = start // c.ratio if emits else None
     layer = SequenceLayer(window.data_ptr(), ls.window.rows, attn.window, attn.n_heads, attn.head_dim,
-                          attn.rope_dim // 2, 0, _KINDS[attn.kind], attn.head_dim ** -0.5, attn.sinks.data_ptr())
+                          attn.rope_dim // 2, 0, _KINDS[attn.kind], attn.head_dim ** -0.5, attn.sinks.data_ptr(),
+                          threads=torch.get_num_threads())
     if c is not None:
         comp = _fold_state(c, ls.compressor, w)
         if comp is None:
