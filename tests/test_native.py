@@ -278,9 +278,9 @@ def test_decode_attention_and_selection_keep_their_bits_on_any_thread_count_and_
     side in memory take wider tiles than paged ones: every output is still the one `dot` and the
     sums in key order, so the bits are the same however the work is split or the rows stored."""
     g = torch.Generator().manual_seed(11)
-    h, d, n_entries = 8, 64, 301
-    q, sinks = torch.randn(h, d, generator=g) * 0.2, torch.randn(h, generator=g)
-    iq, iw = torch.randn(4, d, generator=g), torch.rand(4, generator=g)
+    h, d, n_entries = 16, 128, 301  # past native.c's KV_SERIAL_MACS in both kernels, so threads split them
+    q, sinks = torch.randn(h, d, generator=g) * 0.1, torch.randn(h, generator=g)
+    iq, iw = torch.randn(8, d, generator=g), torch.rand(8, generator=g)
     local = torch.randn(29, d, generator=g)
     window = [local[:7], local[7:28], local[28:]]
     pool = torch.randn(n_entries, d, generator=g)
